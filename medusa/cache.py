@@ -1,0 +1,125 @@
+"""Every touch of Hugging Face internals lives here: the KV cache and attention masks.
+
+The engine runs the stock transformers model. Tree attention needs three things that
+transformers already accepts: explicit ``position_ids``, a prepared 4D additive
+``attention_mask`` of shape ``[1, 1, n_new, past + n_new]`` (returned as-is by
+transformers' mask preprocessing), and a ``DynamicCache`` whose tensors we compact after
+verification so that only the accepted path stays.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def new_cache() -> DynamicCache:
+    # Built without the model config on purpose: every layer is then a plain full-length
+    # layer we can compact and crop freely; sliding windows are applied by the masks.
+    return DynamicCache()
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def _layers(cache: DynamicCache):
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and layer.keys is not None]
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions (a view: no copy)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def keep_nodes(cache: DynamicCache, start: int, nodes: torch.Tensor, contiguous: bool) -> None:
+    """After a tree pass appended ``N`` entries at ``start``, keep only ``nodes`` of them.
+
+    ``nodes`` are increasing indices into the tree (root first). When they are ``0..m-1``
+    (always true for chains) this is a crop; otherwise the accepted entries are gathered
+    into place, touching only the tree's slice of the cache.
+    """
+    m = nodes.numel()
+    if not contiguous:
+        idx = nodes + start
+        for layer in _layers(cache):
+            # [B, H_kv, N, D]: the gather copies first, so overlapping writes are safe
+            layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., start:start + m, :] = layer.values.index_select(-2, idx)
+    crop(cache, start + m)
+
+
+def _sliding_window(model: PreTrainedModel) -> int | None:
+    return getattr(model.config, "sliding_window", None)
+
+
+def _layer_types(model: PreTrainedModel) -> list[str] | None:
+    return getattr(model.config, "layer_types", None)
+
+
+def tree_attention_mask(
+    model: PreTrainedModel,
+    past: int,
+    ancestor: torch.Tensor,
+    depth: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask for ``N`` tree nodes appended after ``past`` cached positions.
+
+    ``ancestor`` ``[N, N]`` bool says which tree nodes each node sees; ``depth`` ``[N]``
+    gives positions ``past + depth``. Returns ``[1, 1, N, past + N]`` (0 = attend,
+    dtype-min = masked), or a dict per layer type for models that mix sliding-window and
+    full layers.
+    """
+    n = ancestor.shape[0]
+    device = ancestor.device
+    visible = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), ancestor], dim=1)  # [N, past+N]
+    window = _sliding_window(model)
+    types = _layer_types(model)
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    if not window:
+        return additive(visible)
+    q_pos = past + depth  # [N]
+    k_pos = torch.cat([torch.arange(past, device=device), past + depth])  # [past+N]
+    in_window = (q_pos[:, None] - k_pos[None, :]) < window  # transformers' sliding rule
+    if types is None:
+        # e.g. Mistral: one window for every layer
+        return additive(visible & in_window)
+    out: dict[str, torch.Tensor] = {}
+    for kind in set(types):
+        out[kind] = additive(visible & in_window) if kind == "sliding_attention" else additive(visible)
+    return out
+
+
+def forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
+    logits_rows: torch.Tensor | slice | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target pass over ``[1, n]`` new tokens; appends them to ``cache``.
+
+    Returns ``(logits [r, V], hidden [n, H])`` where ``hidden`` is the final (normed)
+    hidden state the ``lm_head`` reads and ``logits`` covers only ``logits_rows`` (all rows
+    by default): projecting every prompt position to the vocabulary would be wasted work.
+    ``attention_mask=None`` means plain causal attention (transformers builds it).
+    """
+    base = model.get_decoder()
+    out = base(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+               attention_mask=attention_mask, use_cache=True)
+    hidden = out.last_hidden_state[0]  # [n, H]
+    rows = hidden if logits_rows is None else hidden[logits_rows]
+    logits = model.get_output_embeddings()(rows)  # [r, V]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float(), hidden

