@@ -1,0 +1,256 @@
+"""Benchmark decoding modes side by side, in one run, on the same machine.
+
+    python -m infer.bench --modes hf,baseline,medusa --limit 10 --max-new-tokens 256
+
+Every mode decodes the same chat-formatted prompts with the same target. Models load
+before any timing, each mode is warmed up once, and prompts are interleaved across modes
+so that machine noise hits every mode alike. Speed is reported as tokens/s and as a ratio
+to ``hf`` (transformers' own ``generate``) measured in this run; greedy outputs are checked
+token for token against ``hf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+import medusa
+from medusa.engine import Engine
+from medusa.errors import MedusaError
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    text: str
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One mode on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    steps: int | None = None  # target passes after prefill (None when the mode does not say)
+
+
+# -- prompts -------------------------------------------------------------------------------
+def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+    """MT-Bench / Spec-Bench jsonl (``turns``: the first turn is used) or ShareGPT json
+    (``conversations``: the first human turn)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MedusaError(f"prompts file not found: {path}")
+    records: list[dict] = []
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise MedusaError(f"{path}:{n} is not valid JSON") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise MedusaError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        records = data if isinstance(data, list) else [data]
+    prompts = []
+    for i, rec in enumerate(records):
+        if "turns" in rec and rec["turns"]:
+            prompts.append(Prompt(str(rec.get("question_id", i)), str(rec.get("category", "all")), str(rec["turns"][0])))
+        elif "conversations" in rec:
+            first = next((t.get("value") for t in rec["conversations"] if t.get("from") == "human" and t.get("value")), None)
+            if first:
+                prompts.append(Prompt(str(rec.get("id", i)), "sharegpt", first))
+        if limit and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise MedusaError(f"no prompts found in {path}: expected MT-Bench jsonl (turns) or ShareGPT json (conversations)")
+    return prompts
+
+
+def encode(engine: Engine, prompt: str) -> list[int]:
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tok(prompt)["input_ids"]
+
+
+# -- modes ---------------------------------------------------------------------------------
+Runner = Callable[[Engine, list[int], argparse.Namespace], Run]
+MODES: dict[str, Runner] = {}
+
+
+def mode(name: str) -> Callable[[Runner], Runner]:
+    def register(fn: Runner) -> Runner:
+        MODES[name] = fn
+        return fn
+
+    return register
+
+
+def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, name: str) -> Run:
+    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree)
+    return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1)
+
+
+def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationConfig:
+    eos = sorted(engine.eos) or None
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad, **extra)
+
+
+def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, **kwargs) -> Run:
+    x = torch.tensor([ids], device=engine.device)
+    _sync(engine)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = engine.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs)
+    _sync(engine)
+    seconds = time.perf_counter() - t0
+    return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+@mode("hf")
+def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    run = hf_generate(engine, ids, _hf_config(engine, args))
+    run.steps = len(run.tokens)
+    return run
+
+
+@mode("baseline")
+def run_baseline(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(engine, ids, args, "baseline")
+
+
+@mode("medusa")
+def run_medusa(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(engine, ids, args, "medusa")
+
+
+# -- report --------------------------------------------------------------------------------
+def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str | None) -> dict:
+    out: dict[str, dict] = {}
+    ref_tps = None
+    if reference in runs:
+        ref_tps = sum(len(r.tokens) for r in runs[reference]) / max(sum(r.seconds for r in runs[reference]), 1e-9)
+    for name, rs in runs.items():
+        tokens = sum(len(r.tokens) for r in rs)
+        seconds = sum(r.seconds for r in rs)
+        steps = [r.steps for r in rs if r.steps is not None]
+        tps = tokens / seconds if seconds else 0.0
+        same = None
+        if reference in runs and name != reference:
+            same = sum(r.tokens == ref.tokens for r, ref in zip(rs, runs[reference]))
+        categories: dict[str, dict] = {}
+        for p, r in zip(prompts, rs):
+            c = categories.setdefault(p.category, {"tokens": 0, "seconds": 0.0})
+            c["tokens"] += len(r.tokens)
+            c["seconds"] += r.seconds
+        out[name] = {
+            "tokens": tokens, "seconds": seconds, "tokens_per_second": tps,
+            "speedup": tps / ref_tps if ref_tps else None,
+            "tau": tokens / sum(steps) if len(steps) == len(rs) and sum(steps) else None,
+            "identical": same, "prompts": len(rs),
+            "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
+                           for k, v in categories.items()},
+            "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps}
+                           for p, r in zip(prompts, rs)],
+        }
+    return out
+
+
+def table(summary: dict, reference: str | None) -> str:
+    head = f"| mode | tokens/s | speedup vs {reference or '-'} | tau | identical to {reference or '-'} |"
+    lines = [head, "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
+        if name == reference:
+            same = "(reference)"
+        elif s["identical"] is None:
+            same = "-"
+        else:
+            same = f"{'yes' if s['identical'] == s['prompts'] else 'NO'} ({s['identical']}/{s['prompts']})"
+        lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {speed} | {tau} | {same} |")
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
+    ap.add_argument("--draft", default=None, help="draft model for draft modes")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
+    ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
+    ap.add_argument("--tree", default=None, help="tree name in configs/trees or a JSON file of paths (default: per device)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+        prompts = read_prompts(args.prompts, args.limit)
+        heads = args.heads if args.heads is not None or "medusa" in modes else None
+        engine = medusa.load(model=args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype, tree=args.tree)
+        if "medusa" in modes and engine.heads is None:
+            raise MedusaError("mode medusa needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
+        for p in prompts:
+            p.ids = encode(engine, p.text)
+        reference = "hf" if "hf" in modes else None
+        print(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, modes: {', '.join(modes)}",
+              file=sys.stderr)
+        for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
+            MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
+        runs: dict[str, list[Run]] = {m: [] for m in modes}
+        for p in tqdm(prompts, desc="prompts", file=sys.stderr):
+            for m in modes:
+                runs[m].append(MODES[m](engine, p.ids, args))
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    summary = summarise(prompts, runs, reference)
+    print(table(summary, reference))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": args.model or "embedded default", "heads": args.heads, "max_new_tokens": args.max_new_tokens,
+                "prompts": args.prompts, "device": str(engine.device), "dtype": str(engine.model.dtype),
+                "torch_threads": torch.get_num_threads()}
+        path.write_text(json.dumps({"meta": meta, "modes": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
