@@ -6,9 +6,10 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -58,6 +59,7 @@ class GenerationStats:
     steps: int = 0  # target passes after the prefill
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per target pass
+    prefill_tokens: int = 0  # prompt tokens run at prefill: only the new ones when a state's cache is reused
     prefill_seconds: float = 0.0
     seconds: float = 0.0  # prefill + decode, wall clock
 
@@ -72,7 +74,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "tau": self.tau,
-                "tokens_per_second": self.tokens_per_second, "prefill_seconds": self.prefill_seconds,
+                "tokens_per_second": self.tokens_per_second, "prefill_tokens": self.prefill_tokens,
+                "prefill_seconds": self.prefill_seconds,
                 "seconds": self.seconds, "accepted": list(self.accepted)}
 
 
@@ -80,23 +83,36 @@ class GenerationStats:
 class GenerationResult:
     tokens: list[int]
     stats: GenerationStats
-    finish_reason: str  # "eos", "length" or "context"
+    finish_reason: str  # "eos", "length", "context" or "stopped"
     state: DecodeState | None = None
 
 
 class Generation:
-    """An iterator over lists of new token ids as they are accepted; ``result`` when done."""
+    """An iterator over lists of new token ids as they are accepted; ``result`` when done.
 
-    def __init__(self, steps: Iterator[list[int]]) -> None:
+    After each list, ``proposed`` says how many of its leading tokens the proposer drafted
+    (heads, draft model, lookup); the rest is the target's own token. ``stop()`` (safe from
+    a signal handler or another thread) ends decoding at the next step boundary, with a
+    ``result.state`` that holds every token yielded so far and can seed the next turn.
+    """
+
+    def __init__(self, steps: Generator[tuple[list[int], int], None, GenerationResult],
+                 stop: threading.Event) -> None:
         self._steps = steps
+        self._stop = stop
         self.result: GenerationResult | None = None
+        self.proposed = 0
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def __iter__(self) -> "Generation":
         return self
 
     def __next__(self) -> list[int]:
         try:
-            return next(self._steps)
+            chunk, self.proposed = next(self._steps)
+            return chunk
         except StopIteration as stop:
             self.result = stop.value
             raise
@@ -171,7 +187,8 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
             )
         proposer = self.proposer(mode, tree)
-        return Generation(self._run(ids, proposer, max_new_tokens, state))
+        stop = threading.Event()
+        return Generation(self._run(ids, proposer, max_new_tokens, state, stop), stop)
 
     def proposer(self, mode: str, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
         if mode == "baseline":
@@ -194,7 +211,7 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------
     @torch.inference_mode()
-    def _prefill(self, ids: list[int], state: DecodeState | None) -> DecodeState:
+    def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats) -> DecodeState:
         cache, start = kv.new_cache(), 0
         if state is not None:
             cached = state.tokens[: state.length]
@@ -202,6 +219,7 @@ class Engine:
             start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
             cache = state.cache
             kv.crop(cache, start)
+        stats.prefill_tokens = len(ids) - start
         new = torch.tensor([ids[start:]], device=self.device)
         pos = torch.arange(start, len(ids), device=self.device)[None]
         logits, hidden = kv.forward(self.model, new, pos, cache, None, logits_rows=slice(-1, None))
@@ -232,10 +250,11 @@ class Engine:
         return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start)
 
     def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
-             prior: DecodeState | None) -> Iterator[list[int]]:
+             prior: DecodeState | None, stop: threading.Event,
+             ) -> Generator[tuple[list[int], int], None, GenerationResult]:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        state = self._prefill(ids, prior)
+        state = self._prefill(ids, prior, stats)
         first = [int(state.root)]
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
@@ -257,10 +276,13 @@ class Engine:
         chunk = take(first)
         state.tokens.append(first[0])
         stats.new_tokens = len(emitted)
-        yield chunk
+        yield chunk, 0
         proposer.begin(state)
         fallback = Autoregressive(self.device)
         while reason is None:
+            if stop.is_set():
+                reason = "stopped"
+                break
             proposal = proposer.propose(state)
             if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
                 if state.length + 1 > self.max_positions:
@@ -274,7 +296,8 @@ class Engine:
             chunk = take(outcome.tokens)
             stats.new_tokens = len(emitted)
             if chunk:
-                yield chunk
+                # All but the step's last token were drafted (fewer if the chunk was cut).
+                yield chunk, min(len(chunk), len(outcome.tokens) - 1)
         # Tokens cut off by EOS or the length limit leave the state; keep the cache and
         # token list consistent for a later turn that reuses them.
         extra = len(ids) + len(emitted)
