@@ -1,0 +1,65 @@
+"""Tree attention on stock transformers models equals sequential decoding, per architecture."""
+
+import pytest
+import torch
+
+from medusa import cache as kv
+from medusa.tree import compile_tree
+from tiny import ARCHS, tiny_model
+
+PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
+
+
+def full_forward(model, ids):
+    """Logits and final hidden states of a plain forward over the whole sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], out.hidden_states[-1][0]
+
+
+# Every architecture, and the sliding-window ones with a window shorter than the context.
+CASES = [(a, None) for a in ARCHS] + [(a, 8) for a in ARCHS if a != "llama"]
+
+
+@pytest.mark.parametrize("arch, window", CASES)
+def test_tree_logits_equal_sequential_logits(arch, window):
+    model = tiny_model(arch, sliding_window=window)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 96, (12,), generator=g).tolist()  # longer than the window
+    tree = compile_tree(PATHS)
+    tokens = torch.randint(3, 96, (tree.num_nodes,), generator=g)
+    cache = kv.new_cache()
+    with torch.no_grad():
+        kv.forward(model, torch.tensor([prefix]), torch.arange(len(prefix))[None], cache, None)
+        mask = kv.tree_attention_mask(model, len(prefix), tree.ancestor, tree.depth, model.dtype)
+        logits, hidden = kv.forward(model, tokens[None], (len(prefix) + tree.depth)[None], cache, mask)
+    for node in range(tree.num_nodes):
+        path_nodes = [n for n in range(tree.num_nodes) if tree.ancestor[node, n]]
+        seq = prefix + tokens[path_nodes].tolist()
+        ref_logits, ref_hidden = full_forward(model, seq)
+        torch.testing.assert_close(logits[node], ref_logits[-1], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[node], ref_hidden[-1], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_after_keeping_a_path_equals_sequential_cache(arch):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 96, (7,), generator=g).tolist()
+    tree = compile_tree(PATHS)
+    tokens = torch.randint(3, 96, (tree.num_nodes,), generator=g)
+    keep = torch.tensor([0, 1, 5, 8])  # root, (0,), (0,1), (0,1,0): not a contiguous prefix
+    assert tree.paths[0] == (0,) and tree.paths[4] == (0, 1) and tree.paths[7] == (0, 1, 0)
+    cache = kv.new_cache()
+    with torch.no_grad():
+        kv.forward(model, torch.tensor([prefix]), torch.arange(len(prefix))[None], cache, None)
+        mask = kv.tree_attention_mask(model, len(prefix), tree.ancestor, tree.depth, model.dtype)
+        kv.forward(model, tokens[None], (len(prefix) + tree.depth)[None], cache, mask)
+        kv.keep_nodes(cache, len(prefix), keep, contiguous=False)
+        ref = kv.new_cache()
+        seq = prefix + tokens[keep].tolist()
+        kv.forward(model, torch.tensor([seq]), torch.arange(len(seq))[None], ref, None)
+    assert kv.cache_length(cache) == len(seq)
+    for layer, ref_layer in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=1e-5)
