@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 
 from medusa.engine import Engine
-from medusa.errors import MedusaError
 from medusa.heads import MedusaHeads, init_heads_for, load_heads
+from medusa.hub import load_heads_from
 from medusa.target import load_target
 
 # Heads shipped with the repo for the embedded default model.
@@ -18,7 +18,8 @@ SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-
 
 def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
     """``None``: the shipped heads when the target is the embedded default (else no heads);
-    ``"init"``: fresh, untrained heads for this target; a folder: heads saved there."""
+    ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
+    Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub`)."""
     if isinstance(heads, MedusaHeads):
         return heads.bind(model.get_output_embeddings()) if heads.config.projection == "shared" else heads
     if heads is None:
@@ -27,10 +28,7 @@ def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model:
         return None
     if heads == "init":
         return init_heads_for(model)
-    path = Path(heads).expanduser()
-    if path.is_dir():
-        return load_heads(path, model)
-    raise MedusaError(f"heads not found: {heads} is not a heads folder (pass a folder written by train/train_heads.py, or 'init')")
+    return load_heads_from(heads, model)
 
 
 def load(

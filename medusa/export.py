@@ -1,0 +1,262 @@
+"""Other tools' checkpoint layouts: read FasterDecoding Medusa-1 heads, write vLLM and FasterDecoding.
+
+Our layout (``medusa/heads.py``) is ``config.json`` (``model_type: medusa_heads``) plus
+``model.safetensors`` with
+
+    blocks.{head}.{layer}.linear.weight / .bias   [H, H] / [H]
+    proj.{head}.weight                            [V, H]   (projection="per_head" only)
+
+FasterDecoding/Medusa (Medusa-1) saves ``config.json`` with ``medusa_num_heads``,
+``medusa_num_layers`` and ``base_model_name_or_path``, and the heads' state dict in
+``medusa_lm_head.safetensors`` (older releases: a pickled ``medusa_lm_head.pt``) with
+
+    {head}.{layer}.linear.weight / .bias          the residual blocks
+    {head}.{num_layers}.weight                    each head's own vocabulary projection
+
+vLLM's Medusa drafter (``model_type: medusa``) reads ``model.safetensors`` with
+
+    blocks.{head}.layers.{layer}.weight / .bias   (biases only when ``medusa_fc_bias`` is true)
+    lm_heads.{head}.weight                        one projection per head
+
+Both foreign layouts need a projection per head, so shared-projection heads are exported
+with a copy of the target's ``lm_head`` for every head.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from medusa.errors import MedusaError
+from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+
+FD_WEIGHTS = "medusa_lm_head.safetensors"
+FD_PICKLE = "medusa_lm_head.pt"
+LAYOUTS = ("vllm", "fasterdecoding")
+_EXPORT_FILES = {CONFIG_NAME, WEIGHTS_NAME, FD_WEIGHTS}
+
+_FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
+_FD_PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
+# Prefixes FasterDecoding-derived checkpoints put before the ModuleList keys.
+_FD_PREFIXES = ("medusa_head.", "medusa_heads.")
+
+
+# -- reading FasterDecoding checkpoints ------------------------------------------------------
+def is_fasterdecoding_folder(folder: str | Path) -> bool:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and "medusa_num_heads" in data
+
+
+def load_plain_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A pickled state dict, loaded with ``torch.load(weights_only=True)`` only.
+
+    Anything that is not plain tensors under string keys is refused: unpickling arbitrary
+    objects can run code, so a ``.pt`` file that needs more than tensors is not trusted.
+    """
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, ValueError, EOFError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MedusaError(
+            f"refused to load {path}: it is not a plain-tensor checkpoint ({first[:160]}); "
+            "only tensors are unpickled (torch.load weights_only=True): convert it to safetensors where it was made"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise MedusaError(f"refused to load {path}: expected a dict of tensors, found {type(state).__name__} with other objects")
+    return state
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in _FD_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def read_fasterdecoding(folder: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """Config and state dict, in our layout, of a FasterDecoding Medusa-1 checkpoint folder."""
+    folder = Path(folder)
+    data = json.loads((folder / CONFIG_NAME).read_text())
+    try:
+        num_heads, num_layers = int(data["medusa_num_heads"]), int(data.get("medusa_num_layers", 1))
+    except (KeyError, TypeError, ValueError):
+        raise MedusaError(f"{folder / CONFIG_NAME} has no integer medusa_num_heads/medusa_num_layers") from None
+    if (folder / FD_WEIGHTS).is_file():
+        raw = load_file(folder / FD_WEIGHTS)
+    elif (folder / FD_PICKLE).is_file():
+        raw = load_plain_tensors(folder / FD_PICKLE)
+    else:
+        raise MedusaError(f"{folder} is a FasterDecoding Medusa config without weights: expected {FD_WEIGHTS} or {FD_PICKLE}")
+    raw = {_strip_prefix(k): v for k, v in raw.items()}
+
+    state: dict[str, torch.Tensor] = {}
+    for head in range(num_heads):
+        for layer in range(num_layers):
+            for kind in ("weight", "bias"):
+                key = f"{head}.{layer}.linear.{kind}"
+                if key not in raw:
+                    raise MedusaError(f"{folder} does not match its config: {key} is missing for {num_heads} heads x {num_layers} layers")
+                state[f"blocks.{head}.{layer}.linear.{kind}"] = raw[key]
+        key = f"{head}.{num_layers}.weight"
+        if key not in raw:
+            raise MedusaError(f"{folder} does not match its config: projection {key} is missing")
+        state[f"proj.{head}.weight"] = raw[key]
+    # Heads beyond medusa_num_heads (a config trimmed after training) are simply not used;
+    # anything that is no head parameter at all means the layout is not what we think.
+    unknown = [k for k in raw if not (_FD_BLOCK.match(k) or _FD_PROJ.match(k))]
+    if unknown:
+        raise MedusaError(f"{folder} has weights that are not Medusa-1 heads ({', '.join(sorted(unknown)[:3])}): not a FasterDecoding heads checkpoint")
+
+    vocab, hidden = state["proj.0.weight"].shape
+    config = HeadsConfig(
+        hidden_size=int(hidden), vocab_size=int(vocab), num_heads=num_heads, num_layers=num_layers,
+        projection="per_head", base_model=data.get("base_model_name_or_path"),
+        extra={"imported_from": "FasterDecoding Medusa-1", "source": str(folder)},
+    )
+    return config, state
+
+
+# -- writing ---------------------------------------------------------------------------------
+def target_for(config: HeadsConfig, model: str | None = None) -> str | None:
+    """The ``load_target`` argument for the heads' target: ``model`` if given, else the
+    base model they record; ``None`` (the embedded default) for heads made for it."""
+    from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
+
+    if model is not None:
+        return model
+    base = config.base_model
+    if base is None or base == DEFAULT_MODEL_ID or Path(base).name == DEFAULT_MODEL_NAME:
+        return None
+    return base
+
+
+def target_lm_head(config: HeadsConfig, model: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ``[V, H]`` vocabulary projection of the heads' target, loaded on the CPU."""
+    from medusa.target import load_target
+
+    lm, _ = load_target(target_for(config, model), device="cpu", dtype=dtype)
+    return lm.get_output_embeddings().weight.detach()
+
+
+def projection_weights(config: HeadsConfig, state: dict[str, torch.Tensor],
+                       lm_head: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each head's ``[V, H]`` vocabulary projection; shared heads get copies of ``lm_head``."""
+    if config.projection == "per_head":
+        return [state[f"proj.{k}.weight"] for k in range(config.num_heads)]
+    if lm_head is None:
+        raise MedusaError(
+            "these heads share the target's lm_head, which the export must copy per head: "
+            "pass the target model (--model) they were trained for"
+        )
+    if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
+        raise MedusaError(
+            f"the target's lm_head is {tuple(lm_head.shape)[0]} x {tuple(lm_head.shape)[1]} but the heads need "
+            f"{config.vocab_size} x {config.hidden_size}: pass the model the heads were trained for"
+        )
+    # safetensors stores no shared storage: every head gets its own copy.
+    return [lm_head.detach().cpu().clone() for _ in range(config.num_heads)]
+
+
+def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``config.json`` for vLLM's ``MedusaConfig``: every key name holding "num" is one it
+    maps to ``num_heads`` / ``num_hidden_layers``, so no other such key is written."""
+    out: dict[str, Any] = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "truncated_vocab_size": config.vocab_size,
+        "medusa_fc_bias": True,  # our residual blocks have biases; vLLM drops them unless told
+    }
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if config.base_model:
+        out["base_model_name_or_path"] = config.base_model
+    return out
+
+
+def vllm_state(config: HeadsConfig, state: dict[str, torch.Tensor], lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for k in range(config.num_heads):
+        for j in range(config.num_layers):
+            out[f"blocks.{k}.layers.{j}.weight"] = state[f"blocks.{k}.{j}.linear.weight"]
+            out[f"blocks.{k}.layers.{j}.bias"] = state[f"blocks.{k}.{j}.linear.bias"]
+    for k, w in enumerate(projection_weights(config, state, lm_head)):
+        out[f"lm_heads.{k}.weight"] = w
+    return out
+
+
+def fasterdecoding_config(config: HeadsConfig) -> dict[str, Any]:
+    return {
+        "medusa_num_heads": config.num_heads,
+        "medusa_num_layers": config.num_layers,
+        "base_model_name_or_path": config.base_model,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def fasterdecoding_state(config: HeadsConfig, state: dict[str, torch.Tensor],
+                         lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for k in range(config.num_heads):
+        for j in range(config.num_layers):
+            out[f"{k}.{j}.linear.weight"] = state[f"blocks.{k}.{j}.linear.weight"]
+            out[f"{k}.{j}.linear.bias"] = state[f"blocks.{k}.{j}.linear.bias"]
+    for k, w in enumerate(projection_weights(config, state, lm_head)):
+        out[f"{k}.{config.num_layers}.weight"] = w
+    return out
+
+
+def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
+                 lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write heads (our config + state dict) to ``out`` in ``layout`` ("vllm" or "fasterdecoding").
+
+    ``lm_head`` (``[V, H]``) is the target's vocabulary projection, needed for shared heads.
+    ``dtype`` casts every tensor (default: keep each tensor's dtype). The folder is written
+    to a temporary sibling and renamed into place.
+    """
+    if layout not in LAYOUTS:
+        raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "vllm":
+        tensors, cfg, name = vllm_state(config, state, lm_head), None, WEIGHTS_NAME
+    else:
+        tensors, cfg, name = fasterdecoding_state(config, state, lm_head), fasterdecoding_config(config), FD_WEIGHTS
+    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()}
+    if cfg is None:
+        cfg = vllm_config(config, next(iter(tensors.values())).dtype)
+
+    out = Path(out)
+    if out.exists():
+        # Replace an earlier export, never a folder holding anything else.
+        foreign = [p.name for p in out.iterdir() if p.name not in _EXPORT_FILES] if out.is_dir() else [out.name]
+        if foreign:
+            raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new --out folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        save_file(tensors, tmp / name, metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,58 @@
+"""Export heads for serving: vLLM's Medusa layout or FasterDecoding's Medusa-1 layout.
+
+    python scripts/export_heads.py HEADS --to vllm --out medusa-vllm [--model TARGET]
+    vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
+
+HEADS is a heads folder or a Hub id USER/NAME. Heads that share the target's lm_head
+(the default) need the target (--model, default: the base model the heads record) so that
+its lm_head can be copied into every head, as both layouts store one projection per head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from medusa.errors import MedusaError
+from medusa.export import LAYOUTS, export_heads, target_for, target_lm_head
+from medusa.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
+from medusa.target import parse_dtype
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python scripts/export_heads.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("heads", help="heads folder (ours or FasterDecoding's) or Hub id USER/NAME")
+    ap.add_argument("--to", required=True, choices=LAYOUTS, help="target layout")
+    ap.add_argument("--out", required=True, help="output folder (new, empty, or an earlier export)")
+    ap.add_argument("--model", default=None,
+                    help="target model for shared-projection heads: Hub id, folder or .gguf (default: the heads' base model)")
+    ap.add_argument("--dtype", default=None, help="cast weights to float32, bfloat16 or float16 (default: as stored)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        config, state = read_heads(resolve_heads_folder(args.heads))
+        lm_head = None
+        if config.projection == "shared":
+            target = target_for(config, args.model)
+            print(f"copying lm_head of {target or 'the embedded default model'} into {config.num_heads} heads", file=sys.stderr)
+            lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
+        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype)
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for rel, size in folder_listing(out):
+        print(f"  {out / rel}  {size / 2**20:.2f} MiB")
+    if args.to == "vllm":
+        spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": config.num_heads})
+        base = args.model or card_base_model(config.base_model) or "TARGET"
+        print(f"serve with:\n  vllm serve {base} --speculative-config '{spec}'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
