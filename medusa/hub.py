@@ -15,6 +15,7 @@ message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -29,7 +30,7 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
-from medusa.heads import CONFIG_NAME, MODEL_TYPE, WEIGHTS_NAME, HeadsConfig, MedusaHeads, read_heads_config
+from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, read_heads_config
 from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME, cache_root
 
 CARD_NAME = "README.md"
@@ -166,73 +167,104 @@ def card_base_model(base_model: str | None) -> str | None:
     return base_model
 
 
-def _first(extra: dict[str, Any], *names: str) -> Any:
-    for name in names:
-        if extra.get(name) not in (None, "", [], {}):
-            return extra[name]
-    return None
+def _public_name(value: Any) -> str:
+    """A value for a public card: local paths reduce to their last component."""
+    text = str(value)
+    path = Path(text).expanduser()
+    return path.name if path.is_absolute() or text.startswith((".", "~")) else text
 
 
-def head_accuracy(extra: dict[str, Any]) -> dict[str, list[float]]:
-    """Per-head accuracy columns found in a heads config's ``extra``: ``{"top-1": [h1, h2, ...], ...}``.
-
-    Accepts a list of numbers (top-1 per head), a dict of such lists (``{"top1": [...],
-    "top5": [...]}``) or a list of per-head dicts (``[{"top1": .6, "top5": .8}, ...]``).
-    """
-    value = _first(extra, "per_head_accuracy", "head_accuracy", "eval_accuracy", "accuracy")
-    if value is None and isinstance(extra.get("eval"), dict):
-        value = _first(extra["eval"], "per_head_accuracy", "head_accuracy", "accuracy")
-    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-        return {"top-1": [float(v) for v in value]}
+def public_record(value: Any) -> Any:
+    """``value`` (a config's ``extra``) fit for publishing: local paths reduce to their last
+    component and NaN becomes null (strict JSON)."""
     if isinstance(value, dict):
-        return {str(k): [float(x) for x in v] for k, v in value.items()
-                if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)}
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        keys = list(value[0])
-        return {str(k): [float(v.get(k, float("nan"))) for v in value] for k in keys
-                if all(isinstance(v.get(k), (int, float)) for v in value)}
-    return {}
+        return {k: public_record(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [public_record(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, str):
+        return _public_name(value)
+    return value
 
 
-def bench_results(bench: dict[str, Any] | None, extra: dict[str, Any]) -> dict[str, Any]:
-    """tau, speedup and tokens/s of the Medusa mode: from an ``infer.bench --json`` file,
-    else from the heads config's ``extra``."""
-    out: dict[str, Any] = {}
-    if bench:
-        modes = bench.get("modes", {}) if isinstance(bench.get("modes"), dict) else {}
-        medusa = modes.get("medusa") or next((m for m in modes.values() if isinstance(m, dict) and m.get("tau")), None)
-        source = medusa if medusa is not None else bench
-        for key in ("tau", "speedup", "tokens_per_second"):
-            if isinstance(source.get(key), (int, float)):
-                out[key] = float(source[key])
-        if isinstance(modes.get("hf"), dict) and isinstance(modes["hf"].get("tokens_per_second"), (int, float)):
-            out["reference_tokens_per_second"] = float(modes["hf"]["tokens_per_second"])
-        meta = bench.get("meta", {})
-        out["setup"] = {k: meta[k] for k in ("device", "dtype", "prompts", "max_new_tokens") if k in meta}
-        if medusa is not None and isinstance(medusa.get("prompts"), int):
-            out["setup"]["n_prompts"] = medusa["prompts"]
-    for key in ("tau", "speedup"):
-        if key not in out and isinstance(extra.get(key), (int, float)):
-            out[key] = float(extra[key])
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def head_accuracy(extra: dict[str, Any]) -> dict[str, list[float | None]]:
+    """Per-head accuracy columns from a heads config's ``extra``: ``{"top1": [head1, head2, ...]}``.
+
+    Reads ``eval_accuracy`` as ``train/train_heads.py`` writes it (``{"head1": {"top1": .6,
+    "top5": .8}, ...}``), or ``per_head_accuracy`` as a list of top-1 values or of per-head
+    dicts. Missing or NaN values become ``None``.
+    """
+    value = extra.get("eval_accuracy", extra.get("per_head_accuracy"))
+    if isinstance(value, dict):  # {"head1": {...}, "head2": {...}}: order by head number
+        keys = sorted(value, key=lambda k: int(re.sub(r"\D", "", str(k)) or 0))
+        value = [value[k] for k in keys]
+    if not isinstance(value, list) or not value:
+        return {}
+    if all(_number(v) is not None for v in value):
+        value = [{"top1": v} for v in value]
+    if not all(isinstance(v, dict) for v in value):
+        return {}
+    columns = [k for k in value[0] if any(_number(v.get(k)) is not None for v in value)]
+    clean = lambda x: x if x is not None and x == x else None  # noqa: E731 (NaN -> None)
+    return {str(c): [clean(_number(v.get(c))) for v in value] for c in columns}
+
+
+def bench_results(bench: dict[str, Any] | None) -> dict[str, Any]:
+    """tau, speedup and tokens/s of the ``medusa`` mode in an ``infer.bench --json`` file."""
+    if not bench:
+        return {}
+    modes = bench.get("modes") if isinstance(bench.get("modes"), dict) else {}
+    medusa = modes.get("medusa") if isinstance(modes.get("medusa"), dict) else {}
+    out: dict[str, Any] = {k: _number(medusa.get(k)) for k in ("tau", "speedup", "tokens_per_second")
+                           if _number(medusa.get(k)) is not None}
+    hf = modes.get("hf") if isinstance(modes.get("hf"), dict) else {}
+    if _number(hf.get("tokens_per_second")) is not None:
+        out["reference_tokens_per_second"] = _number(hf["tokens_per_second"])
+    meta = bench.get("meta") if isinstance(bench.get("meta"), dict) else {}
+    setup = {k: _public_name(meta[k]) for k in ("device", "dtype", "prompts", "max_new_tokens") if k in meta}
+    if isinstance(medusa.get("prompts"), int):
+        setup["n_prompts"] = medusa["prompts"]
+    out["setup"] = setup
     return out
 
 
-def _training_command(extra: dict[str, Any]) -> str | None:
-    cmd = _first(extra, "train_command", "command", "argv")
-    if isinstance(cmd, list):
-        return shlex.join(str(c) for c in cmd)
-    return str(cmd) if cmd is not None else None
+def _flag_value(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(_public_name(v) for v in value)
+    if value is None:
+        return "none"
+    return _public_name(value).lower() if isinstance(value, bool) else _public_name(value)
 
 
-def _data_name(extra: dict[str, Any]) -> str | None:
-    data = _first(extra, "data", "dataset", "data_path", "train_data")
-    if isinstance(data, dict):
-        data = _first(data, "name", "path", "dataset")
-    if data is None:
+def training_command(extra: dict[str, Any]) -> str | None:
+    """The ``train/train_heads.py`` command that reproduces the run recorded in ``extra``:
+    its ``training_args`` as flags, for the fields that differ from the defaults (folders
+    that only matter on the machine that trained, like output_dir, are left out)."""
+    args = extra.get("training_args")
+    if not isinstance(args, dict):
         return None
-    data = str(data)
-    path = Path(data).expanduser()
-    return path.name if path.is_absolute() or data.startswith((".", "~")) else data
+    from medusa.training import TrainConfig
+
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in dataclasses.fields(TrainConfig)}
+    local_only = {"output_dir", "cache_dir", "resume", "wandb", "wandb_project", "run_name", "push_to_hub", "hub_model_id"}
+    parts = ["accelerate", "launch", "train/train_heads.py"]
+    for name, value in args.items():
+        if name in defaults and name not in local_only and value != defaults[name]:
+            parts += [f"--{name}", _flag_value(value)]
+    return shlex.join(parts)
+
+
+def training_data(extra: dict[str, Any]) -> list[str]:
+    data = extra.get("training_args", {}).get("data") if isinstance(extra.get("training_args"), dict) else None
+    if data is None:
+        return []
+    return [_public_name(d) for d in (data if isinstance(data, list) else [data])]
 
 
 def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None = None, base_model: str | None = None,
@@ -242,18 +274,18 @@ def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None =
     extra = config.extra or {}
     base = card_base_model(base_model or config.base_model)
     base_is_id = bool(base and _HUB_ID.match(base))
-    data = _data_name(extra)
-    command = _training_command(extra)
+    data = training_data(extra)
+    command = training_command(extra)
     accuracy = head_accuracy(extra)
-    results = bench_results(bench, extra)
+    results = bench_results(bench)
 
     meta: dict[str, Any] = {}
     if base_is_id:
         meta["base_model"] = base
     if license:
         meta["license"] = license
-    if data and _HUB_ID.match(data):
-        meta["datasets"] = [data]
+    if any(_HUB_ID.match(d) for d in data):
+        meta["datasets"] = [d for d in data if _HUB_ID.match(d)]
     meta["tags"] = ["medusa", "medusa-heads", "speculative-decoding"]
     front = yaml.safe_dump(meta, sort_keys=False).strip()
 
@@ -281,8 +313,16 @@ def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None =
         lines.append(f"| weights file | {size} (`{WEIGHTS_NAME}`) |")
 
     lines += ["", "## Training", ""]
-    lines.append(f"- Base model (frozen): {f'[{base}](https://huggingface.co/{base})' if base_is_id else (base or 'not recorded')}")
-    lines.append(f"- Data: {data or 'not recorded'}")
+    medusa2 = "medusa2" in extra
+    frozen = "tuned with LoRA (Medusa-2)" if medusa2 else "frozen"
+    lines.append(f"- Base model ({frozen}): {f'[{base}](https://huggingface.co/{base})' if base_is_id else (base or 'not recorded')}")
+    if medusa2:
+        lines.append("- These heads were trained together with a LoRA-tuned base model, which this repository does "
+                     "not hold: they are meant for that tuned model.")
+    lines.append(f"- Data: {', '.join(data) if data else 'not recorded'}")
+    if isinstance(extra.get("steps"), int):
+        hours = f" ({extra['train_seconds'] / 3600:.1f} h)" if _number(extra.get("train_seconds")) is not None else ""
+        lines.append(f"- Optimizer steps: {extra['steps']}{hours}")
     if command:
         lines += ["- Command:", "", "```bash", command, "```"]
     else:
@@ -291,10 +331,13 @@ def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None =
     lines += ["", "## Evaluation", ""]
     if accuracy:
         cols = list(accuracy)
+        reference = extra.get("accuracy_reference")
+        if reference:
+            lines += [f"Held-out accuracy of each head against the {reference}:", ""]
         lines.append("| head | predicts | " + " | ".join(f"{c} accuracy" for c in cols) + " |")
         lines.append("|---|---|" + "---|" * len(cols))
         for k in range(max(len(v) for v in accuracy.values())):
-            cells = [f"{accuracy[c][k]:.3f}" if k < len(accuracy[c]) else "-" for c in cols]
+            cells = [f"{accuracy[c][k]:.3f}" if k < len(accuracy[c]) and accuracy[c][k] is not None else "-" for c in cols]
             lines.append(f"| {k + 1} | token t+{k + 2} | " + " | ".join(cells) + " |")
     else:
         lines.append("Per-head accuracy: not recorded.")
@@ -317,6 +360,8 @@ def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None =
     model_arg = f'model="{base}", ' if base_is_id else 'model="BASE_MODEL", '
     lines += ["", "## Usage", "", "With this repository's `medusa` package:", "", "```python", "import medusa", "",
               f'engine = medusa.load({model_arg}heads="{repo_id}")',
+              *([f'# or medusa.load(heads="{repo_id}"): the embedded copy of {base} these heads can be trained on']
+                if base == DEFAULT_MODEL_ID else []),
               "result = engine.generate(prompt_ids, max_new_tokens=256)  # prompt_ids: list of token ids",
               "print(result.tokens, result.stats.tau)", "```", "",
               "With vLLM: export the heads to vLLM's Medusa layout, then serve the base model with them:", "",
@@ -381,11 +426,10 @@ def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, b
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, out / WEIGHTS_NAME, metadata={"format": "pt"})
-    data = config.to_dict()
-    if data.get("model_type") != MODEL_TYPE:
-        raise MedusaError(f"internal: heads config has model_type {data.get('model_type')!r}")
-    (out / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
-    card = model_card(config, repo_id, bench=bench, base_model=base_model, license=license,
+    public = dataclasses.replace(config, base_model=card_base_model(base_model or config.base_model),
+                                 extra=public_record(config.extra))
+    (out / CONFIG_NAME).write_text(json.dumps(public.to_dict(), indent=2, allow_nan=False) + "\n")
+    card = model_card(public, repo_id, bench=bench, license=license,
                       weights_bytes=(out / WEIGHTS_NAME).stat().st_size)
     (out / CARD_NAME).write_text(card)
     return out

@@ -23,11 +23,17 @@ from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import HeadsConfig
 from medusa.hub import build_publish_folder, head_accuracy, load_heads_from, model_card
+from medusa.config import to_dict
 from medusa.target import load_target
+from medusa.training import TrainConfig
 from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder, write_json
 
-EXTRA = {"per_head_accuracy": [0.61, 0.42, 0.25], "data": "sharegpt",
-         "train_command": ["accelerate", "launch", "train/train_heads.py", "--config", "configs/train/smollm2.yaml"]}
+# What train/train_heads.py records in the heads config (medusa/training.py: finish).
+TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],
+                                    output_dir="/home/someone/runs/heads"))
+EXTRA = {"training_args": TRAINING_ARGS, "accuracy_reference": "target argmax", "steps": 500, "train_seconds": 5400.0,
+         "eval_accuracy": {"head1": {"top1": 0.6123, "top5": 0.81}, "head2": {"top1": 0.4211, "top5": 0.66},
+                           "head3": {"top1": 0.2502, "top5": float("nan")}}}
 BENCH = {"meta": {"device": "cpu", "dtype": "torch.float32", "max_new_tokens": 64},
          "modes": {"hf": {"tokens_per_second": 10.0, "tau": None},
                    "medusa": {"tokens_per_second": 17.3, "speedup": 1.73, "tau": 2.41, "prompts": 8}}}
@@ -79,7 +85,11 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     assert "nothing uploaded" in printed and "optimizer.pt" not in printed
 
     config = json.loads((out / "config.json").read_text())
-    assert config == heads.config.to_dict()
+    original = heads.config.to_dict()
+    assert {k: v for k, v in config.items() if k != "extra"} == {k: v for k, v in original.items() if k != "extra"}
+    # The run record is published without local folders and with strict JSON (NaN -> null).
+    assert config["extra"]["training_args"] == {**TRAINING_ARGS, "output_dir": "heads"}
+    assert config["extra"]["eval_accuracy"]["head3"] == {"top1": 0.2502, "top5": None}
     state = load_file(out / "model.safetensors")
     assert state.keys() == heads.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in heads.state_dict().items())
@@ -88,12 +98,14 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     meta = front_matter(card)
     assert meta["base_model"] == "tester/tiny-llama" and meta["license"] == "apache-2.0"
     assert "medusa" in meta["tags"] and "speculative-decoding" in meta["tags"]
-    for acc in EXTRA["per_head_accuracy"]:
-        assert f"{acc:.3f}" in card
-    assert "token t+4" in card  # head 3 predicts three tokens past the base model's next one
+    assert "| 1 | token t+2 | 0.612 | 0.810 |" in card
+    assert "| 3 | token t+4 | 0.250 | - |" in card  # head 3 predicts three tokens past the next one; NaN shows as -
+    assert "against the target argmax" in card and "Optimizer steps: 500 (1.5 h)" in card
     assert "2.41" in card and "1.73x" in card and "17.3" in card
-    assert "accelerate launch train/train_heads.py --config configs/train/smollm2.yaml" in card
-    assert "sharegpt" in card
+    command = next(line for line in card.splitlines() if line.startswith("accelerate launch train/train_heads.py"))
+    assert set(command.split()[3:]) == {"--num_heads", "3", "--max_steps", "500", "--lr", "0.002", "--data",
+                                        "sharegpt,tester/chats"}  # non-default fields only, no local folders
+    assert meta["datasets"] == ["tester/chats"] and "/home/someone" not in card
     assert 'medusa.load(model="tester/tiny-llama", heads="tester/tiny-heads")' in card
     assert "vllm serve tester/tiny-llama --speculative-config" in card
     assert '"num_speculative_tokens": 3' in card and "--model tester/tiny-llama" in card
@@ -108,9 +120,10 @@ def test_card_without_measurements_says_so_and_hides_local_paths():
 
 
 @pytest.mark.parametrize("extra, expected", [
-    ({"per_head_accuracy": [0.5, 0.25]}, {"top-1": [0.5, 0.25]}),
-    ({"eval": {"accuracy": {"top1": [0.5, 0.25], "top5": [0.75, 0.5]}}}, {"top1": [0.5, 0.25], "top5": [0.75, 0.5]}),
-    ({"head_accuracy": [{"top1": 0.5, "top3": 0.7}, {"top1": 0.25, "top3": 0.4}]}, {"top1": [0.5, 0.25], "top3": [0.7, 0.4]}),
+    ({"eval_accuracy": {"head2": {"top1": 0.25, "top5": 0.5}, "head10": {"top1": 0.1, "top5": None},
+                        "head1": {"top1": 0.5, "top5": 0.75}}}, {"top1": [0.5, 0.25, 0.1], "top5": [0.75, 0.5, None]}),
+    ({"per_head_accuracy": [0.5, 0.25]}, {"top1": [0.5, 0.25]}),
+    ({"per_head_accuracy": [{"top1": 0.5, "top3": 0.7}, {"top1": 0.25, "top3": 0.4}]}, {"top1": [0.5, 0.25], "top3": [0.7, 0.4]}),
     ({}, {}),
 ])
 def test_head_accuracy_shapes(extra, expected):
