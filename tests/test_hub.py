@@ -220,7 +220,8 @@ def test_no_token_fails_before_any_work(tmp_path):
     out = tmp_path / "publish"
     proc = run_python([str(REPO / "scripts" / "publish_heads.py"), str(tmp_path / "heads"), "--repo-id", "tester/x",
                        "--out", str(out)],
-                      env={"HF_TOKEN": "", "HUGGING_FACE_HUB_TOKEN": "", "HF_HOME": str(tmp_path / "hf-home"),
+                      env={"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None, "HF_OIDC_RESOURCE": None,
+                           "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN_PATH": str(tmp_path / "hf-home" / "token"),
                            "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1
     assert proc.stdout == ""

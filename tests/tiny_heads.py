@@ -51,9 +51,11 @@ def random_heads(model: torch.nn.Module, projection: str = "shared", num_layers:
     return heads
 
 
-def run_python(args: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run python with ``env`` added to a copy of this process's environment, from the repo root."""
+def run_python(args: list[str], env: dict[str, str | None], timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run python with ``env`` applied to a copy of this process's environment (``None``
+    removes a variable), from the repo root."""
     full = {**os.environ, **env}
+    full = {k: v for k, v in full.items() if v is not None}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
 
 
