@@ -99,6 +99,10 @@ class MedusaHeads(nn.Module):
         self._lm_head: tuple[nn.Module, ...] = ()
         if lm_head is not None:
             self.bind(lm_head)
+        # Greedy drafting only needs each head's top-k, so it may score a subset of the
+        # vocabulary (see set_draft_vocab); None scores all of it.
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_weight: torch.Tensor | None = None
 
     # -- wiring -------------------------------------------------------------------------
     def bind(self, lm_head: nn.Module) -> "MedusaHeads":
@@ -117,6 +121,30 @@ class MedusaHeads(nn.Module):
         with torch.no_grad():
             for p in self.proj:
                 p.weight.copy_(lm_head.weight)
+
+    def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
+        """Restrict :meth:`topk` to these token ids (e.g. the few thousand tokens that
+        cover almost all of the target's output). Projecting onto a subset is several
+        times cheaper than the full vocabulary; verification stays exact whatever the
+        subset, only the odd rare-token candidate is lost. ``forward`` is unaffected."""
+        if ids is None:
+            self.draft_vocab, self._draft_weight = None, None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise MedusaError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}): regenerate it for this model")
+        self.draft_vocab, self._draft_weight = ids, None
+
+    def _draft_weights(self) -> torch.Tensor:
+        """``[1 or K, S, H]`` projection rows of the draft vocabulary, built once per device/dtype."""
+        w0 = self.projection_weight(0)
+        stale = self._draft_weight is None or self._draft_weight.device != w0.device or self._draft_weight.dtype != w0.dtype
+        if stale:
+            ids = self.draft_vocab.to(w0.device)
+            self.draft_vocab = ids
+            n = 1 if self.proj is None else self.num_heads
+            self._draft_weight = torch.stack([self.projection_weight(k)[ids] for k in range(n)]).contiguous()
+        return self._draft_weight
 
     @property
     def num_heads(self) -> int:
@@ -153,6 +181,10 @@ class MedusaHeads(nn.Module):
         n = num_heads or self.num_heads
         kmax = max(k) if isinstance(k, list) else k
         feats = torch.stack([self.blocks[i](hidden) for i in range(n)])  # [n, H]
+        if self.draft_vocab is not None:
+            w = self._draft_weights()  # [1 or K, S, H]
+            logits = feats @ w[0].T if self.proj is None else torch.bmm(w[:n], feats[:, :, None])[..., 0]  # [n, S]
+            return self.draft_vocab[logits.topk(kmax, dim=-1).indices]
         if self.proj is None:
             logits = feats @ self.projection_weight(0).T  # [n, V]
         else:

@@ -89,3 +89,24 @@ def test_bad_configs():
     unbound = MedusaHeads(HeadsConfig(hidden_size=8, vocab_size=8))
     with pytest.raises(MedusaError, match="not bound"):
         unbound(torch.randn(8))
+
+
+@pytest.mark.parametrize("projection", ["shared", "per_head"])
+def test_draft_vocab_restricts_topk_to_the_subset(projection):
+    model = tiny_model("llama")
+    heads = perturbed(init_heads_for(model, num_heads=3, projection=projection), seed=3)
+    h = torch.randn(64)
+    full = heads.topk(h, 4)
+    # A subset containing every head's full top-4 gives the same answer ...
+    heads.set_draft_vocab(torch.cat([full.flatten(), torch.arange(50, 60)]))
+    torch.testing.assert_close(heads.topk(h, 4), full)
+    # ... and a subset without them only ever proposes its own ids, in score order.
+    subset = torch.tensor([i for i in range(96) if i not in set(full.flatten().tolist())])
+    heads.set_draft_vocab(subset)
+    top = heads.topk(h, 4)
+    assert set(top.flatten().tolist()) <= set(subset.tolist())
+    logits = heads(h)  # [K, V]
+    for k in range(3):
+        assert top[k].tolist() == subset[logits[k, subset].topk(4).indices].tolist()
+    with pytest.raises(MedusaError, match="draft vocabulary"):
+        heads.set_draft_vocab([0, 96])
