@@ -29,6 +29,8 @@ from medusa.errors import MedusaError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# Written by scripts/calibrate_tree.py: per-device trees and the draft vocabulary.
+CALIBRATION_NAME = "calibration.json"
 MODEL_TYPE = "medusa_heads"
 PROJECTIONS = ("shared", "per_head")
 
@@ -103,6 +105,8 @@ class MedusaHeads(nn.Module):
         # vocabulary (see set_draft_vocab); None scores all of it.
         self.draft_vocab: torch.Tensor | None = None
         self._draft_weight: torch.Tensor | None = None
+        # Calibrated trees by device type ("cpu", "cuda"), from calibration.json.
+        self.trees: dict[str, list[tuple[int, ...]]] = {}
 
     # -- wiring -------------------------------------------------------------------------
     def bind(self, lm_head: nn.Module) -> "MedusaHeads":
@@ -268,4 +272,16 @@ def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch
         heads.bind(lm_head)
         device = device or lm_head.weight.device
         dtype = dtype or lm_head.weight.dtype
+    apply_calibration(heads, folder)
     return heads.to(device=device, dtype=dtype)
+
+
+def apply_calibration(heads: MedusaHeads, folder: str | Path) -> MedusaHeads:
+    """Take the calibrated trees and draft vocabulary of a heads folder, if it has them."""
+    calibration = Path(folder) / CALIBRATION_NAME
+    if calibration.is_file():
+        record = json.loads(calibration.read_text())
+        heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
+        if record.get("draft_vocab"):
+            heads.set_draft_vocab(record["draft_vocab"])
+    return heads

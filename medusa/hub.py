@@ -30,7 +30,7 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
-from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, read_heads_config
+from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, apply_calibration, read_heads_config
 from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME, cache_root
 
 CARD_NAME = "README.md"
@@ -148,8 +148,9 @@ def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model:
 def load_heads_from(source: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> MedusaHeads:
     """Heads from a local folder (our layout or FasterDecoding's) or a Hub id."""
-    config, state = read_heads(resolve_heads_folder(source))
-    return heads_from_state(config, state, model, device, dtype)
+    folder = resolve_heads_folder(source)
+    config, state = read_heads(folder)
+    return apply_calibration(heads_from_state(config, state, model, device, dtype), folder)
 
 
 # -- model card --------------------------------------------------------------------------------

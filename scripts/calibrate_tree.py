@@ -1,0 +1,143 @@
+"""Calibrate the decode tree (and the draft vocabulary) of a set of heads for this device.
+
+    python scripts/calibrate_tree.py --heads HEADS_DIR [--model M] [--prompts sharegpt] [--samples 48]
+
+1. The target answers held-out prompts greedily: the text the tree will be verified on.
+2. The draft vocabulary: the most frequent tokens of those answers and of reference
+   answers from the data (greedy top-k then scores only these).
+3. Per-path acceptance of the heads on the target's own answers (teacher-forced).
+4. The target's pass cost T(n) for n new tokens on this device.
+5. The tree with the most expected tokens per second; written with everything measured
+   to HEADS_DIR/calibration.json, which medusa.load picks up (the tree for this device
+   type, the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import medusa
+from medusa.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts
+from medusa.data import DataStats, load_conversations
+from medusa.errors import MedusaError
+from medusa.heads import CALIBRATION_NAME
+
+COST_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]
+
+
+def greedy_answers(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answers (plain decoding through the engine: exactly what medusa
+    mode reproduces)."""
+    return [engine.generate(p, max_new_tokens=max_new_tokens, mode="baseline").tokens
+            for p in tqdm(prompts, desc="target answers", file=sys.stderr)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", required=True, help="heads folder to calibrate (calibration.json is written into it)")
+    ap.add_argument("--model", default=None, help="target (default: the embedded model)")
+    ap.add_argument("--prompts", default="sharegpt", help="conversation source for held-out prompts (sharegpt, .json/.jsonl, Hub id)")
+    ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the held-out prompts")
+    ap.add_argument("--samples", type=int, default=48, help="how many prompts the target answers")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size (0: score the full vocabulary)")
+    ap.add_argument("--reference-answers", type=int, default=2000, help="reference answers counted for the draft vocabulary")
+    ap.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (candidates, root excluded)")
+    ap.add_argument("--max-rank", type=int, default=10, help="deepest rank of a head's top-k considered")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
+    args = ap.parse_args(argv)
+    try:
+        engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype)
+        heads, tok = engine.heads, engine.tokenizer
+        heads.set_draft_vocab(None)
+        stats = DataStats()
+        pool = load_conversations(args.prompts, stats, max_samples=args.samples + args.reference_answers, seed=args.seed)
+        if len(pool) < args.samples:
+            raise MedusaError(f"{args.prompts} gave only {len(pool)} conversations; need {args.samples}")
+        held_out, reference = pool[: args.samples], pool[args.samples:]
+        prompts = []
+        for _, messages in held_out:
+            first = next(m for m in messages if m["role"] == "user")
+            ids = tok.apply_chat_template([first], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            prompts.append(ids[-args.max_prompt_tokens:])
+        answers = greedy_answers(engine, prompts, args.max_new_tokens)
+
+        # Draft vocabulary: frequent tokens of the target's answers and of reference answers.
+        vocab_ids = None
+        coverage = 1.0
+        if args.vocab_size:
+            counts: Counter = Counter()
+            half = len(answers) // 2
+            for a in answers[:half]:
+                counts.update(a)
+            for _, messages in tqdm(reference, desc="reference answers", file=sys.stderr):
+                for m in messages:
+                    if m["role"] == "assistant":
+                        counts.update(tok(m["content"], add_special_tokens=False)["input_ids"])
+            counts.update({t: 10**9 for t in engine.eos})  # end-of-turn must always be proposable
+            vocab_ids = [t for t, _ in counts.most_common(args.vocab_size)]
+            held = [t for a in answers[half:] for t in a]
+            coverage = sum(t in set(vocab_ids) for t in held) / max(len(held), 1)
+            heads.set_draft_vocab(vocab_ids)
+
+        # Per-path acceptance on the target's own answers.
+        all_ranks = []
+        with torch.inference_mode():
+            for p, a in tqdm(list(zip(prompts, answers)), desc="head ranks", file=sys.stderr):
+                seq = torch.tensor(p + a, device=engine.device)
+                out = engine.model.get_decoder()(input_ids=seq[None])
+                hidden = out.last_hidden_state[0, len(p) - 1:]  # the position that produced a[0] onwards
+                all_ranks.append(candidate_ranks(heads, hidden, seq[len(p) - 1:], args.max_rank))
+        ranks = torch.cat(all_ranks)
+        counts_paths = path_counts(ranks)
+        positions = ranks.shape[0]
+        accuracy = {f"head{k}": {f"top{r}": float(((ranks[:, k] >= 0) & (ranks[:, k] < r)).float().mean())
+                                 for r in (1, 5)} for k in range(heads.num_heads)}
+
+        cost = measure_cost(engine.model, [s for s in COST_SIZES if s <= args.max_nodes + 1],
+                            prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2))
+        choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+    device = engine.device.type
+    print(f"positions {positions}, draft vocabulary {len(vocab_ids) if vocab_ids else 'full'} (covers {coverage:.1%} of held-out answer tokens)")
+    for name, acc in accuracy.items():
+        print(f"  {name}: top-1 {acc['top1']:.3f}  top-5 {acc['top5']:.3f}")
+    print("T(n) ms: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in cost.items()))
+    print(f"best tree on {device}: {len(choice.paths)} candidates, expected {choice.expected_tokens:.2f} tokens/pass, "
+          f"{choice.step_ms:.1f} ms/pass -> {choice.tokens_per_second:.1f} tokens/s "
+          f"(plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
+    if args.dry_run:
+        return 0
+    path = Path(args.heads) / CALIBRATION_NAME
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
+    record.setdefault("measured", {})[device] = {
+        "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
+        "cost_ms": {str(k): v for k, v in cost.items()}, "threads": torch.get_num_threads(),
+        "curve": [list(c) for c in choice.curve],
+    }
+    record["accuracy"] = accuracy
+    record["draft_vocab_coverage"] = coverage
+    record["draft_vocab"] = vocab_ids
+    record["command"] = "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    path.write_text(json.dumps(record) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import medusa
+from medusa.calibrate import candidate_ranks, choose_tree, interpolate, path_counts
+from medusa.heads import init_heads_for, save_heads
+from medusa.target import default_model_dir
+from medusa.tree import compile_tree
+from tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_path_counts_stop_at_the_first_miss():
+    ranks = torch.tensor([[0, 0, 1], [0, -1, 0], [1, 0, -1], [-1, 0, 0], [0, 0, 1]])
+    assert path_counts(ranks) == Counter({(0,): 3, (0, 0): 2, (0, 0, 1): 2, (1,): 1, (1, 0): 1})
+
+
+def test_choose_tree_follows_the_cost_curve():
+    counts = Counter({(0,): 60, (1,): 20, (0, 0): 40, (0, 1): 10, (0, 0, 0): 25, (2,): 5})
+    flat = {1: 10.0, 64: 10.0}  # a GPU-like device: nodes are free
+    steep = {1: 10.0, 2: 30.0, 64: 640.0}  # every extra node costs a lot
+    big = choose_tree(counts, 100, flat, max_nodes=10)
+    small = choose_tree(counts, 100, steep, max_nodes=10)
+    assert len(big.paths) == 6 and abs(big.expected_tokens - 2.6) < 1e-9
+    assert small.paths == []  # 1 token per 10 ms beats 1.6 per 30 ms
+    compile_tree(big.paths)  # prefix-closed: a valid tree
+    mid = choose_tree(counts, 100, {1: 10.0, 2: 12.0, 3: 13.0, 4: 30.0, 64: 600.0}, max_nodes=10)
+    assert mid.paths == [(0,), (0, 0)]  # 2.0 tokens per 13 ms is the best rate here
+
+
+def test_interpolate():
+    cost = {1: 10.0, 4: 16.0}
+    assert interpolate(cost, 1) == 10.0 and interpolate(cost, 2) == 12.0 and interpolate(cost, 8) == 32.0
+
+
+def test_candidate_ranks_match_a_direct_computation():
+    model = tiny_model("llama")
+    heads = init_heads_for(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    tokens = torch.randint(3, 96, (20,))
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=tokens[None]).last_hidden_state[0]
+        ranks = candidate_ranks(heads, hidden, tokens, max_rank=5)
+        logits = heads(hidden)  # [K, T, V]
+    assert ranks.shape == (20 - 3 - 1, 3)
+    for t in range(ranks.shape[0]):
+        for k in range(3):
+            order = logits[k, t].argsort(descending=True).tolist()
+            r = order.index(int(tokens[t + k + 2]))
+            assert ranks[t, k] == (r if r < 5 else -1)
+
+
+def test_calibrate_script_end_to_end(tmp_path):
+    # A tiny random target with the embedded model's tokenizer and chat template.
+    tok_dir = default_model_dir()
+    model = tiny_model("llama", vocab_size=49152)
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok_dir / name).is_file():
+            (target / name).write_bytes((tok_dir / name).read_bytes())
+    heads_dir = save_heads(init_heads_for(model, num_heads=3), tmp_path / "heads")
+    data = tmp_path / "convs.jsonl"
+    lines = [{"conversations": [{"from": "human", "value": f"Tell me about topic {i}."},
+                                {"from": "gpt", "value": f"Topic {i} is interesting because of reason {i}."}]}
+             for i in range(12)]
+    data.write_text("\n".join(json.dumps(x) for x in lines))
+    spec = importlib.util.spec_from_file_location("calibrate_tree", ROOT / "scripts" / "calibrate_tree.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rc = script.main(["--heads", str(heads_dir), "--model", str(target), "--prompts", str(data), "--samples", "4",
+                      "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8",
+                      "--device", "cpu"])
+    assert rc == 0
+    record = json.loads((heads_dir / "calibration.json").read_text())
+    assert set(record["trees"]) == {"cpu"} and len(record["draft_vocab"]) <= 500
+    assert 2 in record["draft_vocab"]  # end of sequence is always proposable
+    assert set(record["measured"]["cpu"]["cost_ms"]) >= {"1", "2", "8"}
+    eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu")
+    assert eng.tree_paths() == [tuple(p) for p in record["trees"]["cpu"]]
+    assert eng.heads.draft_vocab is not None
+    prompt = eng.tokenizer("Hello there")["input_ids"]
+    assert eng.generate(prompt, max_new_tokens=16).tokens == eng.generate(prompt, max_new_tokens=16, mode="baseline").tokens
