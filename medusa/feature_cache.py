@@ -1,0 +1,164 @@
+"""On-disk cache of the frozen target's outputs, so epochs over it never rerun the target.
+
+Medusa-1 trains only the heads, and a head at position ``t`` needs nothing from the target
+but its final hidden state at ``t`` and (for self-distillation) its distribution at
+``t + k + 1``. One pass of the target over the tokenised data stores, per token:
+
+* ``hidden``  ``[N, H]`` float16: the final (normed) hidden state, the heads' input;
+* ``teacher_ids`` / ``teacher_logp`` ``[N, k]``: the target's top-k next tokens and their
+  log-probabilities;
+* ``tokens`` ``[N]``, ``loss_mask`` ``[N]`` and ``offsets`` ``[S + 1]`` (sequence bounds).
+
+Files are ``.npy`` (read memory-mapped, nothing pickled). ``meta.json`` is written last and
+carries a fingerprint of model and token ids: a cache for other data is rebuilt, never reused.
+Several processes build one cache together, each writing its own sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from medusa.data import Example
+from medusa.losses import HeadTargets
+
+META = "meta.json"
+
+
+def fingerprint(model_name: str, examples: list[Example], topk: int) -> str:
+    h = hashlib.sha256(f"{model_name}|{topk}|{len(examples)}".encode())
+    for ex in examples:
+        h.update(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
+        h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class FeatureCache:
+    folder: Path
+    hidden: np.ndarray  # [N, H] float16 (memory-mapped)
+    teacher_ids: np.ndarray  # [N, k] int32
+    teacher_logp: np.ndarray  # [N, k] float16
+    tokens: np.ndarray  # [N] int32
+    loss_mask: np.ndarray  # [N] uint8
+    seq_end: np.ndarray  # [N] int64: end offset of the sequence holding each position
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "FeatureCache":
+        folder = Path(folder)
+        load = lambda name: np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
+        offsets = np.load(folder / "offsets.npy", allow_pickle=False)
+        seq_end = np.repeat(offsets[1:], np.diff(offsets))
+        return cls(folder, load("hidden"), load("teacher_ids"), load("teacher_logp"),
+                   np.load(folder / "tokens.npy"), np.load(folder / "loss_mask.npy"), seq_end)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def positions(self, num_heads: int) -> np.ndarray:
+        """Source positions ``t`` where at least one head has a token to learn."""
+        t = np.arange(len(self.tokens))
+        ok = np.zeros(len(t), dtype=bool)
+        for k in range(num_heads):
+            tgt = t + k + 2
+            inside = tgt < self.seq_end
+            ok[inside] |= self.loss_mask[tgt[inside]].astype(bool)
+        return np.nonzero(ok)[0]
+
+    def batch(self, pos: np.ndarray, num_heads: int, device: torch.device) -> tuple[torch.Tensor, HeadTargets]:
+        """Hidden states ``[N, H]`` (float32) and per-head targets for source positions ``pos``."""
+        pos = np.sort(pos)  # memory-mapped reads are faster in file order
+        hidden = torch.from_numpy(np.ascontiguousarray(self.hidden[pos])).float()
+        n_tok = len(self.tokens)
+        labels, valid, ids, logp = [], [], [], []
+        for k in range(num_heads):
+            tgt = pos + k + 2
+            ok = tgt < self.seq_end[pos]
+            tgt_c = np.minimum(tgt, n_tok - 1)
+            ok &= self.loss_mask[tgt_c].astype(bool)
+            labels.append(np.where(ok, self.tokens[tgt_c], -100))
+            valid.append(ok)
+            src = tgt_c - 1  # the target's distribution at t+k+1 is over token t+k+2
+            ids.append(self.teacher_ids[src])
+            logp.append(self.teacher_logp[src])
+        as_t = lambda x, dt: torch.from_numpy(np.stack(x)).to(device=device, dtype=dt)  # noqa: E731
+        targets = HeadTargets(as_t(labels, torch.long), as_t(valid, torch.bool), as_t(ids, torch.long),
+                              as_t(logp, torch.float32))
+        return hidden.to(device), targets
+
+
+def is_complete(folder: str | Path, fp: str) -> bool:
+    meta = Path(folder) / META
+    return meta.is_file() and json.loads(meta.read_text()).get("fingerprint") == fp
+
+
+@torch.no_grad()
+def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                examples: list[Example], hidden_size: int, topk: int, fp: str, rank: int = 0, world: int = 1,
+                barrier: Callable[[], None] = lambda: None, device: torch.device | str = "cpu",
+                batch_tokens: int = 4096, progress: Callable[[int], None] | None = None) -> None:
+    """Run the target once over ``examples`` and store what the heads need.
+
+    ``target_fn(input_ids [B, T], attention_mask [B, T]) -> (hidden [B, T, H], logits [B, T, V])``.
+    Rank ``r`` of ``world`` writes sequences ``r, r + world, ...``; rank 0 creates the files
+    and finally writes ``meta.json``; ``barrier`` synchronises the processes.
+    """
+    folder = Path(folder)
+    lengths = np.array([len(ex) for ex in examples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n = int(offsets[-1])
+    files = {"hidden": ((n, hidden_size), np.float16), "teacher_ids": ((n, topk), np.int32),
+             "teacher_logp": ((n, topk), np.float16)}
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / META).unlink(missing_ok=True)
+        for name, (shape, dtype) in files.items():
+            np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
+        np.save(folder / "tokens.npy", np.concatenate([np.asarray(ex.input_ids, dtype=np.int32) for ex in examples]))
+        np.save(folder / "loss_mask.npy", np.concatenate([np.asarray(ex.loss_mask, dtype=np.uint8) for ex in examples]))
+        np.save(folder / "offsets.npy", offsets)
+    barrier()
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r+") for name in files}
+    mine = sorted(range(rank, len(examples), world), key=lambda i: lengths[i])
+    i = 0
+    while i < len(mine):
+        # Group similar lengths up to a token budget: little padding, bounded memory.
+        j = i + 1
+        while j < len(mine) and (j - i + 1) * lengths[mine[j]] <= batch_tokens:
+            j += 1
+        group = mine[i:j]
+        width = int(lengths[group[-1]])
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        attn = torch.zeros((len(group), width), dtype=torch.long)
+        for b, e in enumerate(group):
+            ids[b, : lengths[e]] = torch.tensor(examples[e].input_ids)
+            attn[b, : lengths[e]] = 1
+        hidden, logits = target_fn(ids.to(device), attn.to(device))  # [B, T, H], [B, T, V]
+        logits = logits.float()
+        top, top_ids = logits.topk(topk, dim=-1)  # [B, T, k]
+        top_logp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        for b, e in enumerate(group):
+            s, L = int(offsets[e]), int(lengths[e])
+            arrays["hidden"][s: s + L] = hidden[b, :L].float().cpu().numpy().astype(np.float16)
+            arrays["teacher_ids"][s: s + L] = top_ids[b, :L].cpu().numpy().astype(np.int32)
+            arrays["teacher_logp"][s: s + L] = top_logp[b, :L].cpu().numpy().astype(np.float16)
+        if progress is not None:
+            progress(int(lengths[group].sum()))
+        i = j
+    for arr in arrays.values():
+        arr.flush()
+    del arrays
+    barrier()
+    if rank == 0:
+        tmp = folder / f".{META}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
+                                   "hidden_size": hidden_size}) + "\n")
+        os.replace(tmp, folder / META)
+    barrier()

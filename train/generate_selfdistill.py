@@ -1,0 +1,124 @@
+"""Let the target answer a dataset's prompts, to train heads on the target's own outputs.
+
+Medusa-2's recipe: heads (and a LoRA-tuned target) learn best from text the target itself
+writes, because decoding verifies the heads against exactly that. This script takes the
+first user turn of each conversation, generates the target's answer in batches and appends
+one JSON line per answer (OpenAI ``messages`` form, readable by train/train_heads.py).
+Interrupted runs resume: prompts already answered in the output file are skipped.
+
+    python train/generate_selfdistill.py --data sharegpt --max_samples 2000 \\
+        --output data/selfdistill/smollm2.jsonl --max_new_tokens 256 --batch_size 16
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from medusa.config import arg, parse_config
+from medusa.data import DataStats, load_conversations
+from medusa.errors import MedusaError
+from medusa.target import eos_token_ids, load_target
+
+
+@dataclass
+class SelfDistillConfig:
+    """Generate the target's own answers to a dataset's prompts (JSONL, resumable)."""
+
+    output: str = arg("out/selfdistill.jsonl", "JSONL file answers are appended to (resumes if it exists)")
+    model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded SmolLM2-135M-Instruct)")
+    data: list[str] = arg(["sharegpt"], "prompt sources: 'sharegpt', .json/.jsonl files or Hub ids (comma separated)")
+    split: str = arg("train", "split of Hub datasets")
+    max_samples: int | None = arg(None, "prompts taken from each source (shuffled with seed)")
+    skip_samples: int = arg(0, "skip this many prompts of each source first (e.g. to keep them out of training data)")
+    max_prompt_tokens: int = arg(512, "prompts longer than this (in tokens, with the chat template) are skipped")
+    max_new_tokens: int = arg(256, "answer length limit in tokens")
+    batch_size: int = arg(8, "prompts generated together (left padded)")
+    temperature: float = arg(0.0, "0: greedy (the decoding that Medusa heads are verified against); >0: sampling")
+    seed: int = arg(0, "shuffle and sampling seed")
+    device: str | None = arg(None, "device (default: cuda if available, else cpu)")
+    dtype: str | None = arg(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
+    trust_remote_code: bool = arg(False, "allow model code from the Hub")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(SelfDistillConfig, argv)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done: set[str] = set()
+    if out.is_file():
+        with out.open() as fh:
+            for line in fh:
+                try:
+                    done.add(json.loads(line)["id"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut off by an interruption: that prompt is redone
+    stats = DataStats()
+    prompts: list[tuple[str, list[dict], list[int]]] = []
+    for source in cfg.data:
+        convs = load_conversations(source, stats, cfg.split, None, cfg.seed)[cfg.skip_samples:]
+        if cfg.max_samples:
+            convs = convs[: cfg.max_samples]
+        for rid, messages in convs:
+            rid = f"{source}:{rid}"
+            if rid in done:
+                continue
+            head = messages[:2] if messages[0]["role"] == "system" else messages[:1]
+            ids = tok.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            if len(ids) > cfg.max_prompt_tokens:
+                stats.add("prompt_too_long")
+                continue
+            prompts.append((rid, head, list(ids)))
+    print(f"data: {stats.summary()}; {len(done)} already answered, {len(prompts)} to go", file=sys.stderr)
+    # Similar lengths together: less padding per batch.
+    prompts.sort(key=lambda p: len(p[2]))
+    gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id)
+    if cfg.temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
+    else:
+        gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    device = model.get_output_embeddings().weight.device
+    eos = set(eos_token_ids(model, tok)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
+    with out.open("a") as fh:
+        for b in range(0, len(prompts), cfg.batch_size):
+            batch = prompts[b: b + cfg.batch_size]
+            width = max(len(p[2]) for p in batch)
+            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+            attn = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, (_, _, ids) in enumerate(batch):
+                input_ids[i, width - len(ids):] = torch.tensor(ids)
+                attn[i, width - len(ids):] = 1
+            with torch.no_grad():
+                gen = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
+            for (rid, head, _), row in zip(batch, gen[:, width:].tolist()):
+                cut = next((i for i, t in enumerate(row) if t in eos), None)
+                answer = tok.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
+                if not answer.strip():
+                    continue
+                rec = {"id": rid, "messages": head + [{"role": "assistant", "content": answer}],
+                       "finished": cut is not None}
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.flush()
+            bar.update(len(batch))
+    bar.close()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
