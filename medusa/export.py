@@ -19,7 +19,9 @@ vLLM's Medusa drafter (``model_type: medusa``) reads ``model.safetensors`` with
     lm_heads.{head}.weight                        one projection per head
 
 Both foreign layouts need a projection per head, so shared-projection heads are exported
-with a copy of the target's ``lm_head`` for every head.
+with a copy of the target's ``lm_head`` for every head. vLLM can also draft from a subset
+of the vocabulary: a ``token_map`` tensor of token ids, ``truncated_vocab_size`` rows per
+projection; the draft vocabulary of a calibrated heads folder maps onto it.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def projection_weights(config: HeadsConfig, state: dict[str, torch.Tensor],
     return [lm_head.detach().cpu().clone() for _ in range(config.num_heads)]
 
 
-def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None) -> dict[str, Any]:
+def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None, draft_vocab_size: int | None = None) -> dict[str, Any]:
     """``config.json`` for vLLM's ``MedusaConfig``: every key name holding "num" is one it
     maps to ``num_heads`` / ``num_hidden_layers``, so no other such key is written."""
     out: dict[str, Any] = {
@@ -182,7 +184,7 @@ def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None) -> dict[s
         "vocab_size": config.vocab_size,
         "num_heads": config.num_heads,
         "num_hidden_layers": config.num_layers,
-        "truncated_vocab_size": config.vocab_size,
+        "truncated_vocab_size": draft_vocab_size or config.vocab_size,
         "medusa_fc_bias": True,  # our residual blocks have biases; vLLM drops them unless told
     }
     if dtype is not None:
@@ -192,14 +194,19 @@ def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None) -> dict[s
     return out
 
 
-def vllm_state(config: HeadsConfig, state: dict[str, torch.Tensor], lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def vllm_state(config: HeadsConfig, state: dict[str, torch.Tensor], lm_head: torch.Tensor | None,
+               token_map: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's tensors; with ``token_map`` (``[S]`` token ids) each projection keeps only
+    those ``S`` rows, and vLLM scatters the drafted logits back to the full vocabulary."""
     out = {}
     for k in range(config.num_heads):
         for j in range(config.num_layers):
             out[f"blocks.{k}.layers.{j}.weight"] = state[f"blocks.{k}.{j}.linear.weight"]
             out[f"blocks.{k}.layers.{j}.bias"] = state[f"blocks.{k}.{j}.linear.bias"]
     for k, w in enumerate(projection_weights(config, state, lm_head)):
-        out[f"lm_heads.{k}.weight"] = w
+        out[f"lm_heads.{k}.weight"] = w if token_map is None else w[token_map]  # [V or S, H]
+    if token_map is not None:
+        out["token_map"] = token_map
     return out
 
 
@@ -226,22 +233,35 @@ def fasterdecoding_state(config: HeadsConfig, state: dict[str, torch.Tensor],
 
 
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
-                 lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> Path:
+                 lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 draft_vocab: list[int] | torch.Tensor | None = None) -> Path:
     """Write heads (our config + state dict) to ``out`` in ``layout`` ("vllm" or "fasterdecoding").
 
     ``lm_head`` (``[V, H]``) is the target's vocabulary projection, needed for shared heads.
-    ``dtype`` casts every tensor (default: keep each tensor's dtype). The folder is written
-    to a temporary sibling and renamed into place.
+    ``dtype`` casts every floating tensor (default: keep each tensor's dtype).
+    ``draft_vocab`` (vLLM only) makes the heads draft from those token ids alone. The
+    folder is written to a temporary sibling and renamed into place.
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    token_map = None
+    if draft_vocab is not None:
+        if layout != "vllm":
+            raise MedusaError("a draft vocabulary can only be exported to the vllm layout: drop it for fasterdecoding")
+        token_map = torch.as_tensor(draft_vocab, dtype=torch.long).unique()  # sorted ids
+        if token_map.numel() == 0 or int(token_map.min()) < 0 or int(token_map.max()) >= config.vocab_size:
+            raise MedusaError(f"draft vocabulary ids must lie in [0, {config.vocab_size}): recalibrate the heads for this model")
     if layout == "vllm":
-        tensors, cfg, name = vllm_state(config, state, lm_head), None, WEIGHTS_NAME
+        tensors, name = vllm_state(config, state, lm_head, token_map), WEIGHTS_NAME
     else:
-        tensors, cfg, name = fasterdecoding_state(config, state, lm_head), fasterdecoding_config(config), FD_WEIGHTS
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()}
-    if cfg is None:
-        cfg = vllm_config(config, next(iter(tensors.values())).dtype)
+        tensors, name = fasterdecoding_state(config, state, lm_head), FD_WEIGHTS
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in tensors.items()}
+    if layout == "vllm":
+        weights_dtype = tensors["lm_heads.0.weight"].dtype
+        cfg = vllm_config(config, weights_dtype, None if token_map is None else token_map.numel())
+    else:
+        cfg = fasterdecoding_config(config)
 
     out = Path(out)
     if out.exists():

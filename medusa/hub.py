@@ -30,11 +30,11 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
-from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, apply_calibration, read_heads_config
+from medusa.heads import CALIBRATION_NAME, CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, apply_calibration, read_heads_config
 from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME, cache_root
 
 CARD_NAME = "README.md"
-PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME)
+PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CALIBRATION_NAME)
 # What a Hub download fetches: configs and safetensors, never pickles or anything runnable.
 HUB_PATTERNS = ["*.json", "*.safetensors"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -169,15 +169,21 @@ def card_base_model(base_model: str | None) -> str | None:
 
 
 def _public_name(value: Any) -> str:
-    """A value for a public card: local paths reduce to their last component."""
+    """A value for a public card: local paths reduce to their last component, also inside
+    a command line (``--heads /home/me/out/heads`` -> ``--heads heads``)."""
     text = str(value)
+    if " " in text:
+        return " ".join(_public_name(word) for word in text.split(" "))
+    if "=" in text and not text.startswith(("/", "~", ".")):
+        key, _, rest = text.partition("=")
+        return f"{key}={_public_name(rest)}" if rest.startswith(("/", "~", ".")) else text
     path = Path(text).expanduser()
     return path.name if path.is_absolute() or text.startswith((".", "~")) else text
 
 
 def public_record(value: Any) -> Any:
-    """``value`` (a config's ``extra``) fit for publishing: local paths reduce to their last
-    component and NaN becomes null (strict JSON)."""
+    """``value`` (a config's ``extra``, a calibration record) fit for publishing: local paths
+    reduce to their last component and NaN becomes null (strict JSON)."""
     if isinstance(value, dict):
         return {k: public_record(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -268,8 +274,28 @@ def training_data(extra: dict[str, Any]) -> list[str]:
     return [_public_name(d) for d in (data if isinstance(data, list) else [data])]
 
 
+def calibration_lines(calibration: dict[str, Any] | None) -> list[str]:
+    """Card lines for ``calibration.json``: the tree chosen per device and the draft vocabulary."""
+    if not calibration or not isinstance(calibration.get("trees"), dict) or not calibration["trees"]:
+        return []
+    lines = ["", "Calibrated decoding trees (`calibration.json`, applied by `medusa.load` on the matching device):", ""]
+    measured = calibration.get("measured", {}) if isinstance(calibration.get("measured"), dict) else {}
+    for device, paths in calibration["trees"].items():
+        m = measured.get(device, {}) if isinstance(measured.get(device), dict) else {}
+        expected = _number(m.get("expected_tokens_per_pass"))
+        detail = f", expected {expected:.2f} tokens per pass on held-out answers" if expected is not None else ""
+        lines.append(f"- {device}: {len(paths)} candidates{detail}")
+    vocab = calibration.get("draft_vocab")
+    if isinstance(vocab, list) and vocab:
+        coverage = _number(calibration.get("draft_vocab_coverage"))
+        covers = f", covering {coverage:.1%} of held-out answer tokens" if coverage is not None else ""
+        lines.append(f"- draft vocabulary: {len(vocab)} tokens{covers}")
+    return lines
+
+
 def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None = None, base_model: str | None = None,
-               license: str | None = None, weights_bytes: int | None = None) -> str:
+               license: str | None = None, weights_bytes: int | None = None,
+               calibration: dict[str, Any] | None = None) -> str:
     """The README.md of a heads repository: YAML front matter, what the heads are, how they
     were trained and measured, and how to use them here and with vLLM."""
     extra = config.extra or {}
@@ -357,6 +383,7 @@ def model_card(config: HeadsConfig, repo_id: str, bench: dict[str, Any] | None =
         lines.append(f"- Measured with `python -m infer.bench` ({where}).")
     else:
         lines.append("Speed (tau, speedup): not measured.")
+    lines += calibration_lines(calibration)
 
     model_arg = f'model="{base}", ' if base_is_id else 'model="BASE_MODEL", '
     lines += ["", "## Usage", "", "With this repository's `medusa` package:", "", "```python", "import medusa", "",
@@ -410,10 +437,11 @@ def read_bench(path: str | Path | None) -> dict[str, Any] | None:
 
 def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, bench_json: str | Path | None = None,
                          base_model: str | None = None, license: str | None = None) -> Path:
-    """Write ``README.md``, ``config.json`` and ``model.safetensors`` for ``repo_id`` into ``out``.
+    """Write ``README.md``, ``config.json``, ``model.safetensors`` and, when the heads have
+    one, ``calibration.json`` (calibrated trees, draft vocabulary) for ``repo_id`` into ``out``.
 
-    Only these three files are published, whatever else ``heads_dir`` holds (optimizer
-    state, logs). Heads in FasterDecoding's layout are converted to ours.
+    Only these files are published, whatever else ``heads_dir`` holds (optimizer state,
+    logs). Heads in FasterDecoding's layout are converted to ours.
     """
     if not _HUB_ID.match(repo_id):
         raise MedusaError(f"--repo-id must look like USER/NAME, got {repo_id!r}")
@@ -430,7 +458,13 @@ def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, b
     public = dataclasses.replace(config, base_model=card_base_model(base_model or config.base_model),
                                  extra=public_record(config.extra))
     (out / CONFIG_NAME).write_text(json.dumps(public.to_dict(), indent=2, allow_nan=False) + "\n")
-    card = model_card(public, repo_id, bench=bench, license=license,
+    calibration = None
+    if (Path(heads_dir) / CALIBRATION_NAME).is_file():
+        calibration = public_record(json.loads((Path(heads_dir) / CALIBRATION_NAME).read_text()))
+        (out / CALIBRATION_NAME).write_text(json.dumps(calibration, allow_nan=False) + "\n")
+    else:
+        (out / CALIBRATION_NAME).unlink(missing_ok=True)  # left from an earlier build
+    card = model_card(public, repo_id, bench=bench, license=license, calibration=calibration,
                       weights_bytes=(out / WEIGHTS_NAME).stat().st_size)
     (out / CARD_NAME).write_text(card)
     return out

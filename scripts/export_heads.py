@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from medusa.errors import MedusaError
 from medusa.export import LAYOUTS, export_heads, target_for, target_lm_head
+from medusa.heads import CALIBRATION_NAME
 from medusa.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
 from medusa.target import parse_dtype
 
@@ -28,20 +30,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None,
                     help="target model for shared-projection heads: Hub id, folder or .gguf (default: the heads' base model)")
     ap.add_argument("--dtype", default=None, help="cast weights to float32, bfloat16 or float16 (default: as stored)")
+    ap.add_argument("--draft-vocab", action="store_true",
+                    help="vllm: draft from the calibrated draft vocabulary of the heads (calibration.json) only")
     return ap.parse_args(argv)
+
+
+def read_draft_vocab(folder: Path) -> list[int]:
+    path = folder / CALIBRATION_NAME
+    vocab = json.loads(path.read_text()).get("draft_vocab") if path.is_file() else None
+    if not vocab:
+        raise MedusaError(f"{folder} has no calibrated draft vocabulary: run scripts/calibrate_tree.py first, or drop --draft-vocab")
+    return vocab
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype) if args.dtype else None
-        config, state = read_heads(resolve_heads_folder(args.heads))
+        folder = resolve_heads_folder(args.heads)
+        config, state = read_heads(folder)
+        draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
         lm_head = None
         if config.projection == "shared":
             target = target_for(config, args.model)
             print(f"copying lm_head of {target or 'the embedded default model'} into {config.num_heads} heads", file=sys.stderr)
             lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
-        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype)
+        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -135,13 +135,19 @@ def test_fasterdecoding_checkpoint_with_foreign_keys_is_refused(target, tmp_path
 
 def vllm_forward(tensors: dict[str, torch.Tensor], config: dict, hidden: torch.Tensor) -> torch.Tensor:
     """vLLM's Medusa drafter computation, written from its layout: per head, residual layers
-    ``x + SiLU(W x + b)`` then that head's ``lm_heads`` projection. ``[T, H] -> [K, T, V]``."""
+    ``x + SiLU(W x + b)`` then that head's ``lm_heads`` projection; with a ``token_map`` the
+    projection covers those tokens only and every other token gets -inf. ``[T, H] -> [K, T, V]``."""
     out = []
     for k in range(config["num_heads"]):
         x = hidden
         for j in range(config["num_hidden_layers"]):
             x = x + F.silu(F.linear(x, tensors[f"blocks.{k}.layers.{j}.weight"], tensors[f"blocks.{k}.layers.{j}.bias"]))
-        out.append(x @ tensors[f"lm_heads.{k}.weight"].T)
+        logits = x @ tensors[f"lm_heads.{k}.weight"].T  # [T, truncated_vocab_size]
+        if "token_map" in tensors:
+            full = torch.full((x.shape[0], config["vocab_size"]), float("-inf"))
+            full[:, tensors["token_map"]] = logits
+            logits = full
+        out.append(logits)
     return torch.stack(out)
 
 
@@ -232,3 +238,34 @@ def test_export_script_copies_the_target_lm_head(target, tmp_path, capsys):
     assert torch.equal(tensors["lm_heads.2.weight"], model.get_output_embeddings().weight.half())
     printed = capsys.readouterr().out
     assert "vllm serve" in printed and '"method": "medusa"' in printed and '"num_speculative_tokens": 3' in printed
+
+
+def test_vllm_export_with_a_draft_vocabulary(target, tmp_path, capsys):
+    folder_target, model = target
+    heads = random_heads(model, projection="per_head", num_heads=2)
+    folder = heads.save(tmp_path / "heads")
+    vocab = [40, 5, 9, 2, 63]
+    (folder / "calibration.json").write_text(json.dumps({"trees": {"cpu": [[0], [1]]}, "draft_vocab": vocab}))
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "vllm"
+    assert script.main([str(folder), "--to", "vllm", "--out", str(out), "--draft-vocab"]) == 0
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["truncated_vocab_size"] == len(vocab) and cfg["vocab_size"] == model.config.vocab_size
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["token_map"].tolist() == sorted(vocab) and tensors["token_map"].dtype == torch.int64
+    assert tensors["lm_heads.1.weight"].shape == (len(vocab), model.config.hidden_size)
+    hidden = torch.randn(3, model.config.hidden_size)
+    drafted = vllm_forward(tensors, cfg, hidden)  # [K, T, V], -inf outside the draft vocabulary
+    full = heads(hidden)
+    torch.testing.assert_close(drafted[..., sorted(vocab)], full[..., sorted(vocab)], rtol=0, atol=1e-6)
+    assert torch.isinf(drafted).sum() == 2 * 3 * (model.config.vocab_size - len(vocab))
+
+    with pytest.raises(MedusaError, match="only be exported to the vllm layout"):
+        config, state = read_heads(folder)
+        export_heads(config, state, tmp_path / "fd", "fasterdecoding", draft_vocab=vocab)
+    assert script.main([str(heads.save(tmp_path / "uncalibrated")), "--to", "vllm", "--out", str(tmp_path / "x"),
+                        "--draft-vocab"]) == 1
+    assert "no calibrated draft vocabulary" in capsys.readouterr().err

@@ -72,6 +72,10 @@ def front_matter(card: str) -> dict:
 def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, monkeypatch):
     _, model, _ = target
     heads, folder = saved_heads(model, tmp_path)
+    calibration = {"trees": {"cpu": [[0], [1], [0, 0]]}, "measured": {"cpu": {"expected_tokens_per_pass": 1.87}},
+                   "draft_vocab": [4, 5, 6], "draft_vocab_coverage": 0.962,
+                   "command": "python scripts/calibrate_tree.py --heads /home/someone/runs/heads --max-nodes 8"}
+    write_json(folder / "calibration.json", calibration)
     bench = write_json(tmp_path / "bench.json", BENCH)
     out = tmp_path / "publish"
     monkeypatch.delenv("HF_TOKEN", raising=False)  # a dry run needs no token
@@ -79,8 +83,8 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
                                             "--bench-json", str(bench), "--out", str(out), "--license", "apache-2.0"])
     printed = capsys.readouterr().out
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
-    for name in ("README.md", "config.json", "model.safetensors"):
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "calibration.json", "config.json", "model.safetensors"]
+    for name in ("README.md", "calibration.json", "config.json", "model.safetensors"):
         assert name in printed and "MiB" in printed
     assert "nothing uploaded" in printed and "optimizer.pt" not in printed
 
@@ -94,7 +98,15 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     assert state.keys() == heads.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in heads.state_dict().items())
 
+    published = json.loads((out / "calibration.json").read_text())
+    assert published == {**calibration, "command": "python scripts/calibrate_tree.py --heads heads --max-nodes 8"}
+
+    loaded = load_heads_from(str(out), model)  # medusa.load applies the published calibration
+    assert loaded.trees == {"cpu": [(0,), (1,), (0, 0)]} and loaded.draft_vocab.tolist() == [4, 5, 6]
+
     card = (out / "README.md").read_text()
+    assert "- cpu: 3 candidates, expected 1.87 tokens per pass" in card
+    assert "draft vocabulary: 3 tokens, covering 96.2%" in card
     meta = front_matter(card)
     assert meta["base_model"] == "tester/tiny-llama" and meta["license"] == "apache-2.0"
     assert "medusa" in meta["tags"] and "speculative-decoding" in meta["tags"]
