@@ -45,12 +45,14 @@ class Run:
     tokens: list[int]
     seconds: float
     steps: int | None = None  # target passes after prefill (None when the mode does not say)
+    accepted: list[int] | None = None  # tokens emitted per decode step, when the mode says
 
 
 # -- prompts -------------------------------------------------------------------------------
-def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+def read_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
     """MT-Bench / Spec-Bench jsonl (``turns``: the first turn is used) or ShareGPT json
-    (``conversations``: the first human turn)."""
+    (``conversations``: the first human turn). ``per_category`` keeps the first N of each
+    category (MT-Bench is ordered by category, so a plain ``limit`` would see only one or two)."""
     path = Path(path)
     if not path.is_file():
         raise MedusaError(f"prompts file not found: {path}")
@@ -77,8 +79,16 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
             first = next((t.get("value") for t in rec["conversations"] if t.get("from") == "human" and t.get("value")), None)
             if first:
                 prompts.append(Prompt(str(rec.get("id", i)), "sharegpt", first))
-        if limit and len(prompts) >= limit:
-            break
+    if per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for pr in prompts:
+            seen[pr.category] = seen.get(pr.category, 0) + 1
+            if seen[pr.category] <= per_category:
+                kept.append(pr)
+        prompts = kept
+    if limit:
+        prompts = prompts[:limit]
     if not prompts:
         raise MedusaError(f"no prompts found in {path}: expected MT-Bench jsonl (turns) or ShareGPT json (conversations)")
     return prompts
@@ -107,7 +117,7 @@ def mode(name: str) -> Callable[[Runner], Runner]:
 
 def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, name: str) -> Run:
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree)
-    return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1)
+    return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1, accepted=list(res.stats.accepted))
 
 
 def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationConfig:
@@ -175,8 +185,8 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "identical": same, "prompts": len(rs),
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
-            "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps}
-                           for p, r in zip(prompts, rs)],
+            "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
+                            "accepted": r.accepted} for p, r in zip(prompts, rs)],
         }
     return out
 
@@ -205,12 +215,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft", default=None, help="draft model for draft modes")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
     ap.add_argument("--tree", default=None, help="tree name in configs/trees or a JSON file of paths (default: per device)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
+    ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
 
 
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
-        prompts = read_prompts(args.prompts, args.limit)
+        prompts = read_prompts(args.prompts, args.limit, args.per_category)
         heads = args.heads if args.heads is not None or "medusa" in modes else None
         engine = medusa.load(model=args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype, tree=args.tree)
         if "medusa" in modes and engine.heads is None:
@@ -242,13 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = summarise(prompts, runs, reference)
     print(table(summary, reference))
+    meta = {"model": args.model or "embedded default", "heads": args.heads or "default", "max_new_tokens": args.max_new_tokens,
+            "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
+            "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
+            "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": args.model or "embedded default", "heads": args.heads, "max_new_tokens": args.max_new_tokens,
-                "prompts": args.prompts, "device": str(engine.device), "dtype": str(engine.model.dtype),
-                "torch_threads": torch.get_num_threads()}
         path.write_text(json.dumps({"meta": meta, "modes": summary}, indent=1))
+    if args.out:
+        from infer.report import write_report
+
+        folder = write_report(Path(args.out), meta, summary, reference, table(summary, reference), engine.heads)
+        print(f"report written to {folder}", file=sys.stderr)
     return 0
 
 

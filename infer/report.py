@@ -1,0 +1,116 @@
+"""Benchmark report: results.json, table.md and plots in one folder."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from medusa.heads import MedusaHeads
+
+
+def category_table(summary: dict, reference: str | None) -> str:
+    """Tokens/s per category and mode, with the speedup over the reference mode."""
+    modes = list(summary)
+    cats = sorted({c for s in summary.values() for c in s["categories"]})
+    lines = ["| category | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for c in cats:
+        ref = summary[reference]["categories"].get(c, {}).get("tokens_per_second") if reference in summary else None
+        cells = []
+        for m in modes:
+            tps = summary[m]["categories"].get(c, {}).get("tokens_per_second", 0.0)
+            cells.append(f"{tps:.1f}" + (f" ({tps / ref:.2f}x)" if ref and m != reference else ""))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def head_accuracy(heads: MedusaHeads | None) -> dict[str, dict[str, float]] | None:
+    """Per-head held-out accuracy recorded with the heads (training eval), if any."""
+    if heads is None:
+        return None
+    extra = heads.config.extra or {}
+    acc = extra.get("eval_accuracy") or extra.get("accuracy")
+    return acc if isinstance(acc, dict) and acc else None
+
+
+def write_report(folder: Path, meta: dict, summary: dict, reference: str | None, main_table: str,
+                 heads: MedusaHeads | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps({"meta": meta, "modes": summary}, indent=1))
+    md = [f"Model: {meta['model']}; heads: {meta['heads']}; {meta['num_prompts']} prompts; "
+          f"{meta['max_new_tokens']} new tokens; {meta['device']} {meta['dtype']}, {meta['torch_threads']} threads.", "",
+          main_table, "", "Tokens/s per category (speedup vs reference):", "", category_table(summary, reference), ""]
+    (folder / "table.md").write_text("\n".join(md))
+
+    modes = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    tps = [summary[m]["tokens_per_second"] for m in modes]
+    axes[0].bar(modes, tps, color="tab:blue")
+    axes[0].set_ylabel("tokens/s")
+    axes[0].set_title("throughput")
+    speed = [summary[m]["speedup"] or 0.0 for m in modes]
+    axes[1].bar(modes, speed, color="tab:green")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set_ylabel(f"speedup vs {reference}")
+    axes[1].set_title("speedup")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(folder / "speed.png", dpi=120)
+    plt.close(fig)
+
+    spec = [m for m in modes if any(p.get("accepted") for p in summary[m]["per_prompt"])]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        width = 0.8 / len(spec)
+        for i, m in enumerate(spec):
+            hist = Counter(a for p in summary[m]["per_prompt"] for a in (p.get("accepted") or []))
+            total = sum(hist.values())
+            xs = sorted(hist)
+            ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=m)
+        ax.set_xlabel("tokens emitted per target pass")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title("accepted length")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "accepted_length.png", dpi=120)
+        plt.close(fig)
+
+    cats = sorted({c for s in summary.values() for c in s["categories"]})
+    if reference in summary and len(cats) > 1:
+        fig, ax = plt.subplots(figsize=(8, 3.8))
+        others = [m for m in modes if m != reference]
+        width = 0.8 / max(len(others), 1)
+        for i, m in enumerate(others):
+            vals = []
+            for c in cats:
+                ref = summary[reference]["categories"].get(c, {}).get("tokens_per_second") or 0.0
+                vals.append(summary[m]["categories"].get(c, {}).get("tokens_per_second", 0.0) / ref if ref else 0.0)
+            ax.bar([x + i * width for x in range(len(cats))], vals, width=width, label=m)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cats))], cats, rotation=30)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_ylabel(f"speedup vs {reference}")
+        ax.set_title("speedup per category")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "speedup_by_category.png", dpi=120)
+        plt.close(fig)
+
+    acc = head_accuracy(heads)
+    if acc:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        names = list(acc)
+        for key in sorted({k for v in acc.values() for k in v}):
+            ax.plot(names, [acc[n].get(key, float("nan")) for n in names], marker="o", label=key)
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title("per-head accuracy")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "head_accuracy.png", dpi=120)
+        plt.close(fig)
+    return folder
