@@ -106,8 +106,13 @@ class TrainConfig:
     wandb: bool = arg(True, "log to Weights & Biases (offline without a login; WANDB_MODE=disabled turns it off)")
     wandb_project: str = arg("medusa", "wandb project")
     run_name: str | None = arg(None, "run name for logs")
+    push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "
+                                   "(token: `hf auth login` or HF_TOKEN, checked before training starts)")
+    hub_model_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
 
     def __post_init__(self) -> None:
+        if self.push_to_hub and not self.hub_model_id:
+            raise MedusaError("push_to_hub needs hub_model_id: set it to the Hub repository USER/NAME")
         if self.lora and self.cache_dir:
             raise MedusaError("a feature cache needs a frozen target, but lora trains it: drop cache_dir or lora")
         if not 0 <= self.distill <= 1:

@@ -27,6 +27,7 @@ from medusa.config import to_dict
 from medusa.target import load_target
 from medusa.training import TrainConfig
 from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder, write_json
+from train_fixtures import tiny_target, write_counting_data
 
 # What train/train_heads.py records in the heads config (medusa/training.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],
@@ -246,10 +247,12 @@ class EchoAuth(BaseHTTPRequestHandler):
     """A Hub stand-in that rejects every request and echoes the credentials it was sent."""
 
     seen: list[str] = []
+    paths: list[str] = []
 
     def _reject(self) -> None:
         auth = self.headers.get("Authorization", "")
         EchoAuth.seen.append(auth)
+        EchoAuth.paths.append(self.path)
         body = json.dumps({"error": f"Invalid credentials in Authorization header: {auth}"}).encode()
         self.send_response(401)
         self.send_header("Content-Type", "application/json")
@@ -281,3 +284,55 @@ def test_upload_errors_never_show_the_token(target, tmp_path):
     assert token not in proc.stdout and token not in proc.stderr
     assert "upload to tester/tiny-heads failed" in proc.stderr
     assert "Bearer ***" in proc.stderr  # the echoed credentials were shown, scrubbed
+
+
+def test_push_to_hub_needs_a_repository_id():
+    with pytest.raises(MedusaError, match="hub_model_id"):
+        TrainConfig(push_to_hub=True)
+
+
+def train_argv(tmp_path: Path, out: Path) -> list[str]:
+    model = tiny_target(tmp_path / "model")
+    data = write_counting_data(tmp_path / "count.jsonl", 24)
+    return [str(REPO / "train" / "train_heads.py"), "--model", str(model), "--data", str(data), "--max_length", "48",
+            "--num_heads", "3", "--batch_size", "4", "--max_steps", "2", "--warmup_steps", "1", "--eval_every", "0",
+            "--eval_batches", "1", "--eval_fraction", "0.1", "--save_every", "0", "--wandb", "false", "--distill", "0",
+            "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "tester/pushed"]
+
+
+NO_TOKEN = {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None, "HF_OIDC_RESOURCE": None}
+
+
+@pytest.mark.slow
+def test_training_with_push_to_hub_checks_the_token_before_training(tmp_path):
+    out = tmp_path / "heads"
+    proc = run_python(train_argv(tmp_path, out),
+                      env={**NO_TOKEN, "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN_PATH": str(tmp_path / "none"),
+                           "WANDB_MODE": "disabled"})
+    assert proc.returncode == 2
+    assert "no Hugging Face token" in proc.stderr.strip().splitlines()[-1]
+    assert not out.exists()  # training never started
+
+
+@pytest.mark.slow
+def test_training_pushes_the_heads_at_the_end(tmp_path):
+    out = tmp_path / "heads"
+    EchoAuth.seen.clear()
+    EchoAuth.paths.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), EchoAuth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = "hf_" + secrets.token_hex(16)
+    try:
+        proc = run_python(train_argv(tmp_path, out),
+                          env={"HF_TOKEN": token, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+                               "HF_HUB_OFFLINE": "0", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+                               "WANDB_MODE": "disabled"})
+    finally:
+        server.shutdown()
+    # Training ran to the end and wrote the heads; then the upload was attempted with the token.
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert "/api/repos/create" in EchoAuth.paths and f"Bearer {token}" in EchoAuth.seen
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "upload to tester/pushed failed" in last and f"the heads are saved in {out}" in last
+    assert token not in proc.stdout and token not in proc.stderr

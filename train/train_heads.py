@@ -11,16 +11,29 @@ from __future__ import annotations
 import logging
 import sys
 
+from accelerate import PartialState
+
 from medusa.config import parse_config
 from medusa.errors import MedusaError
+from medusa.hub import push_heads, require_token
 from medusa.training import TrainConfig, train
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cfg = parse_config(TrainConfig, argv)
+    if cfg.push_to_hub:
+        require_token()  # a missing token shows now, not after the training run
     folder = train(cfg)
-    logging.getLogger("medusa.training").info("heads written to %s", folder)
+    log = logging.getLogger("medusa.training")
+    log.info("heads written to %s", folder)
+    if cfg.push_to_hub and PartialState().is_main_process:
+        try:
+            url = push_heads(folder, cfg.hub_model_id)
+        except MedusaError as err:
+            raise MedusaError(f"{err} (the heads are saved in {folder}: publish them later with "
+                              f"`python scripts/publish_heads.py {folder} --repo-id {cfg.hub_model_id}`)") from None
+        log.info("heads published at %s", url)
     return 0
 
 
