@@ -18,9 +18,10 @@ from medusa import cache as kv
 from medusa.errors import MedusaError
 from medusa.heads import MedusaHeads
 from medusa.proposers import Autoregressive, MedusaProposer, Proposal, Proposer
+from medusa.sampling import SamplingConfig, next_token
 from medusa.target import context_window, eos_token_ids
 from medusa.tree import load_tree
-from medusa.verify import Accepted, verify_greedy
+from medusa.verify import Accepted, verify
 
 MODES = ("baseline", "medusa")
 
@@ -32,7 +33,8 @@ class DecodeState:
     ``tokens[:length]`` are in ``cache``; ``tokens[-1]`` is the ``root``: the last token
     emitted, whose KV entry the next pass writes. ``hidden`` ``[H]`` and ``logits`` ``[V]``
     are the target's final hidden state and logits at position ``length - 1`` (the
-    position that produced the root).
+    position that produced the root). ``sampling`` and ``generator`` are the generation's
+    sampling rule and random stream (proposers that sample draw from the same stream).
     """
 
     cache: DynamicCache
@@ -41,6 +43,8 @@ class DecodeState:
     root: torch.Tensor
     hidden: torch.Tensor
     logits: torch.Tensor
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generator: torch.Generator | None = None
 
 
 @dataclass(frozen=True)
@@ -165,30 +169,42 @@ class Engine:
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = 256,
         mode: str = "medusa",
-        temperature: float = 0.0,
+        temperature: float | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         state: DecodeState | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        acceptance: str | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> Generation:
         """Start decoding ``input_ids``; iterate the result for lists of new token ids.
 
         ``state`` is the final state of an earlier generation (``result.state``): the
         cache is reused for the longest common prefix, so a chat re-prefills only the turn
         it adds.
+
+        ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed`` and ``acceptance``
+        (``"lossless"`` or the lossy ``"typical"``) override ``sampling`` (default:
+        :class:`~medusa.sampling.SamplingConfig`, which documents them). Sampled output
+        follows the target's distribution exactly with any heads; the same seed gives the
+        same tokens.
         """
         ids = as_token_list(input_ids)
         if not ids:
             raise MedusaError("input_ids is empty: give at least one prompt token")
         if max_new_tokens < 1:
             raise MedusaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if temperature != 0.0:
-            raise MedusaError("temperature > 0 is not supported yet: use temperature=0 (greedy)")
+        # Defaults come from SamplingConfig alone; the keyword arguments override them.
+        sampling = (sampling or SamplingConfig()).override(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                           seed=seed, acceptance=acceptance)
         if self.max_positions is not None and len(ids) >= self.max_positions:
             raise MedusaError(
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
             )
         proposer = self.proposer(mode, tree)
         stop = threading.Event()
-        return Generation(self._run(ids, proposer, max_new_tokens, state, stop), stop)
+        return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
     def proposer(self, mode: str, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
         if mode == "baseline":
@@ -211,7 +227,8 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------
     @torch.inference_mode()
-    def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats) -> DecodeState:
+    def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
+                 sampling: SamplingConfig) -> DecodeState:
         cache, start = kv.new_cache(), 0
         if state is not None:
             cached = state.tokens[: state.length]
@@ -223,8 +240,10 @@ class Engine:
         new = torch.tensor([ids[start:]], device=self.device)
         pos = torch.arange(start, len(ids), device=self.device)[None]
         logits, hidden = kv.forward(self.model, new, pos, cache, None, logits_rows=slice(-1, None))
-        root = logits[-1].argmax()
-        return DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1], logits=logits[-1])
+        generator = sampling.generator(self.device)
+        root = next_token(logits[-1], sampling, generator)
+        return DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1], logits=logits[-1],
+                           sampling=sampling, generator=generator)
 
     @torch.inference_mode()
     def step(self, state: DecodeState, proposal: Proposal) -> StepOutcome:
@@ -233,7 +252,7 @@ class Engine:
         positions = (start + tree.depth)[None]
         mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth, self.model.dtype)
         logits, hidden = kv.forward(self.model, proposal.tokens[None], positions, state.cache, mask)
-        acc: Accepted = verify_greedy(tree, proposal.tokens, logits)
+        acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
         flat = torch.cat([acc.length.view(1), acc.next_token.view(1), acc.path, proposal.tokens[acc.path.clamp(min=0)]]).tolist()
@@ -250,11 +269,11 @@ class Engine:
         return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start)
 
     def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
-             prior: DecodeState | None, stop: threading.Event,
+             prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig,
              ) -> Generator[tuple[list[int], int], None, GenerationResult]:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        state = self._prefill(ids, prior, stats)
+        state = self._prefill(ids, prior, stats, sampling)
         first = [int(state.root)]
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
