@@ -7,10 +7,11 @@ from typing import Sequence
 
 import torch
 
+from medusa.draft import load_draft
 from medusa.engine import Engine
 from medusa.heads import MedusaHeads, init_heads_for, load_heads
 from medusa.hub import load_heads_from
-from medusa.target import load_target
+from medusa.target import DEFAULT_MODEL_NAME, load_target
 
 # Heads shipped with the repo for the embedded default model.
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
@@ -34,12 +35,25 @@ def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model:
 def load(
     model: str | None = None,
     heads: str | MedusaHeads | None = None,
-    draft: str | None = None,
+    draft: str | torch.nn.Module | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     tree: str | Sequence[Sequence[int]] | None = None,
     trust_remote_code: bool = False,
+    draft_tokens: int = 4,
+    adaptive_draft: bool = False,
 ) -> Engine:
-    """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`."""
+    """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
+
+    ``draft`` (for ``mode="draft"``) is a model folder, Hub id or ``.gguf`` file sharing the
+    target's tokenizer, or ``"default"`` (see :func:`medusa.draft.load_draft`); it drafts
+    ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set.
+    """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    return Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree)
+    draft_lm = None if draft is None else load_draft(
+        draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
+        trust_remote_code=trust_remote_code)
+    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm)
+    engine.draft_tokens = draft_tokens
+    engine.adaptive_draft = adaptive_draft
+    return engine

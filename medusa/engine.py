@@ -17,13 +17,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from medusa import cache as kv
 from medusa.errors import MedusaError
 from medusa.heads import MedusaHeads
-from medusa.proposers import Autoregressive, MedusaProposer, Proposal, Proposer
+from medusa.proposers import Autoregressive, DraftModel, MedusaProposer, PromptLookup, Proposal, Proposer
 from medusa.sampling import SamplingConfig, next_token
 from medusa.target import context_window, eos_token_ids
 from medusa.tree import load_tree
 from medusa.verify import Accepted, verify
 
-MODES = ("baseline", "medusa")
+MODES = ("baseline", "medusa", "draft", "lookup")
 
 
 @dataclass
@@ -150,6 +150,7 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         heads: MedusaHeads | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
+        draft: PreTrainedModel | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -158,6 +159,14 @@ class Engine:
         self.eos = set(eos_token_ids(model, tokenizer))
         self.max_positions = context_window(model)
         self.tree = tree
+        # mode "draft": a draft model sharing the target's vocabulary (medusa.draft.load_draft)
+        # drafting draft_tokens per step, adapted per step when adaptive_draft is set.
+        self.draft = draft
+        self.draft_tokens = 4
+        self.adaptive_draft = False
+        # mode "lookup": up to lookup_tokens copied after the longest (<= lookup_ngram) match.
+        self.lookup_tokens = 8
+        self.lookup_ngram = 3
 
     # -- public API -----------------------------------------------------------------
     def generate(self, input_ids: Sequence[int] | torch.Tensor, **kwargs) -> GenerationResult:
@@ -168,7 +177,7 @@ class Engine:
         self,
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = 256,
-        mode: str = "medusa",
+        mode: "str | Proposer" = "medusa",
         temperature: float | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         state: DecodeState | None = None,
@@ -206,19 +215,31 @@ class Engine:
         stop = threading.Event()
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
-    def proposer(self, mode: str, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
+    def proposer(self, mode: "str | Proposer", tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
+        """The proposer for a mode name; a Proposer object passed as ``mode`` is used as is."""
+        if not isinstance(mode, str):
+            return mode
         if mode == "baseline":
             return Autoregressive(self.device)
         if mode == "medusa":
             if self.heads is None:
                 raise MedusaError("mode 'medusa' needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
             return MedusaProposer(self.heads, self.tree_paths(tree), self.device)
+        if mode == "draft":
+            if self.draft is None:
+                raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
+            return DraftModel(self.draft, self.device, num_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
+                              max_tokens=max(16, self.draft_tokens))
+        if mode == "lookup":
+            return PromptLookup(self.device, num_tokens=self.lookup_tokens, max_ngram=self.lookup_ngram)
         raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
 
     def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
         """The tree to use: the argument, else the engine's, else the default for the device.
         Paths deeper than the heads are dropped, so any tree works with any heads."""
         spec = tree if tree is not None else self.tree
+        if spec is None and self.heads is not None:
+            spec = self.heads.trees.get(self.device.type)  # calibrated for these heads
         if spec is None:
             spec = "gpu" if self.device.type == "cuda" else "cpu"
         paths = load_tree(spec)

@@ -1,0 +1,90 @@
+"""Prompt lookup: n-gram proposals from the text so far, verified by the same engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from medusa.engine import Engine
+from medusa.errors import MedusaError
+from medusa.proposers import PromptLookup
+from tiny import tiny_model
+
+# A prompt that repeats itself, as code edits and summaries do.
+PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models are all per-call overhead: on a shared, busy CPU two spinning threads
+    # make each forward ~10x slower than one.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_greedy(model, ids, n):
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         generation_config=config)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lookup_greedy_equals_target_greedy(arch):
+    model = tiny_model(arch)
+    n = 48
+    ref = hf_greedy(model, PROMPT, n)
+    for k, ngram in ((8, 3), (2, 1)):
+        eng = Engine(model)
+        eng.lookup_tokens, eng.lookup_ngram = k, ngram
+        res = eng.generate(PROMPT, max_new_tokens=n, mode="lookup")
+        assert res.tokens == ref
+        # the tiny model's greedy text repeats, so copying from it pays off at times
+        assert max(res.stats.accepted) > 1 and res.stats.steps < n - 1, res.stats.accepted
+
+
+def state_with(tokens: list[int]):
+    """A real decode state whose token list is then replaced by ``tokens`` (lookup reads only those)."""
+    state = Engine(tiny_model("llama")).generate([3, 4], max_new_tokens=1, mode="baseline").state
+    state.tokens = list(tokens)
+    state.root = torch.tensor(tokens[-1])
+    return state
+
+
+@pytest.mark.parametrize("tokens, max_ngram, expected", [
+    ([1, 2, 3, 4, 9, 9, 1, 2, 3], 3, [4, 9, 9]),  # the 3-gram (1, 2, 3) was followed by 4, 9, 9
+    ([1, 2, 5, 1, 2, 6, 7, 1, 2], 2, [6, 7, 1]),  # the latest occurrence wins
+    ([4, 1, 2, 8, 5, 1, 2, 7, 4, 1, 2], 3, [8, 5, 1]),  # a longer match beats a later, shorter one
+    ([4, 1, 2, 8, 5, 1, 2, 7, 4, 1, 2], 2, [7, 4, 1]),  # ... unless longer n-grams are not looked up
+    ([6, 7, 8, 9], 3, []),  # no earlier occurrence of any suffix: the root alone
+    ([6, 1, 1], 3, [1]),  # a match that runs into the suffix itself is cut at the end
+])
+def test_lookup_proposes_what_followed_the_latest_longest_match(tokens, max_ngram, expected):
+    lookup = PromptLookup(torch.device("cpu"), num_tokens=3, max_ngram=max_ngram)
+    state = state_with(tokens)
+    lookup.begin(state)
+    proposal = lookup.propose(state)
+    assert proposal.tokens.tolist() == [tokens[-1]] + expected
+    assert proposal.is_chain and proposal.tree.num_nodes == 1 + len(expected)
+    assert proposal.tree.max_depth == len(expected)
+
+
+def test_lookup_index_follows_a_growing_sequence():
+    lookup = PromptLookup(torch.device("cpu"), num_tokens=4, max_ngram=2)
+    state = state_with([1, 2, 3, 4])
+    lookup.begin(state)
+    assert lookup.propose(state).tokens.tolist() == [4]
+    state.tokens += [1, 2]  # (1, 2) now repeats: propose what followed it before
+    assert lookup.propose(state).tokens.tolist() == [2, 3, 4, 1, 2]
+    state.tokens += [7, 1, 2]  # a newer occurrence of (1, 2), followed by 7
+    assert lookup.propose(state).tokens.tolist() == [2, 7, 1, 2]
+
+
+def test_bad_lookup_settings_are_clear_errors():
+    with pytest.raises(MedusaError, match="min_ngram"):
+        PromptLookup(torch.device("cpu"), num_tokens=4, max_ngram=0)
+    with pytest.raises(MedusaError, match="num_tokens"):
+        PromptLookup(torch.device("cpu"), num_tokens=0)
