@@ -1,0 +1,614 @@
+"""``python -m infer.chat``: chat with a model, answers streamed as the engine accepts them.
+
+Multi-turn, with the target's chat template. Each turn re-uses the KV cache of the turns
+before it (the engine's ``state=``), so only the new message is prefilled. Answers go to
+stdout; the banner, notices, stats lines and errors go to stderr, so
+``python -m infer.chat --prompt "..." > answer.txt`` keeps only the answer.
+
+Exit codes: 0 done, 1 a problem the user can fix (bad path, heads for another model, a
+message too long, ...), 2 bad command-line usage, 3 out of memory, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
+    from transformers import PreTrainedTokenizerBase
+
+    from medusa.engine import Engine, Generation, GenerationResult
+    from medusa.sampling import SamplingConfig
+
+# 2 (bad usage) comes from argparse itself.
+EXIT_OK, EXIT_USER_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
+
+HELP = """commands:
+  /reset       forget the conversation (and its cache)
+  /mode NAME   switch decoding mode for the next answers ({modes})
+  /stats       statistics of this session
+  /save FILE   write the conversation (messages and token ids) as JSON
+  /help        this list
+  /exit        leave (Ctrl-D works too)
+Ctrl-C stops the current answer and keeps the session; what was printed stays in the conversation."""
+
+
+# -- terminal output ---------------------------------------------------------------------
+class Style:
+    """ANSI colours: on terminals only, except the drafted-token colour of ``--show-accepted``,
+    which was asked for explicitly."""
+
+    def __init__(self, enabled: bool, show_accepted: bool = False) -> None:
+        self.enabled = enabled
+        self.show_accepted = show_accepted
+
+    def wrap(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.enabled and text else text
+
+    def dim(self, text: str) -> str:
+        return self.wrap("2", text)
+
+    def bold(self, text: str) -> str:
+        return self.wrap("1", text)
+
+    def drafted(self, text: str) -> str:
+        return f"\x1b[32m{text}\x1b[0m" if self.show_accepted and text else text
+
+    def error(self, text: str) -> str:
+        return self.wrap("31", text)
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A line for the user on stderr (banner, notices, stats): stdout carries only answers."""
+    stream = stream or sys.stderr
+    stream.write(text + "\n")
+    stream.flush()
+
+
+class StreamDecoder:
+    """Token ids to text as they arrive.
+
+    Each new token is decoded together with the few tokens before it, and only the text it
+    adds is returned: tokenizers that attach a space to the following token (SentencePiece)
+    print it right, and bytes of a multi-byte character split over tokens are held back
+    (decoded as U+FFFD) until the character is complete.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window of tokens already printed
+        self.read = 0  # tokens before this index have been printed
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+
+# -- the conversation --------------------------------------------------------------------
+@dataclass
+class Turn:
+    user: str
+    answer: str
+    prompt_ids: list[int]  # everything the model saw before answering
+    answer_ids: list[int]  # what it answered (end-of-turn token included when it ended)
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # the chat-template text the ids stand for
+    dropped: int  # oldest turns left out to fit the context window
+
+
+@dataclass
+class Conversation:
+    """Messages plus the exact token ids the model has seen and produced so far.
+
+    A new turn's ids are the previous ids as they were generated (exactly what the KV cache
+    holds) followed by the template's continuation, encoded; re-encoding the whole history
+    would be equal in text but may split the model's own answers into different tokens.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def messages(self, turns: list[Turn], user: str | None) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for t in turns:
+            msgs += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.answer}]
+        if user is not None:
+            msgs.append({"role": "user", "content": user})
+        return msgs
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, user: str, turns: list[Turn]) -> Prompt:
+        text = self.tokenizer.apply_chat_template(self.messages(turns, user), add_generation_prompt=True, tokenize=False)
+        if self.text and text.startswith(self.text):
+            return Prompt(self.ids + self.encode(text[len(self.text):]), text, len(self.turns) - len(turns))
+        return Prompt(self.encode(text), text, len(self.turns) - len(turns))
+
+    def fit(self, user: str, window: int, budget: int) -> Prompt:
+        """The prompt for ``user``'s message, oldest turns dropped until the prompt plus an
+        answer of ``budget`` tokens fits a ``window``-token context."""
+        from medusa.errors import MedusaError
+
+        turns = list(self.turns)
+        while True:
+            prompt = self.prompt(user, turns)
+            if len(prompt.ids) + budget <= window:
+                return prompt
+            if not turns:
+                raise MedusaError(
+                    f"the message needs {len(prompt.ids)} tokens but only {window - budget} fit "
+                    f"(context window {window} less {budget} for the answer): shorten it or lower --max-new-tokens"
+                )
+            turns = turns[1:]
+
+    def add(self, user: str, prompt: Prompt, answer_ids: list[int], finish_reason: str, stats: dict[str, Any]) -> None:
+        decode = self.tokenizer.decode
+        answer = decode(answer_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self.turns = self.turns[prompt.dropped:] + [Turn(user, answer, prompt.ids, list(answer_ids), finish_reason, stats)]
+        self.ids = prompt.ids + list(answer_ids)
+        self.text = prompt.text + decode(answer_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def reset(self) -> None:
+        self.turns, self.ids, self.text = [], [], ""
+
+
+# -- Ctrl-C while decoding ---------------------------------------------------------------
+class StopOnInterrupt:
+    """While an answer streams, the first Ctrl-C asks the engine to stop at the next step
+    boundary (the cache stays consistent and the printed tokens stay in the conversation);
+    a second Ctrl-C aborts at once."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self.interrupted = False
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        self.generation.stop()
+
+    def __enter__(self) -> StopOnInterrupt:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    import torch
+
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+OOM_HINT = ("out of memory: /reset the conversation, lower --max-new-tokens or --max-context, "
+            "use a smaller --tree, or --dtype bfloat16")
+
+
+# -- the session -------------------------------------------------------------------------
+@dataclass
+class Totals:
+    answers: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    accepted: int = 0  # tokens emitted by decode steps (the prefill's first token excluded)
+
+
+class Chat:
+    def __init__(self, engine: Engine, args: argparse.Namespace, mode: str, style: Style, window: int) -> None:
+        self.engine = engine
+        self.args = args
+        self.sampling = sampling_config(args)
+        self.mode = mode
+        self.style = style
+        self.window = window
+        self.conversation = Conversation(engine.tokenizer, args.system)
+        self.state = None  # DecodeState of the last answer: its cache seeds the next turn
+        self.totals = Totals()
+        self.last: GenerationResult | None = None
+
+    # -- answering ------------------------------------------------------------------------
+    def generation_kwargs(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.args.max_new_tokens, "mode": self.mode, "tree": self.args.tree,
+                    "sampling": self.sampling}
+
+    def answer(self, user: str, out: TextIO) -> int:
+        """Answer one message, streaming it to ``out``; returns an exit code."""
+        from medusa.errors import MedusaError
+
+        try:
+            prompt = self.conversation.fit(user, self.window, self.args.max_new_tokens)
+            if prompt.dropped:
+                say(self.style.dim(f"[dropped the {prompt.dropped} oldest turn(s) to fit the "
+                                   f"{self.window}-token context window]"))
+            generation = self.engine.stream(prompt.ids, state=self.state, **self.generation_kwargs())
+        except MedusaError as err:
+            say(self.style.error(f"error: {err}"))
+            return EXIT_USER_ERROR
+        decoder = StreamDecoder(self.engine.tokenizer)
+        stopper = StopOnInterrupt(generation)
+        try:
+            with stopper:
+                for chunk in generation:
+                    out.write(self.render(decoder, chunk, generation.proposed))
+                    out.flush()
+        except KeyboardInterrupt:
+            # Aborted mid-step: the cache may hold half a step, so it and this turn are dropped.
+            self.state = None
+            out.write("\n")
+            say(self.style.dim("[aborted: this answer is dropped from the conversation]"))
+            return EXIT_INTERRUPTED
+        except MedusaError as err:
+            self.state = None
+            out.write("\n")
+            say(self.style.error(f"error: {err}"))
+            return EXIT_USER_ERROR
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            self.state = None
+            out.write("\n")
+            say(self.style.error(f"error: {OOM_HINT}"))
+            return EXIT_OOM
+        out.write("\n")
+        out.flush()
+        result = generation.result
+        assert result is not None
+        self.state = result.state
+        self.last = result
+        self.conversation.add(user, prompt, result.tokens, result.finish_reason, result.stats.as_dict())
+        self.count(result)
+        say(self.style.dim(self.stats_line(result)))
+        return EXIT_INTERRUPTED if result.finish_reason == "stopped" else EXIT_OK
+
+    def render(self, decoder: StreamDecoder, chunk: list[int], proposed: int) -> str:
+        """The chunk's text; the first ``proposed`` tokens were drafted (coloured with --show-accepted)."""
+        drafted = "".join(decoder.push(t) for t in chunk[:proposed])
+        return self.style.drafted(drafted) + "".join(decoder.push(t) for t in chunk[proposed:])
+
+    def count(self, result: GenerationResult) -> None:
+        s = result.stats
+        self.totals.answers += 1
+        self.totals.tokens += s.new_tokens
+        self.totals.seconds += s.seconds
+        self.totals.steps += s.steps
+        self.totals.accepted += sum(s.accepted)
+
+    @staticmethod
+    def stats_line(result: GenerationResult) -> str:
+        s = result.stats
+        ending = {"eos": "", "length": " · hit --max-new-tokens", "context": " · context window full",
+                  "stopped": " · stopped"}.get(result.finish_reason, f" · {result.finish_reason}")
+        tau = f"{s.tau:.2f}" if s.steps else "-"  # no decode step ran: the answer came from the prefill
+        return (f"[{s.new_tokens} tokens in {s.seconds:.2f} s · {s.tokens_per_second:.1f} tok/s · "
+                f"tau {tau} · {s.new_tokens / (s.steps + 1):.2f} tok/pass · "
+                f"prefill {s.prefill_tokens} tokens in {s.prefill_seconds:.2f} s{ending}]")
+
+    # -- commands -------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command; False when the session should end."""
+        from medusa.engine import MODES
+        from medusa.errors import MedusaError
+
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            say(HELP.format(modes=", ".join(MODES)))
+        elif name == "/reset":
+            self.conversation.reset()
+            self.state = None
+            say(self.style.dim("[conversation cleared]"))
+        elif name == "/mode":
+            if not arg:
+                say(f"mode: {self.mode} (available: {', '.join(MODES)})")
+                return True
+            try:
+                self.engine.proposer(arg, self.args.tree)
+            except MedusaError as err:
+                say(self.style.error(f"error: {err}"))
+                return True
+            self.mode = arg
+            say(self.style.dim(f"[mode: {arg}]"))
+        elif name == "/stats":
+            say(self.session_stats())
+        elif name == "/save":
+            if not arg:
+                say(self.style.error("error: /save needs a file name, e.g. /save chat.json"))
+                return True
+            try:
+                Path(arg).expanduser().write_text(json.dumps(self.transcript(), indent=1) + "\n")
+            except OSError as err:
+                say(self.style.error(f"error: cannot write {arg}: {err.strerror or err}"))
+                return True
+            say(self.style.dim(f"[saved {len(self.conversation.turns)} turn(s) to {arg}]"))
+        else:
+            say(self.style.error(f"error: unknown command {name}: /help lists the commands"))
+        return True
+
+    def session_stats(self) -> str:
+        t = self.totals
+        rate = t.tokens / t.seconds if t.seconds else 0.0
+        tau = t.accepted / t.steps if t.steps else 0.0
+        per_pass = t.tokens / (t.steps + t.answers) if t.answers else 0.0
+        cached = self.state.length if self.state is not None else 0
+        lines = [(f"session: {t.answers} answer(s), {t.tokens} tokens, {rate:.1f} tok/s, tau {tau:.2f}, "
+                 f"{per_pass:.2f} tok/pass"),
+                 (f"conversation: {len(self.conversation.turns)} turn(s), {cached} tokens cached, "
+                 f"context window {self.window}"),
+                 (f"decoding: mode {self.mode}, {sampling_label(self.sampling)}, "
+                 f"max {self.args.max_new_tokens} new tokens")]
+        if self.last is not None:
+            lines.append(f"last answer: {self.stats_line(self.last)}")
+        return "\n".join(lines)
+
+    def transcript(self) -> dict[str, Any]:
+        conv = self.conversation
+        return {"system": conv.system, "mode": self.mode,
+                "messages": conv.messages(conv.turns, None),
+                "turns": [vars(t) for t in conv.turns], "ids": conv.ids}
+
+
+# -- startup -----------------------------------------------------------------------------
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """The options given, over SamplingConfig's defaults (raises MedusaError on bad values)."""
+    from medusa.sampling import SamplingConfig
+
+    return SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                     seed=args.seed, acceptance=args.acceptance)
+
+
+def sampling_label(sampling: SamplingConfig) -> str:
+    if sampling.greedy:
+        return "greedy"
+    parts = [f"temperature {sampling.temperature:g}"]
+    if sampling.top_p < 1:
+        parts.append(f"top-p {sampling.top_p:g}")
+    if sampling.top_k:
+        parts.append(f"top-k {sampling.top_k}")
+    parts.append(f"{sampling.acceptance} acceptance")
+    if sampling.seed is not None:
+        parts.append(f"seed {sampling.seed}")
+    return ", ".join(parts)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="medusa-chat" if Path(sys.argv[0]).name == "medusa-chat" else "python -m infer.chat",
+        description="Chat with a model through Medusa heads, a draft model, prompt lookup or plain decoding.",
+        epilog="Exit codes: 0 done, 1 a problem to fix (bad path, mismatched heads, message too long), "
+               "2 bad usage, 3 out of memory, 130 interrupted.",
+    )
+    p.add_argument("--model", help="Hub id, model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the shipped heads "
+                                   "of the embedded model, when present)")
+    p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
+    p.add_argument("--mode", help="medusa, draft, lookup or baseline (default: medusa when heads are loaded, "
+                                  "draft when --draft is given, else baseline)")
+    p.add_argument("--temperature", type=float, help="0 is greedy (the default); above 0 samples")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same answer")
+    p.add_argument("--acceptance", help="with sampling: lossless (exactly the target's distribution, default) "
+                                        "or typical (Medusa's, accepts more, lossy)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="keep the conversation within this many tokens (default: the model's context window); "
+                        "the oldest turns are dropped")
+    p.add_argument("--system", help="system prompt (default: the chat template's)")
+    p.add_argument("--tree", help="Medusa tree: a name in configs/trees (cpu, gpu) or a JSON file of paths")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--show-accepted", action="store_true",
+                   help="colour the tokens drafted by the heads/draft that the target accepted")
+    p.add_argument("--prompt", help="answer this one message and exit")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if args.max_context is not None and args.max_context < 2:
+        p.error("--max-context must be at least 2")
+    return args
+
+
+def embedded_needs_dequantising() -> bool:
+    from medusa.target import DEFAULT_MODEL_NAME, cache_root
+
+    return not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file()
+
+
+def load_engine(args: argparse.Namespace, style: Style) -> Engine:
+    import medusa
+
+    model_label = args.model or "SmolLM2-135M-Instruct (embedded)"
+    say(style.dim(f"loading {model_label} ..."))
+    if args.model is None and embedded_needs_dequantising():
+        say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = medusa.load(args.model, heads=args.heads, draft=args.draft, device=args.device, dtype=args.dtype,
+                             tree=args.tree)
+    for w in caught:
+        if issubclass(w.category, UserWarning) and w.filename.startswith(str(Path(medusa.__file__).parent)):
+            say(style.dim(f"note: {str(w.message).splitlines()[0]}"))
+    return engine
+
+
+def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
+    if args.mode is not None:
+        mode = args.mode
+    elif engine.heads is not None:
+        mode = "medusa"
+    elif args.draft is not None:
+        mode = "draft"
+    else:
+        mode = "baseline"
+        if args.model is None:
+            say(style.dim("note: no trained heads ship with this install yet: decoding in baseline mode "
+                          "(--heads FOLDER for trained heads, --heads init for untrained ones)"))
+    engine.proposer(mode, args.tree)  # the engine's one-line error for a mode it cannot run
+    return mode
+
+
+def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
+    from medusa.tree import compile_tree
+
+    lm = engine.model
+    params = sum(p.numel() for p in lm.parameters()) / 1e6
+    model = args.model or "SmolLM2-135M-Instruct (embedded)"
+    lines = [(f"model   {model} · {params:.1f}M parameters · {engine.device} {str(lm.dtype).removeprefix('torch.')} "
+             f"· context {window} tokens")]
+    if engine.heads is not None:
+        c = engine.heads.config
+        source = args.heads or "shipped"
+        tree = compile_tree(engine.tree_paths(args.tree))
+        lines.append(f"heads   {source} · {c.num_heads} heads x {c.num_layers} layer(s) · tree "
+                     f"{args.tree or ('gpu' if engine.device.type == 'cuda' else 'cpu')} "
+                     f"({tree.num_nodes} nodes, depth {tree.max_depth})")
+    if args.draft is not None:
+        lines.append(f"draft   {args.draft}")
+    lines.append(f"mode    {mode} · {sampling_label(sampling_config(args))} · up to {args.max_new_tokens} new tokens")
+    if args.show_accepted:
+        lines.append("colours " + style.drafted("drafted and accepted") + " · plain: the target's own token")
+    return "\n".join(lines)
+
+
+def read_stdin_prompt() -> str | None:
+    """The whole of a piped stdin as one prompt; None when stdin is a terminal."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    return sys.stdin.read().strip()
+
+
+def setup_readline() -> Callable[[], None]:
+    """Line editing and a persistent input history where readline exists; returns the saver."""
+    try:
+        import readline
+    except ImportError:
+        return lambda: None
+    from medusa.target import cache_root
+
+    path = Path(os.environ.get("MEDUSA_CHAT_HISTORY", cache_root() / "chat_history"))
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    return save
+
+
+def interactive(chat: Chat, style: Style) -> int:
+    save_history = setup_readline()
+    # \001 and \002 tell readline the colour codes take no room on the line.
+    prompt = "\001\x1b[1;34m\002you>\001\x1b[0m\002 " if style.enabled else "you> "
+    say(style.dim("type a message; /help for commands, Ctrl-C stops an answer, Ctrl-D exits"))
+    try:
+        while True:
+            try:
+                line = input(prompt)
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                continue
+            except EOFError:
+                sys.stdout.write("\n")
+                return EXIT_OK
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("/"):
+                if not chat.command(line):
+                    return EXIT_OK
+                continue
+            chat.answer(line, sys.stdout)
+    finally:
+        save_history()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    style = Style(sys.stdout.isatty() and sys.stderr.isatty() and "NO_COLOR" not in os.environ, args.show_accepted)
+    prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
+    if prompt is not None and not prompt.strip():
+        say("error: the prompt is empty: pass --prompt TEXT or pipe a message on stdin")
+        return EXIT_USER_ERROR
+    try:
+        from medusa.errors import MedusaError
+
+        try:
+            sampling_config(args)
+            engine = load_engine(args, style)
+            mode = pick_mode(args, engine, style)
+        except MedusaError as err:
+            say(style.error(f"error: {err}"))
+            return EXIT_USER_ERROR
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            say(style.error(f"error: {OOM_HINT}"))
+            return EXIT_OOM
+        model_window = engine.max_positions or args.max_context or 2048
+        window = min(model_window, args.max_context or model_window)
+        if args.max_new_tokens >= window:
+            say(style.error(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a message in the "
+                            f"{window}-token context window: lower it"))
+            return EXIT_USER_ERROR
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+            say(style.error(f"error: {args.model} has no chat template: chat needs an instruction-tuned model "
+                            "(python -m infer.bench runs plain prompts)"))
+            return EXIT_USER_ERROR
+        say(style.dim(banner(args, engine, mode, window, style)))
+        chat = Chat(engine, args, mode, style, window)
+        if prompt is not None:
+            return chat.answer(prompt, sys.stdout)
+        return interactive(chat, style)
+    except KeyboardInterrupt:
+        say("\ninterrupted")
+        return EXIT_INTERRUPTED
+
+
+def cli() -> None:
+    """Console-script entry point (``medusa-chat``)."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
