@@ -7,11 +7,16 @@ before any timing, each mode is warmed up once, and prompts are interleaved acro
 so that machine noise hits every mode alike. Speed is reported as tokens/s and as a ratio
 to ``hf`` (transformers' own ``generate``) measured in this run; greedy outputs are checked
 token for token against ``hf``.
+
+With ``--temperature`` above 0 every mode samples (``hf`` through transformers' own
+sampling with the same temperature, top-p and top-k); outputs then differ run to run by
+design, so the identical-output column reads n/a while tau and speedup still compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -26,6 +31,7 @@ from transformers import GenerationConfig
 import medusa
 from medusa.engine import Engine
 from medusa.errors import MedusaError
+from medusa.sampling import ACCEPTANCE, SamplingConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
 
@@ -116,14 +122,15 @@ def mode(name: str) -> Callable[[Runner], Runner]:
 
 
 def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, name: str) -> Run:
-    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree)
+    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree, sampling=args.sampling)
     return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1, accepted=list(res.stats.accepted))
 
 
 def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationConfig:
     eos = sorted(engine.eos) or None
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad, **extra)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                            **{**args.sampling.hf_generate_kwargs(), **extra})
 
 
 def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, **kwargs) -> Run:
@@ -144,6 +151,8 @@ def _sync(engine: Engine) -> None:
 
 @mode("hf")
 def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    if not args.sampling.greedy and args.sampling.seed is not None:
+        torch.manual_seed(args.sampling.seed)  # transformers samples from the global generator
     run = hf_generate(engine, ids, _hf_config(engine, args))
     run.steps = len(run.tokens)
     return run
@@ -159,8 +168,36 @@ def run_medusa(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     return _engine_run(engine, ids, args, "medusa")
 
 
+@mode("draft")
+def run_draft(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(engine, ids, args, "draft")
+
+
+@mode("lookup")
+def run_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(engine, ids, args, "lookup")
+
+
+@mode("hf-assisted")
+def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    """transformers' assisted generation with the same draft and draft length as ``draft``."""
+    if engine.draft is None:
+        raise MedusaError("mode hf-assisted needs a draft: pass --draft FOLDER_OR_HUB_ID (or --draft default)")
+    schedule = "heuristic" if engine.adaptive_draft else "constant"
+    config = _hf_config(engine, args, num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule)
+    return hf_generate(engine, ids, config, assistant_model=engine.draft)
+
+
+@mode("prompt-lookup")
+def run_prompt_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    """transformers' prompt lookup decoding with the same settings as ``lookup``."""
+    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.lookup_tokens,
+                        max_matching_ngram_size=engine.lookup_ngram)
+    return hf_generate(engine, ids, config)
+
+
 # -- report --------------------------------------------------------------------------------
-def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str | None) -> dict:
+def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str | None, sampled: bool = False) -> dict:
     out: dict[str, dict] = {}
     ref_tps = None
     if reference in runs:
@@ -171,7 +208,7 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
         steps = [r.steps for r in rs if r.steps is not None]
         tps = tokens / seconds if seconds else 0.0
         same = None
-        if reference in runs and name != reference:
+        if reference in runs and name != reference and not sampled:
             same = sum(r.tokens == ref.tokens for r, ref in zip(rs, runs[reference]))
         categories: dict[str, dict] = {}
         for p, r in zip(prompts, rs):
@@ -182,7 +219,7 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "tokens": tokens, "seconds": seconds, "tokens_per_second": tps,
             "speedup": tps / ref_tps if ref_tps else None,
             "tau": tokens / sum(steps) if len(steps) == len(rs) and sum(steps) else None,
-            "identical": same, "prompts": len(rs),
+            "identical": same, "sampled": sampled, "prompts": len(rs),
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
@@ -200,7 +237,7 @@ def table(summary: dict, reference: str | None) -> str:
         if name == reference:
             same = "(reference)"
         elif s["identical"] is None:
-            same = "-"
+            same = "n/a (sampled)" if s.get("sampled") else "-"
         else:
             same = f"{'yes' if s['identical'] == s['prompts'] else 'NO'} ({s['identical']}/{s['prompts']})"
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {speed} | {tau} | {same} |")
@@ -212,13 +249,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
-    ap.add_argument("--draft", default=None, help="draft model for draft modes")
+    ap.add_argument("--draft", default=None,
+                    help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
+    ap.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (draft, hf-assisted)")
+    ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
+    ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, prompt-lookup)")
+    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
     ap.add_argument("--tree", default=None, help="tree name in configs/trees or a JSON file of paths (default: per device)")
+    d = SamplingConfig()  # the one place sampling defaults live
+    ap.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default: {d.temperature:g})")
+    ap.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {d.top_p:g} = off)")
+    ap.add_argument("--top-k", type=int, default=None, help=f"sample from the k likeliest tokens (default: {d.top_k} = off)")
+    ap.add_argument("--seed", type=int, default=None, help="seed for sampled runs: the same seed, the same outputs")
+    ap.add_argument("--acceptance", choices=ACCEPTANCE, default=None,
+                    help=f"verification when sampling: lossless, or the lossy typical (default: {d.acceptance})")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
@@ -229,13 +278,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        args.sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                                  seed=args.seed, acceptance=args.acceptance)
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
         heads = args.heads if args.heads is not None or "medusa" in modes else None
-        engine = medusa.load(model=args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype, tree=args.tree)
+        draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
+        engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
+                             draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft)
+        engine.lookup_tokens, engine.lookup_ngram = args.lookup_tokens, args.lookup_ngram
         if "medusa" in modes and engine.heads is None:
             raise MedusaError("mode medusa needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         for p in prompts:
@@ -252,11 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    summary = summarise(prompts, runs, reference)
+    summary = summarise(prompts, runs, reference, sampled=not args.sampling.greedy)
     print(table(summary, reference))
     meta = {"model": args.model or "embedded default", "heads": args.heads or "default", "max_new_tokens": args.max_new_tokens,
+            "draft": draft, "draft_tokens": args.draft_tokens, "adaptive_draft": args.adaptive_draft,
+            "lookup_tokens": args.lookup_tokens, "lookup_ngram": args.lookup_ngram,
             "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
+            "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
     if args.json:
         path = Path(args.json)
