@@ -79,15 +79,24 @@ def shift_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
                        None if t_logp is None else flat(t_logp))
 
 
-def head_logits(heads: MedusaHeads, k: int, hidden: torch.Tensor) -> torch.Tensor:
-    """``[n, H] -> [n, V]`` float32 logits of head ``k``."""
+def head_logits(heads: MedusaHeads, k: int, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, H] -> [n, V]`` float32 logits of head ``k`` (``[n, S]`` over the ids ``vocab [S]`` if given)."""
     feats = heads.blocks[k](hidden)  # [n, H]
+    if vocab is not None:
+        weight = heads.projection_weight(k)[vocab]  # [S, H]
+        return (feats.to(weight.dtype) @ weight.T).float()
     if heads.proj is not None:
         return heads.proj[k](feats).float()
     # The shared projection is the target's (maybe bf16) lm_head: cast the small side.
     # It is called as a module so that sharded (ZeRO-3) weights are gathered for it.
     lm_head = heads._lm_head[0]
     return lm_head(feats.to(heads.projection_weight(k).dtype)).float()
+
+
+def frequent_tokens(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``token_ids`` (ties and unseen ids by id), sorted."""
+    counts = torch.bincount(token_ids.reshape(-1).long(), minlength=vocab_size)
+    return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
 def soft_cross_entropy(logp: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,16 +111,25 @@ def soft_cross_entropy(logp: torch.Tensor, teacher_ids: torch.Tensor, teacher_lo
 
 
 def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, weights: list[float],
-               distill: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               distill: float = 1.0, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum over heads of ``(1 - distill) * CE + distill * KL``.
 
     ``hidden`` is ``[N, H]`` (the target's final hidden states at the source positions).
+    ``vocab`` (``[S]`` token ids) restricts the heads' softmax to a frequent subset: on a
+    CPU the vocabulary projection dominates the cost, and drafting only ever proposes
+    likely tokens. Targets outside the subset then count as misses; teachers are
+    renormalised over their top-k ids inside it.
     Returns the loss and summable counts: ``n [K]`` positions, ``top1 [K]`` and ``top5 [K]``
     hits against the reference token (the target's own argmax when a teacher is given,
     since that is what verification accepts; the data token otherwise), ``loss [K]`` sums.
     """
     K = heads.num_heads
     device = hidden.device
+    index = None
+    if vocab is not None:
+        # token id -> position in the subset, -1 outside it
+        index = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=device)
+        index[vocab] = torch.arange(len(vocab), device=device)
     counts = {name: torch.zeros(K, device=device) for name in ("n", "top1", "top5", "loss")}
     total = hidden.new_zeros((), dtype=torch.float32)
     use_teacher = distill > 0
@@ -121,17 +139,33 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, w
         rows = targets.valid[k].nonzero().squeeze(-1)  # [n]
         if rows.numel() == 0:
             continue
-        logp = torch.log_softmax(head_logits(heads, k, hidden[rows]), dim=-1)  # [n, V]
+        logp = torch.log_softmax(head_logits(heads, k, hidden[rows], vocab), dim=-1)  # [n, V or S]
         per_row = torch.zeros(rows.numel(), device=device)
+        labels = targets.labels[k, rows]
+        if index is not None:
+            labels = index[labels]  # -1: outside the subset, ignored by the CE
+            labels = labels.masked_fill(labels < 0, IGNORE)
         if distill < 1:
-            per_row = per_row + (1 - distill) * F.nll_loss(logp, targets.labels[k, rows], reduction="none")
+            per_row = per_row + (1 - distill) * F.nll_loss(logp, labels, reduction="none", ignore_index=IGNORE)
         if use_teacher:
             ids = targets.teacher_ids[k, rows]  # [n, k]
-            kl, _ = soft_cross_entropy(logp, ids, targets.teacher_logp[k, rows])
+            t_logp = targets.teacher_logp[k, rows].float()
+            if index is not None:
+                reference = index[ids[:, 0]]
+                ids = index[ids]
+                inside = ids >= 0
+                # Drop teacher ids outside the subset; a row with none left keeps a dummy
+                # entry of weight ~0 so the renormalisation stays finite.
+                t_logp = t_logp.masked_fill(~inside, -1e4)
+                ids = ids.clamp(min=0)
+            else:
+                reference = ids[:, 0]
+            kl, _ = soft_cross_entropy(logp, ids, t_logp)
+            if index is not None:
+                kl = kl * inside.any(-1)
             per_row = per_row + distill * kl
-            reference = ids[:, 0]
         else:
-            reference = targets.labels[k, rows]
+            reference = labels
         total = total + weights[k] * per_row.mean()
         with torch.no_grad():
             top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices  # [n, 5]

@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,7 +38,7 @@ from medusa.data import DataSplits, Example, build_datasets
 from medusa.errors import MedusaError
 from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
 from medusa.heads import MedusaHeads, init_heads_for, save_heads
-from medusa.losses import HeadTargets, head_weights, heads_loss, lm_distill_loss, shift_targets
+from medusa.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 from medusa.target import load_target
 
 log = logging.getLogger("medusa.training")
@@ -54,6 +55,7 @@ class TrainConfig:
     model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded SmolLM2-135M-Instruct)")
     dtype: str | None = arg(None, "target dtype: float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
+    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead)")
     num_layers: int = arg(1, "residual blocks per head")
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
@@ -71,6 +73,8 @@ class TrainConfig:
     teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher")
     head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")
     head_weights: list[float] | None = arg(None, "explicit per-head loss weights (comma separated)")
+    train_vocab: int = arg(0, "softmax of the heads over only the N most frequent tokens of the data (0: full "
+                              "vocabulary); makes CPU training several times cheaper")
     # -- Medusa-2 --
     lora: bool = arg(False, "Medusa-2: also train the target through LoRA adapters")
     lora_r: int = arg(16, "LoRA rank")
@@ -131,10 +135,11 @@ class HeadsTrainer(nn.Module):
     so it is neither wrapped, sharded nor saved.
     """
 
-    def __init__(self, heads: MedusaHeads, target: nn.Module, cfg: TrainConfig) -> None:
+    def __init__(self, heads: MedusaHeads, target: nn.Module, cfg: TrainConfig, vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.cfg = cfg
+        self.vocab = vocab  # [S] token ids the heads' softmax covers, None: all
         self.weights = head_weights(cfg.num_heads, cfg.head_weight_decay, cfg.head_weights)
         if cfg.lora:
             self.target = target  # trainable adapters inside
@@ -146,7 +151,7 @@ class HeadsTrainer(nn.Module):
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if "hidden" in batch:  # from the feature cache
-            return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill)
+            return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill, self.vocab)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]  # [B, T] each
         target = self._target()
         with torch.no_grad():
@@ -156,15 +161,18 @@ class HeadsTrainer(nn.Module):
                     t_hidden, t_logits = run_target(target, ids, attn)
             else:
                 t_hidden, t_logits = run_target(target, ids, attn)
-            top, top_ids = t_logits.float().topk(self.cfg.teacher_topk, dim=-1)  # [B, T, k]
-            top_logp = top - torch.logsumexp(t_logits.float(), dim=-1, keepdim=True)
+            top_ids = top_logp = None
+            if self.cfg.distill > 0:
+                k = min(self.cfg.teacher_topk, t_logits.shape[-1])
+                top, top_ids = t_logits.float().topk(k, dim=-1)  # [B, T, k]
+                top_logp = top - torch.logsumexp(t_logits.float(), dim=-1, keepdim=True)
         if self.cfg.lora:
             hidden, logits = run_target(target, ids, attn)  # [B, T, H], [B, T, V] with grads
         else:
             hidden = t_hidden
         targets = shift_targets(ids, mask * attn, self.cfg.num_heads, top_ids, top_logp)
         loss, counts = heads_loss(self.heads, hidden.reshape(-1, hidden.shape[-1]), targets, self.weights,
-                                  self.cfg.distill)
+                                  self.cfg.distill, self.vocab)
         if self.cfg.lora:
             keep = attn.bool()
             lm = lm_distill_loss(logits[keep], t_logits[keep])
@@ -419,9 +427,14 @@ def train(cfg: TrainConfig) -> Path:
         (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
     set_seed(cfg.seed)
     t0 = time.time()
+    if main:
+        log.info("accelerate: %d process(es), %s, %s", world, accelerator.distributed_type.name, device)
 
     # Target and data. Every process tokenises the same data the same way (deterministic).
     target, tokenizer = load_target(cfg.model, device=device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        path = Path(cfg.chat_template)
+        tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
     splits: DataSplits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
                                         cfg.pack, cfg.data_seed, cfg.data_split, progress=main)
     if main:
@@ -433,7 +446,11 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.lora:
         target = attach_lora(target, cfg)
         heads.bind(target.get_output_embeddings())
-    module = HeadsTrainer(heads, target, cfg)
+    vocab = None
+    if cfg.train_vocab > 0:
+        seen = torch.tensor([t for ex in splits.train for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+        vocab = frequent_tokens(seen, cfg.train_vocab, heads.config.vocab_size).to(device)
+    module = HeadsTrainer(heads, target, cfg, vocab)
 
     caches = {"train": None, "eval": None}
     if cfg.cache_dir:
@@ -442,12 +459,13 @@ def train(cfg: TrainConfig) -> Path:
             if not examples:
                 continue
             folder = Path(cfg.cache_dir) / split
-            fp = fingerprint(name, examples, cfg.teacher_topk)
+            topk = min(cfg.teacher_topk, heads.config.vocab_size)
+            fp = fingerprint(name, examples, topk)
             if not is_complete(folder, fp):
                 bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
                            disable=not main)
                 build_cache(folder, lambda i, a: run_target(target, i, a), examples, heads.config.hidden_size,
-                            cfg.teacher_topk, fp, rank, world, accelerator.wait_for_everyone, device,
+                            topk, fp, rank, world, accelerator.wait_for_everyone, device,
                             cfg.cache_batch_tokens, bar.update)
                 bar.close()
             caches[split] = FeatureCache.open(folder)
@@ -474,14 +492,31 @@ def train(cfg: TrainConfig) -> Path:
             log.info("resume: no checkpoint in %s, starting fresh", out / CHECKPOINTS)
         else:
             step = load_checkpoint(accelerator, module, optimizer, ckpt)
-            for _ in range(step):
-                scheduler.step()
+            with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
+                warnings.simplefilter("ignore")
+                for _ in range(step):
+                    scheduler.step()
             log.info("resumed from %s at step %d", ckpt, step)
     last_good = latest_checkpoint(out)
 
     run = start_wandb(cfg, out) if main else None
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
+    history = (out / "metrics.jsonl").open("a") if main else None
+
+    def record(kind: str, values: dict[str, Any]) -> None:
+        """One line per log/eval in output_dir/metrics.jsonl (and wandb)."""
+        line = {"kind": kind, "step": step, **{k: round(v, 5) if isinstance(v, float) else v for k, v in values.items()}}
+        log.info(json.dumps(line))
+        history.write(json.dumps(line) + "\n")
+        history.flush()
+        if run is not None:
+            run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+
     eval_metrics: dict[str, float] = {}
+    if eval_data is not None and cfg.eval_every and step == 0:
+        eval_metrics = evaluate(module, eval_data, accelerator, cfg)  # the untrained baseline
+        if main:
+            record("eval", eval_metrics)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     while step < total:
         module.train()
         # Dropout (LoRA) draws depend only on the step: resumed runs replay them exactly.
@@ -515,23 +550,21 @@ def train(cfg: TrainConfig) -> Path:
             f"h{k + 1}": f"{metrics[f'head{k + 1}/top1']:.2f}/{metrics[f'head{k + 1}/top5']:.2f}"
             for k in range(cfg.num_heads)})
         if main and (step % cfg.log_every == 0 or step == total):
-            record = {"step": step, "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0], **metrics}
+            values = {"loss": step_loss.item(), "lr": scheduler.get_last_lr()[0], **metrics}
             if "lm_kl" in sums:
-                record["lm_kl"] = float(sums["lm_kl"].sum() / world / cfg.grad_accum)
-            log.info(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
-            if run is not None:
-                run.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
+                values["lm_kl"] = float(sums["lm_kl"].sum() / world / cfg.grad_accum)
+            record("train", values)
         if eval_data is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total):
             eval_metrics = evaluate(module, eval_data, accelerator, cfg)
             if main:
-                log.info("eval %d: %s", step, json.dumps({k: round(v, 4) for k, v in eval_metrics.items()}))
-                if run is not None:
-                    run.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
+                record("eval", eval_metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
             last_good = save_checkpoint(accelerator, module, optimizer, step, cfg, out)
     bar.close()
 
     final = finish(accelerator, module, tokenizer, cfg, out, step, eval_metrics, time.time() - t0)
+    if history is not None:
+        history.close()
     if run is not None:
         run.finish()
     return final

@@ -44,12 +44,16 @@ class SelfDistillConfig:
     device: str | None = arg(None, "device (default: cuda if available, else cpu)")
     dtype: str | None = arg(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
+    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(SelfDistillConfig, argv)
     torch.manual_seed(cfg.seed)
     model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        path = Path(cfg.chat_template)
+        tok.chat_template = path.read_text() if path.is_file() else cfg.chat_template
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from accelerate import PartialState
+from tqdm.auto import tqdm
 
 from medusa.config import parse_config
 from medusa.errors import MedusaError
@@ -19,8 +20,17 @@ from medusa.hub import push_heads, require_token
 from medusa.training import TrainConfig, train
 
 
+class TqdmHandler(logging.Handler):
+    """Log lines printed above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    handler = TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     cfg = parse_config(TrainConfig, argv)
     if cfg.push_to_hub:
         require_token()  # a missing token shows now, not after the training run
