@@ -1,0 +1,91 @@
+"""Configs: every shipped YAML loads into its dataclass; flags override YAML; typos fail."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from medusa.config import arg, diff_from_defaults, parse_config
+from medusa.errors import MedusaError
+from medusa.training import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+
+
+@dataclass
+class Toy:
+    """A toy config."""
+
+    name: str = arg("a", "a name")
+    steps: int = arg(3, "steps")
+    rate: float = arg(0.5, "rate")
+    flag: bool = arg(False, "a switch")
+    items: list[str] = arg(["x"], "items")
+    maybe: int | None = arg(None, "optional")
+    mode: str = arg("fast", "mode", choices=("fast", "slow"))
+
+
+def test_yaml_then_flags(tmp_path):
+    path = tmp_path / "toy.yaml"
+    path.write_text("steps: 10\nitems: [p, q]\nrate: 1e-3\n")
+    cfg = parse_config(Toy, ["--config", str(path), "--steps", "7", "--flag", "--maybe", "4"])
+    assert (cfg.steps, cfg.items, cfg.rate, cfg.flag, cfg.maybe, cfg.name) == (7, ["p", "q"], 1e-3, True, 4, "a")
+    assert parse_config(Toy, ["--items", "u,v", "--flag", "false", "--maybe", "none"]).items == ["u", "v"]
+    assert diff_from_defaults(cfg) == {"steps": 7, "items": ["p", "q"], "rate": 1e-3, "flag": True, "maybe": 4}
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--steps", "many"], "expects int"),
+    (["--mode", "medium"], "not one of"),
+    (["--flag", "perhaps"], "expects bool"),
+])
+def test_bad_values_are_medusa_errors(args, match):
+    with pytest.raises(MedusaError, match=match):
+        parse_config(Toy, args)
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("stepz: 3\n")
+    with pytest.raises(MedusaError, match="unknown field.*stepz"):
+        parse_config(Toy, ["--config", str(path)])
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("help"), f.name
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_train_yaml_loads_and_documents_its_command(path):
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    assert isinstance(cfg, TrainConfig)
+    first = path.read_text().splitlines()
+    command = next(line for line in first if "accelerate launch" in line)
+    assert f"--config configs/train/{path.name}" in command
+    cf = command.split("--config_file ")[1].split()[0]
+    assert (ROOT / cf).is_file()
+
+
+def test_gpu_configs_exist_for_the_named_targets():
+    names = {p.name for p in TRAIN_CONFIGS}
+    for name in ("smollm2-135m.yaml", "llama-3.1-8b-instruct.yaml", "qwen2.5-7b-instruct.yaml", "vicuna-7b-v1.3.yaml"):
+        assert name in names
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_yaml(path):
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED")
+    if cfg["distributed_type"] == "DEEPSPEED":
+        ds_file = ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]
+        ds = json.loads(ds_file.read_text())
+        assert ds["zero_optimization"]["stage"] in (2, 3)
+        assert "mixed_precision" not in cfg  # accelerate refuses it next to a DeepSpeed file
+    assert "accelerate launch" in path.read_text().splitlines()[1]

@@ -1,0 +1,134 @@
+"""The training loop, in process, on a tiny real Llama with a word-level chat tokenizer."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+
+import medusa
+from medusa.errors import MedusaError
+from medusa.heads import read_heads_config
+from medusa.training import TrainConfig, latest_checkpoint, train
+from train_fixtures import tiny_target, write_counting_data
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {"model": str(tiny_target(root / "model")), "data": str(write_counting_data(root / "count.jsonl", 48))}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    # Each run builds its own Accelerator; in one process they share accelerate's singletons.
+    AcceleratorState._reset_state(True)
+    yield
+
+
+def config(setup, out, **kw) -> TrainConfig:
+    base = dict(model=setup["model"], data=[setup["data"]], max_length=48, eval_fraction=0.1, num_heads=3,
+                batch_size=4, lr=1e-2, warmup_steps=2, max_steps=8, eval_every=0, eval_batches=0, log_every=1,
+                save_every=0, output_dir=str(out), wandb=False, distill=0.0, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def history(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_and_accuracy_rises_then_heads_load(setup, tmp_path):
+    out = tmp_path / "heads"
+    train(config(setup, out, max_steps=40, eval_every=40))
+    rows = history(out)
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
+    for k in (1, 2, 3):
+        assert evals[-1][f"head{k}/top1"] > evals[0][f"head{k}/top1"] + 0.3
+    cfg = read_heads_config(out)
+    assert cfg.extra["training_args"]["max_steps"] == 40
+    assert cfg.extra["eval_accuracy"]["head1"]["top1"] == pytest.approx(evals[-1]["head1/top1"], abs=1e-3)
+    engine = medusa.load(model=setup["model"], heads=str(out), device="cpu")
+    assert engine.heads is not None and engine.heads.num_heads == 3
+
+
+def test_self_distillation_with_feature_cache(setup, tmp_path):
+    out, cache = tmp_path / "heads", tmp_path / "cache"
+    cfg = config(setup, out, distill=1.0, cache_dir=str(cache), positions_per_batch=64, max_steps=30, eval_every=30)
+    train(cfg)
+    rows = history(out)
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert losses[-1] < 0.7 * losses[0]
+    meta = cache / "train" / "meta.json"
+    stamp = meta.stat().st_mtime_ns
+    AcceleratorState._reset_state(True)
+    train(config(setup, tmp_path / "again", distill=1.0, cache_dir=str(cache), positions_per_batch=64, max_steps=2))
+    assert meta.stat().st_mtime_ns == stamp  # same data: the cache is reused, not rebuilt
+
+
+def test_resume_reaches_the_uninterrupted_result(setup, tmp_path):
+    kw = dict(max_steps=6, save_every=3, grad_accum=2, batch_size=2, keep_checkpoints=1)
+    full = tmp_path / "full"
+    train(config(setup, full, **kw))
+    # The interrupted run: all it has is the checkpoint written half way.
+    resumed = tmp_path / "resumed"
+    ckpt = latest_checkpoint(full)
+    assert ckpt is not None and ckpt.name == "step-0000003"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    (resumed / "checkpoints" / "latest").write_text(ckpt.name)
+    AcceleratorState._reset_state(True)
+    train(config(setup, resumed, resume=True, **kw))
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+    assert [r for r in history(resumed) if r["kind"] == "train"][0]["step"] == 4
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path):
+    out, cache = tmp_path / "nan", tmp_path / "cache"
+    kw = dict(distill=1.0, cache_dir=str(cache), positions_per_batch=32, save_every=1)
+    train(config(setup, out, max_steps=2, **kw))
+    assert latest_checkpoint(out).name == "step-0000001"
+    heads_stamp = (out / "model.safetensors").stat().st_mtime_ns
+    # Corrupt the cached hidden states, as an fp16 overflow would: the next step's loss is NaN.
+    hidden = np.load(cache / "train" / "hidden.npy", mmap_mode="r+")
+    hidden[:] = np.nan
+    hidden.flush()
+    del hidden
+    AcceleratorState._reset_state(True)
+    with pytest.raises(MedusaError, match="loss became nan at step 1") as err:
+        train(config(setup, out, max_steps=4, resume=True, **kw))
+    good = latest_checkpoint(out)
+    assert good.name == "step-0000001" and str(good) in str(err.value)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000001"]
+    assert (out / "model.safetensors").stat().st_mtime_ns == heads_stamp  # nothing written from the bad run
+
+
+def test_medusa2_lora_saves_a_loadable_target_and_heads(setup, tmp_path):
+    out = tmp_path / "m2"
+    train(config(setup, out, lora=True, lora_r=4, lora_target_modules=["q_proj", "v_proj"], lora_lr=1e-2,
+                 distill=1.0, max_steps=4))
+    cfg = read_heads_config(out)
+    assert cfg.extra["medusa2"]["target"] == "target"
+    tuned = load_file(out / "target" / "model.safetensors")
+    original = load_file(setup["model"] + "/model.safetensors")
+    changed = [k for k in original if "q_proj" in k and not torch.equal(original[k], tuned[k])]
+    assert changed  # the LoRA update was merged into the saved target
+    engine = medusa.load(model=str(out / "target"), heads=str(out), device="cpu")
+    result = engine.generate([4, 12, 13, 16], max_new_tokens=8)
+    assert len(result.tokens) >= 1
+
+
+def test_config_errors_are_one_line_medusa_errors(setup, tmp_path):
+    with pytest.raises(MedusaError, match="lora"):
+        config(setup, tmp_path, lora=True, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(MedusaError, match="no usable training conversations|data file not found"):
+        train(config(setup, tmp_path / "x", data=[str(tmp_path / "missing.jsonl")]))
