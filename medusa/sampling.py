@@ -114,17 +114,38 @@ def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
         kept = scores.topk(k, dim=-1).values  # [..., k] descending
         scores = scores.masked_fill(scores < kept[..., -1:], float("-inf"))
     if sampling.top_p < 1:
-        # Only tokens that survived top-k can be kept, so sorting those is enough.
-        ranked = kept if 0 < k < vocab else scores.sort(dim=-1, descending=True).values  # [..., k or V]
-        ascending = ranked.flip(-1)
-        cum = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of the smallest tokens, inclusive
-        drop = cum <= 1 - sampling.top_p
-        drop[..., -1] = False  # keep at least the most likely token
+        # Only the best tokens can be kept: top-k's survivors, or enough of the best to hold
+        # the nucleus. Every token left out of ``ranked`` is dropped by the rule below.
+        ranked = kept if 0 < k < vocab else _nucleus_logits(scores, sampling.top_p)  # [..., r] descending
+        mass = (ranked - scores.logsumexp(dim=-1, keepdim=True)).exp()  # [..., r] their probabilities
+        # transformers' rule: drop the smallest tokens while their total mass (tokens left
+        # out of ``ranked`` included) stays <= 1 - top_p; the most likely token always stays.
+        outside = (1 - mass.sum(dim=-1, keepdim=True)).clamp(min=0)
+        drop = outside + mass.flip(-1).cumsum(dim=-1) <= 1 - sampling.top_p  # ascending order
+        drop[..., -1] = False
         # Dropped tokens are a prefix of the ascending order: the first kept logit is the cut.
         first_kept = (~drop).long().argmax(dim=-1, keepdim=True)  # [..., 1]
-        cut = ascending.gather(-1, first_kept)
+        cut = ranked.flip(-1).gather(-1, first_kept)
         scores = scores.masked_fill(scores < cut, float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def _nucleus_logits(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[..., r]`` the ``r`` best logits of every row, descending, for an ``r`` whose tokens
+    hold at least ``top_p`` of every row's mass (so the whole nucleus is among them)."""
+    vocab = scores.shape[-1]
+    if scores.device.type == "cpu":
+        # Sorting a tree's [N, V] logits costs more than the forward pass on a CPU, while
+        # the nucleus is usually a few dozen tokens: grow a top-r until it holds top_p
+        # (reading the check back is free on a CPU; accelerators sort fast, and skip this).
+        lse = scores.logsumexp(dim=-1, keepdim=True)
+        r = 64
+        while r < vocab:
+            top = scores.topk(r, dim=-1).values
+            if bool(((top - lse).exp().sum(dim=-1) >= top_p).all()):
+                return top
+            r *= 4
+    return scores.sort(dim=-1, descending=True).values
 
 
 def _cdf_dtype(device: torch.device) -> torch.dtype:

@@ -301,9 +301,14 @@ def test_typical_at_temperature_zero_is_greedy():
     assert max(typical.stats.accepted) > 1  # candidates were accepted: the typical rule did the work
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)])
-def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
-    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
+@pytest.mark.parametrize("temperature,top_k,top_p,vocab,scale", [
+    (1.0, 0, 1.0, 40, 3.0), (0.7, 5, 1.0, 40, 3.0), (1.3, 0, 0.8, 40, 3.0), (0.5, 10, 0.6, 40, 3.0),
+    # large vocabularies: the nucleus is found from a growing top-r instead of a full sort,
+    # within the first 64 tokens (peaked) or only after several rounds (flat)
+    (0.8, 0, 0.9, 5000, 4.0), (1.0, 0, 0.95, 5000, 0.3), (1.0, 300, 0.95, 5000, 0.3),
+])
+def test_probabilities_match_transformers_warpers(temperature, top_k, top_p, vocab, scale):
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * scale
     scores = logits
     if temperature != 1.0:
         scores = TemperatureLogitsWarper(temperature)(None, scores)
