@@ -56,9 +56,6 @@ class Style:
     def dim(self, text: str) -> str:
         return self.wrap("2", text)
 
-    def bold(self, text: str) -> str:
-        return self.wrap("1", text)
-
     def drafted(self, text: str) -> str:
         return f"\x1b[32m{text}\x1b[0m" if self.show_accepted and text else text
 
@@ -452,16 +449,17 @@ def embedded_needs_dequantising() -> bool:
 def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     import medusa
 
-    model_label = args.model or "SmolLM2-135M-Instruct (embedded)"
-    say(style.dim(f"loading {model_label} ..."))
     if args.model is None and embedded_needs_dequantising():
         say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = medusa.load(args.model, heads=args.heads, draft=args.draft, device=args.device, dtype=args.dtype,
                              tree=args.tree)
+    # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they
+    # point into medusa or at this caller. Other libraries' warnings are noise here.
+    ours = (str(Path(medusa.__file__).resolve().parent), str(Path(__file__).resolve()))
     for w in caught:
-        if issubclass(w.category, UserWarning) and w.filename.startswith(str(Path(medusa.__file__).parent)):
+        if issubclass(w.category, UserWarning) and str(Path(w.filename).resolve()).startswith(ours):
             say(style.dim(f"note: {str(w.message).splitlines()[0]}"))
     return engine
 
@@ -475,9 +473,9 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
         mode = "draft"
     else:
         mode = "baseline"
-        if args.model is None:
-            say(style.dim("note: no trained heads ship with this install yet: decoding in baseline mode "
-                          "(--heads FOLDER for trained heads, --heads init for untrained ones)"))
+        whose = "ship with this install yet" if args.model is None else f"were given for {args.model}"
+        say(style.dim(f"note: no trained heads {whose}: decoding in baseline mode (--heads FOLDER for trained "
+                      "heads, --heads init for untrained ones, --mode lookup for prompt lookup)"))
     engine.proposer(mode, args.tree)  # the engine's one-line error for a mode it cannot run
     return mode
 
@@ -571,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         say("error: the prompt is empty: pass --prompt TEXT or pipe a message on stdin")
         return EXIT_USER_ERROR
     try:
+        # Said before the first import of torch and transformers, which takes seconds.
+        say(style.dim(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded)'} ..."))
         from medusa.errors import MedusaError
 
         try:
@@ -585,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             say(style.error(f"error: {OOM_HINT}"))
             return EXIT_OOM
-        model_window = engine.max_positions or args.max_context or 2048
+        # A model that declares no context window gets 2,048 tokens, the smallest in common use.
+        model_window = engine.max_positions or 2048
         window = min(model_window, args.max_context or model_window)
         if args.max_new_tokens >= window:
             say(style.error(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a message in the "

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -155,11 +156,11 @@ def test_ctrl_c_stops_the_answer_and_the_session_goes_on(engine, tmp_path):
 def test_prompt_and_piped_stdin_answer_once(engine, tmp_path):
     for args, stdin, question in ((["--prompt", "What is the capital of France?"], None, "What is the capital of France?"),
                                   ([], "Name three colours.\n", "Name three colours.")):
-        done = run_cli([*args, "--max-new-tokens", "16"], tmp_path, stdin)
+        done = run_cli([*args, "--max-new-tokens", "12"], tmp_path, stdin)
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
         assert STATS.search(done.stderr)
-        expected = fresh(engine, template_ids(engine, [{"role": "user", "content": question}]), 16)
+        expected = fresh(engine, template_ids(engine, [{"role": "user", "content": question}]), 12)
         assert done.stdout.strip() == decode(engine, expected)  # stdout holds the answer only
 
 
@@ -169,6 +170,26 @@ def test_bad_path_is_one_line_error_with_exit_code(tmp_path):
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model not found" in errors[0]
+
+
+def test_out_of_memory_is_one_line_and_the_session_goes_on(tmp_path):
+    child = spawn(["--max-new-tokens", "4"], tmp_path)
+    child.expect_exact(PROMPT)
+    # Cap the chat's address space a little above what it uses now: a 3,000-token prompt's
+    # KV cache (~140 MB) and activations cannot fit, a short one can.
+    vm_kb = next(int(line.split()[1]) for line in Path(f"/proc/{child.pid}/status").read_text().splitlines()
+                 if line.startswith("VmSize"))
+    resource.prlimit(child.pid, resource.RLIMIT_AS, (vm_kb * 1024 + 60 * 2**20, resource.RLIM_INFINITY))
+    child.sendline("hello " * 3000)
+    child.expect_exact("error: out of memory")
+    printed = child.before
+    child.expect_exact(PROMPT)
+    assert "Traceback" not in printed + child.before and "\n" not in child.before.strip()  # one line
+    ask(child, "Hi")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
 
 
 def draft_with_other_tokenizer(folder: Path) -> Path:
@@ -212,7 +233,7 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
 
 def test_oldest_turns_are_dropped_to_fit_the_context(engine, capsys):
     window = 64  # the system prompt and one short exchange fill it
-    chat = Chat(engine, parse_args(["--max-new-tokens", "8"]), "medusa", Style(False), window)
+    chat = Chat(engine, parse_args(["--max-new-tokens", "8"]), "baseline", Style(False), window)
     messages = ["Hi.", "Name a colour.", "Name an animal.", "Name a city."]
     drops = 0
     for message in messages:
@@ -262,7 +283,7 @@ def test_stop_keeps_a_state_the_next_turn_can_reuse(engine):
 
 
 def test_show_accepted_colours_the_drafted_tokens(engine):
-    chat = Chat(engine, parse_args(["--max-new-tokens", "24", "--show-accepted"]), "lookup", Style(False, True), 8192)
+    chat = Chat(engine, parse_args(["--max-new-tokens", "16", "--show-accepted"]), "lookup", Style(False, True), 8192)
     out = io.StringIO()
     # Asked to repeat its prompt, the model copies it, and prompt lookup drafts the copy.
     assert chat.answer("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.", out) == 0
@@ -273,4 +294,4 @@ def test_show_accepted_colours_the_drafted_tokens(engine):
     segments = re.findall(r"\x1b\[32m(.*?)\x1b\[0m", coloured, flags=re.DOTALL)
     assert sum(stats.accepted) > stats.steps  # some drafted tokens were accepted ...
     assert segments and all(segments) and len(segments) <= stats.steps  # ... and coloured, one run per step at most
-    assert turn.answer_ids == fresh(engine, turn.prompt_ids, 24)
+    assert turn.answer_ids == fresh(engine, turn.prompt_ids, 16)
