@@ -184,7 +184,8 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
     if engine.draft is None:
         raise MedusaError("mode hf-assisted needs a draft: pass --draft FOLDER_OR_HUB_ID (or --draft default)")
     schedule = "heuristic" if engine.adaptive_draft else "constant"
-    config = _hf_config(engine, args, num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule)
+    config = _hf_config(engine, args, num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule,
+                        assistant_confidence_threshold=engine.draft_confidence)
     return hf_generate(engine, ids, config, assistant_model=engine.draft)
 
 
@@ -253,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (draft, hf-assisted)")
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
+    ap.add_argument("--draft-confidence", type=float, default=0.0,
+                    help="end a draft chain after a token the draft gave less probability (0: off; draft, hf-assisted)")
     ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, prompt-lookup)")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
@@ -290,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft)
         engine.lookup_tokens, engine.lookup_ngram = args.lookup_tokens, args.lookup_ngram
+        engine.draft_confidence = args.draft_confidence
         if "medusa" in modes and engine.heads is None:
             raise MedusaError("mode medusa needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         for p in prompts:
@@ -310,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary, reference))
     meta = {"model": args.model or "embedded default", "heads": args.heads or "default", "max_new_tokens": args.max_new_tokens,
             "draft": draft, "draft_tokens": args.draft_tokens, "adaptive_draft": args.adaptive_draft,
+            "draft_confidence": args.draft_confidence,
             "lookup_tokens": args.lookup_tokens, "lookup_ngram": args.lookup_ngram,
             "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),

@@ -164,6 +164,7 @@ class Engine:
         self.draft = draft
         self.draft_tokens = 4
         self.adaptive_draft = False
+        self.draft_confidence = 0.0  # > 0: end a chain after a token the draft gave less probability
         # mode "lookup": up to lookup_tokens copied after the longest (<= lookup_ngram) match.
         self.lookup_tokens = 8
         self.lookup_ngram = 3
@@ -229,7 +230,7 @@ class Engine:
             if self.draft is None:
                 raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
             return DraftModel(self.draft, self.device, num_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
-                              max_tokens=max(16, self.draft_tokens))
+                              max_tokens=max(16, self.draft_tokens), confidence=self.draft_confidence)
         if mode == "lookup":
             return PromptLookup(self.device, num_tokens=self.lookup_tokens, max_ngram=self.lookup_ngram)
         raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")

@@ -120,7 +120,9 @@ class DraftModel:
     state's generator, and the ``q`` rows go to the verifier for lossless rejection
     sampling; at temperature 0 the draft is greedy. ``adaptive`` grows ``k`` by 2
     after a fully accepted chain and shrinks it by 1 after a rejection, within
-    ``[1, max_tokens]``.
+    ``[1, max_tokens]``. ``confidence`` > 0 ends a chain early after a token the draft
+    itself gave less than that probability (a likely rejection: drafting past it is
+    mostly wasted work); it costs one host sync per draft token.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class DraftModel:
         num_tokens: int = 4,
         adaptive: bool = False,
         max_tokens: int = 16,
+        confidence: float = 0.0,
     ) -> None:
         if num_tokens < 1 or max_tokens < num_tokens:
             raise MedusaError(f"draft tokens need 1 <= num_tokens <= max_tokens, got {num_tokens} and {max_tokens}")
@@ -138,6 +141,7 @@ class DraftModel:
         self.k = num_tokens
         self.adaptive = adaptive
         self.max_tokens = max_tokens
+        self.confidence = confidence
         self.window = context_window(model)
         self.trees: dict[int, TreeBuffers] = {}
         self.cache = kv.new_cache()
@@ -155,8 +159,8 @@ class DraftModel:
         n, total = len(self.cached), len(state.tokens)
         # The draft writes positions n .. total + k - 2; stay inside its context window.
         k = self.k if self.window is None else min(self.k, self.window - total + 1)
-        self.drafted = max(k, 0)
         if k < 1:
+            self.drafted = 0
             self.pending = None
             return Proposal(tree=_chain_tree(self.trees, 0, self.device), tokens=state.root.view(1), is_chain=True)
         ids = torch.tensor([state.tokens[n:]], device=self.device)  # [1, total - n]
@@ -167,13 +171,17 @@ class DraftModel:
             logits, _ = kv.forward(self.model, ids, pos, self.cache, None, logits_rows=slice(-1, None))  # [1, V]
             if state.sampling.greedy:
                 token = logits[0].argmax()
+                q = torch.softmax(logits[0], dim=-1) if self.confidence > 0 else None  # [V]
             else:
                 q = probabilities(logits[0], state.sampling)  # [V] the draft's processed distribution
                 token = sample(q, state.generator)
                 rows.append(q)
             drafted.append(token)
+            if i + 1 == k or (self.confidence > 0 and float(q[token]) < self.confidence):
+                break
             ids, pos = token.view(1, 1), pos[:, -1:] + 1
-        chain_tokens = torch.stack(drafted)  # [k]
+        chain_tokens = torch.stack(drafted)  # [k'], k' <= k
+        k = self.drafted = len(drafted)
         self.pending = chain_tokens[:-1]
         self.cached.extend(state.tokens[n:])
         q_rows = None

@@ -86,6 +86,19 @@ def test_adaptive_draft_length_grows_and_shrinks():
     assert shrink.k < 6
 
 
+def test_confidence_ends_chains_early_without_changing_the_output():
+    target = tiny_model("llama")
+    ref = hf_greedy(target, PROMPT, 30)
+    eng = Engine(target)
+    # a threshold no draft token reaches: every chain stops after its first token
+    always = DraftModel(target, eng.device, num_tokens=4, confidence=1.01)
+    res = eng.generate(PROMPT, max_new_tokens=30, mode=always)
+    assert res.tokens == ref and max(res.stats.accepted) == 2
+    never = DraftModel(target, eng.device, num_tokens=4, confidence=1e-9)
+    res = eng.generate(PROMPT, max_new_tokens=30, mode=never)
+    assert res.tokens == ref and max(res.stats.accepted) == 5
+
+
 def sequential_cache(model, tokens):
     cache = kv.new_cache()
     kv.forward(model, torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, None, logits_rows=slice(-1, None))

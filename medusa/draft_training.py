@@ -1,0 +1,392 @@
+"""Distilling a draft model: one explicit loop, the draft learns the target's next-token law.
+
+Read top to bottom: config -> target, data -> draft (the target's first layers, or a
+folder) -> optional feature cache -> optimizer -> loop (loss on every position, clip,
+step, log, eval) -> a normal Hugging Face model folder. ``accelerate`` provides device
+and DDP.
+
+The loss compares the draft to the target's own distribution, not to the data's tokens:
+the draft is judged by how often it guesses what the target would say, so that is what it
+learns. Without a cache it is ``KL(target || draft)``, the target running every step.
+With ``cache_dir`` the target's final hidden states come from a feature cache (shared
+with heads training) and the loss is the squared logit gap ``|W (h_draft - h_target)|^2``
+through the frozen projection ``W``, computed in hidden space: several times cheaper per
+step on a CPU, where the target's pass and the vocabulary projection dominate.
+The vocabulary projection (tied to the embeddings in small models) stays the target's
+unless ``train_embeddings`` is set, so only the few decoder layers and the final norm
+train; that also skips the largest weight gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from medusa.config import arg, to_dict
+from medusa.data import DataSplits, Example, build_datasets
+from medusa.draft import DEFAULT_DRAFT_LAYERS, default_draft_dir, shallow_draft
+from medusa.errors import MedusaError
+from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
+from medusa.target import load_target
+from medusa.training import Schedule, collate, run_target
+
+log = logging.getLogger("medusa.draft_training")
+
+RECORD = "draft_training.json"
+
+
+@dataclass
+class DraftTrainConfig:
+    """Distil a draft model for draft-model speculative decoding (KL to the target's next-token distribution)."""
+
+    # -- target and draft --
+    model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded "
+                                  "SmolLM2-135M-Instruct)")
+    dtype: str | None = arg(None, "target dtype: float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
+    trust_remote_code: bool = arg(False, "allow model code from the Hub")
+    init: str | None = arg(None, "start from this draft folder (empty: the target's first draft_layers layers)")
+    draft_layers: int = arg(DEFAULT_DRAFT_LAYERS, "decoder layers of the shallow draft (when init is empty)")
+    train_embeddings: bool = arg(False, "also train the embeddings and output projection (tied in small models)")
+    # -- data --
+    data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
+    data_split: str = arg("train", "split of Hub datasets")
+    max_samples: int | None = arg(4000, "conversations taken from each source (shuffled with data_seed)")
+    max_length: int = arg(256, "tokens per sequence (longer ones are truncated)")
+    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
+    data_seed: int = arg(0, "seed of the data shuffle and held-out split")
+    assistant_only: bool = arg(False, "distil only on assistant tokens (default: every token of the conversation)")
+    temperature: float = arg(1.0, "softmax temperature of both distributions in the KL")
+    cache_dir: str | None = arg(None, "feature cache of the target's outputs (built there when missing; the same data "
+                                      "settings share it with train_heads.py). The target then never runs while "
+                                      "training and the loss is the squared logit gap, computed in hidden space")
+    cache_topk: int = arg(32, "teacher top-k stored when the cache is built (train_heads.py's teacher_topk, "
+                              "to share it)")
+    # -- optimisation --
+    batch_size: int = arg(4, "sequences per micro-batch per process")
+    grad_accum: int = arg(1, "micro-batches per optimizer step")
+    lr: float = arg(3e-4, "peak learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
+    warmup_steps: int = arg(20, "linear warmup steps")
+    min_lr_ratio: float = arg(0.1, "final learning rate of the cosine schedule, as a fraction of lr")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
+    num_epochs: float = arg(1.0, "passes over the training data (when max_steps <= 0)")
+    max_steps: int = arg(-1, "optimizer steps; > 0 overrides num_epochs")
+    max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
+                                  "what there is (0: no limit)")
+    seed: int = arg(42, "seed of data order")
+    # -- evaluation, logging, output --
+    eval_every: int = arg(100, "evaluate on held-out data every N steps (0: only at the start and the end)")
+    eval_batches: int = arg(10, "micro-batches per evaluation (0: all held-out data)")
+    log_every: int = arg(10, "log metrics every N steps")
+    output_dir: str | None = arg(None, "where the draft folder is written (empty: for the embedded target, the cache "
+                                       "folder medusa.load(draft='default') reads; otherwise out/draft)")
+
+    def __post_init__(self) -> None:
+        if self.max_steps <= 0 and self.num_epochs <= 0:
+            raise MedusaError("set max_steps or num_epochs to a positive number")
+        if self.temperature <= 0:
+            raise MedusaError(f"temperature must be > 0, got {self.temperature}")
+        if self.cache_dir and self.train_embeddings:
+            raise MedusaError("a feature cache needs the vocabulary projection frozen: "
+                              "drop cache_dir or train_embeddings")
+
+    def output_path(self) -> Path:
+        if self.output_dir:
+            return Path(self.output_dir)
+        return default_draft_dir() if self.model is None else Path("out/draft")
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences and where the loss reads them.
+
+    ``teacher_hidden`` ``[n, H]``, when the target's outputs come from a feature cache, is
+    its final normed hidden state at the ``n`` set ``rows``; otherwise the target runs.
+    """
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    rows: torch.Tensor  # [B, T] bool
+    teacher_hidden: torch.Tensor | None = None
+
+
+def sequence_batch(examples: list[Example], idx: np.ndarray, device: torch.device, assistant_only: bool) -> Batch:
+    b = collate([examples[i] for i in idx], device)
+    rows = (b["loss_mask"] if assistant_only else b["attention_mask"]).bool()
+    return Batch(b["input_ids"], b["attention_mask"], rows)
+
+
+def cache_spans(cache: FeatureCache) -> np.ndarray:
+    """``[S, 2]`` start and end of every sequence stored in ``cache``."""
+    ends = np.unique(cache.seq_end)
+    return np.stack([np.concatenate([[0], ends[:-1]]), ends], axis=1)
+
+
+def cache_batch(cache: FeatureCache, spans: np.ndarray, idx: np.ndarray, device: torch.device,
+                assistant_only: bool) -> Batch:
+    chosen = spans[idx]  # [B, 2]
+    width = int((chosen[:, 1] - chosen[:, 0]).max())
+    ids = torch.zeros((len(chosen), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    rows = torch.zeros_like(ids, dtype=torch.bool)
+    hidden = []
+    for b, (lo, hi) in enumerate(chosen):
+        n = hi - lo
+        ids[b, :n] = torch.from_numpy(cache.tokens[lo:hi].astype(np.int64))
+        attn[b, :n] = 1
+        keep = cache.loss_mask[lo:hi].astype(bool) if assistant_only else np.ones(n, dtype=bool)
+        rows[b, :n] = torch.from_numpy(keep)
+        hidden.append(torch.from_numpy(np.asarray(cache.hidden[lo:hi][keep], dtype=np.float32)))
+    return Batch(ids.to(device), attn.to(device), rows.to(device), torch.cat(hidden).to(device))
+
+
+def final_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The final normed hidden state ``[n, H]`` at the batch's rows (what the projection reads)."""
+    out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return out.last_hidden_state[batch.rows]
+
+
+def project(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``[n, H]`` -> logits ``[n, V]`` through the model's vocabulary projection (and soft cap)."""
+    logits = model.get_output_embeddings()(hidden.to(model.get_output_embeddings().weight.dtype))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+def teacher_logits(target: nn.Module, batch: Batch) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = batch.teacher_hidden if batch.teacher_hidden is not None else final_hidden(target, batch)
+        return project(target, hidden)  # [n, V]
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``KL(teacher || student)`` over rows ``[n, V]`` and how many rows agree on the argmax
+    (the greedy acceptance rate of a one-token draft)."""
+    t = torch.log_softmax(teacher / temperature, dim=-1)
+    s = torch.log_softmax(student / temperature, dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1).mean()
+    agree = (student.argmax(-1) == teacher.argmax(-1)).sum()
+    return kl, agree
+
+
+def logit_l2_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Mean squared logit difference, ``|W (h_s - h_t)|^2 / V``, without the ``[n, V]`` logits.
+
+    With the projection ``W`` ``[V, H]`` frozen, ``gram = W^T W / V`` ``[H, H]`` turns the
+    hidden-state gap ``d`` ``[n, H]`` into the logit gap exactly: ``d gram d^T``.
+    """
+    d = student_hidden.float() - teacher_hidden.float()  # [n, H]
+    return ((d @ gram) * d).sum(-1).mean()
+
+
+def evaluate(draft: nn.Module, target: nn.Module, batches: Iterable[Batch], temperature: float) -> dict[str, float]:
+    """Held-out KL to the target and argmax agreement with it."""
+    draft.eval()
+    kl_sum, agree, rows_seen = 0.0, 0, 0
+    with torch.no_grad():
+        for batch in batches:
+            teacher = teacher_logits(target, batch)
+            student = project(draft, final_hidden(draft, batch))
+            kl, hits = distill_loss(student, teacher, temperature)
+            kl_sum += float(kl) * len(teacher)
+            agree += int(hits)
+            rows_seen += len(teacher)
+    draft.train()
+    return {"kl": kl_sum / max(rows_seen, 1), "agreement": agree / max(rows_seen, 1), "positions": rows_seen}
+
+
+def open_caches(cfg: DraftTrainConfig, target: nn.Module, splits: DataSplits, accelerator: Any,
+                progress: bool) -> dict[str, FeatureCache]:
+    """The feature caches of both splits, built by running the target once where missing.
+
+    The fingerprint is the one ``train/train_heads.py`` computes, so the same data settings
+    and ``cache_dir`` share one cache between heads and draft.
+    """
+    from tqdm.auto import tqdm
+
+    caches: dict[str, FeatureCache] = {}
+    vocab, hidden_size = target.get_output_embeddings().weight.shape
+    topk = min(cfg.cache_topk, vocab)  # as train_heads.py caps it, so the fingerprints agree
+    for split, examples in (("train", splits.train), ("eval", splits.eval)):
+        if not examples:
+            continue
+        folder = Path(cfg.cache_dir) / split
+        fp = fingerprint(cfg.model or "embedded", examples, topk)
+        if not is_complete(folder, fp):
+            world = accelerator.num_processes
+            bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
+                       disable=not progress)
+            build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
+                        accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
+                        progress=bar.update)
+            bar.close()
+        caches[split] = FeatureCache.open(folder)
+    return caches
+
+
+def train_draft(cfg: DraftTrainConfig) -> Path:
+    """Run the distillation as configured; returns the draft folder."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    main = accelerator.is_main_process
+    set_seed(cfg.seed)
+    t0 = time.time()
+
+    # The target is the frozen teacher; the draft starts as its early exit (or a folder).
+    target, tokenizer = load_target(cfg.model, device=device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if cfg.init:
+        draft, _ = load_target(cfg.init, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    else:
+        draft = shallow_draft(target, cfg.draft_layers)
+    draft = draft.float().train()
+    draft.requires_grad_(True)
+    if not cfg.train_embeddings:
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    if main:
+        log.info("draft: %d layers, %.1fM parameters (%.1fM trained); accelerate: %d process(es) on %s",
+                 draft.config.num_hidden_layers, sum(p.numel() for p in draft.parameters()) / 1e6,
+                 sum(p.numel() for p in params) / 1e6, world, device)
+
+    splits: DataSplits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
+                                        seed=cfg.data_seed, split=cfg.data_split, progress=main)
+    if main:
+        log.info("data: %d train / %d held-out sequences (%s)", len(splits.train), len(splits.eval),
+                 splits.stats.summary())
+
+    # Batches come from the sequences (the target runs every step, KL loss) or from a
+    # feature cache (the target never runs; the loss is the logit gap through the frozen
+    # projection, computed in hidden space).
+    if cfg.cache_dir:
+        caches = open_caches(cfg, target, splits, accelerator, main)
+        spans = {split: cache_spans(c) for split, c in caches.items()}
+        w = draft.get_output_embeddings().weight.detach().float()  # [V, H]
+        gram = (w.T @ w) / w.shape[0]  # [H, H]
+
+        def get_batch(split: str, idx: np.ndarray) -> Batch:
+            return cache_batch(caches[split], spans[split], idx, device, cfg.assistant_only)
+
+        sizes = {split: len(s) for split, s in spans.items()}
+    else:
+        examples = {"train": splits.train, "eval": splits.eval}
+
+        def get_batch(split: str, idx: np.ndarray) -> Batch:
+            return sequence_batch(examples[split], idx, device, cfg.assistant_only)
+
+        sizes = {split: len(e) for split, e in examples.items() if e}
+
+    def eval_batches() -> Iterator[Batch]:
+        n = sizes.get("eval", 0)
+        count = math.ceil(n / cfg.batch_size)
+        for b in range(min(count, cfg.eval_batches) if cfg.eval_batches > 0 else count):
+            yield get_batch("eval", np.arange(b * cfg.batch_size, min((b + 1) * cfg.batch_size, n)))
+
+    schedule = Schedule(sizes["train"], cfg.batch_size, world, cfg.grad_accum, cfg.seed)
+    total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.num_epochs * schedule.steps_per_epoch))
+
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    draft, opt = accelerator.prepare(draft, opt)
+    history: list[dict[str, float]] = []
+    has_eval = main and sizes.get("eval", 0) > 0
+    before = evaluate(accelerator.unwrap_model(draft), target, eval_batches(), cfg.temperature) if has_eval else {}
+    if before:
+        log.info("before: held-out KL %.3f, argmax agreement %.3f", before["kl"], before["agreement"])
+    bar = tqdm(total=total, desc="distil draft", disable=not main)
+    loss_name = "logit MSE" if cfg.cache_dir else "KL"
+    step, start = 0, time.time()
+    deadline = start + cfg.max_minutes * 60 if cfg.max_minutes > 0 else math.inf
+    while step < total and (step == 0 or time.time() < deadline):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss_sum, rows_seen = 0.0, 0
+        for micro in range(cfg.grad_accum):
+            batch = get_batch("train", schedule.micro_batch(step, micro, rank))
+            with accelerator.accumulate(draft):
+                student = final_hidden(draft, batch)  # [n, H]
+                if batch.teacher_hidden is not None:
+                    loss = logit_l2_loss(student, batch.teacher_hidden, gram)
+                else:
+                    loss, _ = distill_loss(project(accelerator.unwrap_model(draft), student),
+                                           teacher_logits(target, batch), cfg.temperature)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            loss_sum += float(loss.detach()) * len(student)
+            rows_seen += len(student)
+        step += 1
+        bar.update(1)
+        if main and (step % cfg.log_every == 0 or step == 1):
+            bar.set_postfix(loss=f"{loss_sum / max(rows_seen, 1):.3f}")
+            log.info("step %d/%d: %s %.3f, lr %.2e, %.1f s/step", step, total, loss_name, loss_sum / max(rows_seen, 1),
+                     lr_at(step - 1), (time.time() - start) / step)
+        if has_eval and cfg.eval_every > 0 and step % cfg.eval_every == 0:
+            metrics = evaluate(accelerator.unwrap_model(draft), target, eval_batches(), cfg.temperature)
+            history.append({"step": step, **metrics})
+            log.info("step %d: held-out KL %.3f, argmax agreement %.3f", step, metrics["kl"], metrics["agreement"])
+    bar.close()
+    if step < total and main:
+        log.info("time limit of %g minutes reached after %d of %d steps", cfg.max_minutes, step, total)
+
+    accelerator.wait_for_everyone()
+    out = cfg.output_path()
+    if main:
+        unwrapped = accelerator.unwrap_model(draft)
+        after = evaluate(unwrapped, target, eval_batches(), cfg.temperature) if has_eval else {}
+        if after:
+            log.info("after %d steps: held-out KL %.3f, argmax agreement %.3f", step, after["kl"], after["agreement"])
+        record = {"config": to_dict(cfg), "steps": step, "planned_steps": total,
+                  "train_seconds": round(time.time() - t0, 1), "eval_before": before, "eval_after": after,
+                  "eval_history": history}
+        save_draft(unwrapped, tokenizer, out, record)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def save_draft(draft: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, record: dict) -> None:
+    """A normal model folder (safetensors, config, tokenizer) plus the run record, written
+    to a sibling folder and swapped in, so a reader never sees half a model."""
+    tmp = out.with_name(f".{out.name}-writing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    draft.eval().requires_grad_(False)
+    draft.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    old = out.with_name(f".{out.name}-old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

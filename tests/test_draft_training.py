@@ -1,0 +1,88 @@
+"""Distilling a draft: the loop runs end to end and the draft gets closer to its target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import medusa
+from medusa.config import parse_config
+from medusa.draft_training import RECORD, DraftTrainConfig, logit_l2_loss
+from medusa.errors import MedusaError
+from train.train_draft import main
+from train_fixtures import tiny_target, write_counting_data
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models are all per-call overhead: one thread avoids contention on a busy CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_distilled_draft_is_closer_to_the_target_and_loads(tmp_path):
+    target_dir = tiny_target(tmp_path / "target")
+    data = write_counting_data(tmp_path / "data.jsonl", 80)
+    out = tmp_path / "draft"
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "40",
+                 "--batch_size", "8", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
+                 "--eval_every", "20", "--output_dir", str(out)]) == 0
+    record = json.loads((out / RECORD).read_text())
+    assert record["steps"] == 40 and [h["step"] for h in record["eval_history"]] == [20, 40]
+    assert record["eval_after"]["kl"] < 0.7 * record["eval_before"]["kl"]
+    assert record["eval_after"]["agreement"] >= record["eval_before"]["agreement"]
+    assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".draft-*"))
+    engine = medusa.load(model=str(target_dir), draft=str(out), device="cpu", draft_tokens=3)
+    assert engine.draft.config.num_hidden_layers == 1
+    # the embeddings stayed the target's own (only the layers and the norm trained)
+    torch.testing.assert_close(engine.draft.get_input_embeddings().weight, engine.model.get_input_embeddings().weight)
+    prompt = [2, 8, 10, 12, 3]
+    draft = engine.generate(prompt, max_new_tokens=20, mode="draft")
+    assert draft.tokens == engine.generate(prompt, max_new_tokens=20, mode="baseline").tokens
+
+
+def test_time_limit_stops_early_and_still_saves(tmp_path):
+    target_dir = tiny_target(tmp_path / "target")
+    data = write_counting_data(tmp_path / "data.jsonl", 20)
+    out = tmp_path / "draft"
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "100000",
+                 "--max_minutes", "0.002", "--eval_fraction", "0.1", "--output_dir", str(out)]) == 0
+    record = json.loads((out / RECORD).read_text())
+    assert 0 < record["steps"] < 100000 and record["planned_steps"] == 100000
+
+
+def test_config_defaults_write_the_default_draft_and_bad_values_are_errors():
+    cfg = parse_config(DraftTrainConfig, [])
+    assert cfg.model is None and cfg.output_path() == medusa.draft.default_draft_dir()
+    assert parse_config(DraftTrainConfig, ["--model", "x/y"]).output_path().name == "draft"
+    with pytest.raises(MedusaError, match="temperature"):
+        parse_config(DraftTrainConfig, ["--temperature", "0"])
+
+
+def test_logit_l2_loss_is_the_mean_squared_logit_gap():
+    g = torch.Generator().manual_seed(0)
+    w, hs, ht = torch.randn(50, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    gram = w.T @ w / w.shape[0]
+    expected = ((hs @ w.T - ht @ w.T) ** 2).mean(-1).mean()
+    torch.testing.assert_close(logit_l2_loss(hs, ht, gram), expected)
+
+
+def test_cached_distillation_builds_then_reuses_the_feature_cache(tmp_path):
+    target_dir = tiny_target(tmp_path / "target")
+    data = write_counting_data(tmp_path / "data.jsonl", 60)
+    cache = tmp_path / "cache"
+    args = ["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "30",
+            "--batch_size", "8", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
+            "--eval_every", "0", "--cache_dir", str(cache)]
+    assert main(args + ["--output_dir", str(tmp_path / "a")]) == 0
+    record = json.loads((tmp_path / "a" / RECORD).read_text())
+    assert record["eval_after"]["kl"] < 0.7 * record["eval_before"]["kl"]
+    built = (cache / "train" / "hidden.npy").stat().st_mtime_ns
+    assert main(args + ["--output_dir", str(tmp_path / "b")]) == 0
+    assert (cache / "train" / "hidden.npy").stat().st_mtime_ns == built  # read, not rebuilt
+    again = json.loads((tmp_path / "b" / RECORD).read_text())
+    assert again["eval_after"]["kl"] == pytest.approx(record["eval_after"]["kl"], rel=1e-4)  # same run, same result

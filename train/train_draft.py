@@ -1,0 +1,47 @@
+"""Distil a draft model for ``mode="draft"`` (classic speculative decoding).
+
+    python -m train.train_draft                      # the default draft of the embedded model
+    accelerate launch train/train_draft.py --config configs/train/draft-smollm2-135m.yaml [--field value ...]
+
+With no arguments the draft of the embedded SmolLM2-135M-Instruct is built from its first
+layers, distilled on ShareGPT and saved where ``medusa.load(draft="default")`` finds it
+(``~/.cache/medusa/models/SmolLM2-135M-Instruct-draft``). Every field, its default and its
+meaning: ``python -m train.train_draft --help``. The loop lives in
+``medusa/draft_training.py``; this file only parses the config and reports errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm.auto import tqdm
+
+from medusa.config import parse_config
+from medusa.draft_training import DraftTrainConfig, train_draft
+from medusa.errors import MedusaError
+
+
+class TqdmHandler(logging.Handler):
+    """Log lines printed above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    handler = TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    cfg = parse_config(DraftTrainConfig, argv)
+    folder = train_draft(cfg)
+    logging.getLogger("medusa.draft_training").info("draft written to %s", folder)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
