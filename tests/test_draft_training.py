@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from medusa.draft_training import RECORD, DraftTrainConfig, logit_l2_loss
 from medusa.errors import MedusaError
 from train.train_draft import main
 from train_fixtures import tiny_target, write_counting_data
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,3 +89,10 @@ def test_cached_distillation_builds_then_reuses_the_feature_cache(tmp_path):
     assert (cache / "train" / "hidden.npy").stat().st_mtime_ns == built  # read, not rebuilt
     again = json.loads((tmp_path / "b" / RECORD).read_text())
     assert again["eval_after"]["kl"] == pytest.approx(record["eval_after"]["kl"], rel=1e-4)  # same run, same result
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "draft").glob("*.yaml")), ids=lambda p: p.name)
+def test_draft_yaml_loads_and_documents_its_command(path):
+    cfg = parse_config(DraftTrainConfig, ["--config", str(path)])
+    assert isinstance(cfg, DraftTrainConfig)
+    assert f"python -m train.train_draft --config configs/draft/{path.name}" in path.read_text()

@@ -1,7 +1,7 @@
 """Distil a draft model for ``mode="draft"`` (classic speculative decoding).
 
     python -m train.train_draft                      # the default draft of the embedded model
-    accelerate launch train/train_draft.py --config configs/train/draft-smollm2-135m.yaml [--field value ...]
+    accelerate launch train/train_draft.py --config configs/draft/smollm2-135m.yaml [--field value ...]
 
 With no arguments the draft of the embedded SmolLM2-135M-Instruct is built from its first
 layers, distilled on ShareGPT and saved where ``medusa.load(draft="default")`` finds it
