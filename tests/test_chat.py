@@ -97,6 +97,14 @@ def test_two_turns_reuse_the_cache_and_mode_switches(engine, tmp_path):
     saved = tmp_path / "chat.json"
     child.sendline(f"/save {saved}")
     child.expect_exact("[saved 2 turn(s)")
+    child.sendline("/reset")
+    child.expect_exact("[conversation cleared]")
+    child.sendline("/stats")
+    child.expect_exact("conversation: 0 turn(s), 0 tokens cached")
+    child.sendline("/help")
+    child.expect_exact("/mode NAME")
+    child.sendline("/nonsense")
+    child.expect_exact("error: unknown command /nonsense")
     child.sendline("/exit")
     child.expect(pexpect.EOF)
     child.close()
@@ -154,13 +162,16 @@ def test_ctrl_c_stops_the_answer_and_the_session_goes_on(engine, tmp_path):
 
 
 def test_prompt_and_piped_stdin_answer_once(engine, tmp_path):
-    for args, stdin, question in ((["--prompt", "What is the capital of France?"], None, "What is the capital of France?"),
-                                  ([], "Name three colours.\n", "Name three colours.")):
+    system = [{"role": "system", "content": "You answer in one word."}]
+    for args, stdin, messages in (
+        (["--prompt", "What is the capital of France?"], None, [{"role": "user", "content": "What is the capital of France?"}]),
+        (["--system", system[0]["content"]], "Name three colours.\n", system + [{"role": "user", "content": "Name three colours."}]),
+    ):
         done = run_cli([*args, "--max-new-tokens", "12"], tmp_path, stdin)
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
         assert STATS.search(done.stderr)
-        expected = fresh(engine, template_ids(engine, [{"role": "user", "content": question}]), 12)
+        expected = fresh(engine, template_ids(engine, messages), 12)
         assert done.stdout.strip() == decode(engine, expected)  # stdout holds the answer only
 
 
