@@ -10,7 +10,8 @@ from medusa.api import load
 from medusa.engine import Engine, GenerationResult, GenerationStats
 from medusa.errors import MedusaError
 from medusa.heads import HeadsConfig, MedusaHeads, load_heads
+from medusa.sampling import SamplingConfig
 from medusa.tree import compile_tree
 
 __all__ = ["load", "Engine", "GenerationResult", "GenerationStats", "MedusaError", "HeadsConfig", "MedusaHeads",
-           "load_heads", "compile_tree"]
+           "load_heads", "compile_tree", "SamplingConfig"]
