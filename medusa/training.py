@@ -419,7 +419,8 @@ def train(cfg: TrainConfig) -> Path:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum)
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_only_multiprocess())
+    align_cpu_deepspeed(accelerator)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     main = accelerator.is_main_process
     out = Path(cfg.output_dir)
@@ -480,7 +481,10 @@ def train(cfg: TrainConfig) -> Path:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg))
     if accelerator.distributed_type.name == "DEEPSPEED":
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = 1  # our micro-batches are built by hand, not by a DataLoader
+        # Our micro-batches are built by hand, not by a DataLoader: DeepSpeed counts each as 1.
+        ds["train_micro_batch_size_per_gpu"] = 1
+        ds["gradient_accumulation_steps"] = cfg.grad_accum
+        ds["train_batch_size"] = cfg.grad_accum * world
         if ds.get("gradient_clipping") == "auto":
             ds["gradient_clipping"] = cfg.max_grad_norm
     module, optimizer = accelerator.prepare(module, optimizer)
@@ -568,6 +572,34 @@ def train(cfg: TrainConfig) -> Path:
     if run is not None:
         run.finish()
     return final
+
+
+def cpu_only_multiprocess() -> bool:
+    """True for a multi-process DDP launch (`--multi_gpu`, the ddp config) on a machine with
+    no accelerator: accelerate then needs ``cpu=True`` to run DDP over gloo, instead of
+    falling back to independent single processes. DeepSpeed brings its own CPU backend."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    has_accel = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    return launched and not deepspeed and not has_accel
+
+
+def align_cpu_deepspeed(accelerator: Any) -> None:
+    """DeepSpeed on a machine without GPUs: accelerate starts DeepSpeed's process group
+    (gloo, via DeepSpeed's CPU accelerator) but, finding no GPU backend, records a single
+    process, so every rank would act as rank 0 of 1. Take rank and world size from the
+    process group that DeepSpeed actually started."""
+    if accelerator.distributed_type.name != "DEEPSPEED" or not torch.distributed.is_initialized():
+        return
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if accelerator.num_processes == world:
+        return
+    from accelerate.state import PartialState
+
+    # Both singletons (their state is shared by every instance), so every helper sees the fix.
+    for state in (accelerator.state, PartialState()):
+        state.num_processes, state.process_index = world, rank
+        state.local_process_index = int(os.environ.get("LOCAL_RANK", rank))
 
 
 @torch.no_grad()
