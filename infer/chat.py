@@ -254,6 +254,9 @@ class Chat:
         except MedusaError as err:
             say(self.style.error(f"error: {err}"))
             return EXIT_USER_ERROR
+        # The generation writes into the previous state's cache: until it ends cleanly there
+        # is no state to reuse (an interruption anywhere leaves None, a full prefill next).
+        self.state = None
         decoder = StreamDecoder(self.engine.tokenizer)
         stopper = StopOnInterrupt(generation)
         try:
@@ -263,19 +266,16 @@ class Chat:
                     out.flush()
         except KeyboardInterrupt:
             # Aborted mid-step: the cache may hold half a step, so it and this turn are dropped.
-            self.state = None
             out.write("\n")
             say(self.style.dim("[aborted: this answer is dropped from the conversation]"))
             return EXIT_INTERRUPTED
         except MedusaError as err:
-            self.state = None
             out.write("\n")
             say(self.style.error(f"error: {err}"))
             return EXIT_USER_ERROR
         except Exception as err:
             if not is_out_of_memory(err):
                 raise
-            self.state = None
             out.write("\n")
             say(self.style.error(f"error: {OOM_HINT}"))
             return EXIT_OOM
@@ -542,21 +542,20 @@ def interactive(chat: Chat, style: Style) -> int:
     say(style.dim("type a message; /help for commands, Ctrl-C stops an answer, Ctrl-D exits"))
     try:
         while True:
+            # Ctrl-C at the prompt, or between an answer's end and the next prompt, only
+            # clears the line: the engine re-checks its cache against every new prompt.
             try:
                 line = input(prompt)
+                if line.lstrip().startswith("/"):
+                    if not chat.command(line):
+                        return EXIT_OK
+                elif line.strip():
+                    chat.answer(line, sys.stdout)
             except KeyboardInterrupt:
                 sys.stdout.write("\n")
-                continue
             except EOFError:
                 sys.stdout.write("\n")
                 return EXIT_OK
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("/"):
-                if not chat.command(line):
-                    return EXIT_OK
-                continue
-            chat.answer(line, sys.stdout)
     finally:
         save_history()
 
