@@ -1,0 +1,29 @@
+"""train/generate_selfdistill.py: batched answers appended to JSONL, resumable, and readable
+as training data."""
+
+import json
+
+from medusa.data import DataStats, load_conversations
+from train.generate_selfdistill import main
+from train_fixtures import tiny_target, write_counting_data
+
+
+def test_generates_resumes_and_feeds_training(tmp_path):
+    model = tiny_target(tmp_path / "model")
+    data = write_counting_data(tmp_path / "count.jsonl", 5)
+    out = tmp_path / "sd.jsonl"
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max_new_tokens", "6",
+            "--batch_size", "2", "--device", "cpu"]
+    assert main(args + ["--max_samples", "3"]) == 0
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 <= len(first) <= 3
+    for rec in first:
+        assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]
+        assert rec["messages"][0]["content"].startswith("count from")
+    # A second run over more prompts answers only the new ones.
+    assert main(args) == 0
+    second = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in second]
+    assert ids[: len(first)] == [r["id"] for r in first] and len(ids) == len(set(ids))
+    stats = DataStats()
+    assert len(load_conversations(str(out), stats)) == len(second)
