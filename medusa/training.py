@@ -150,8 +150,11 @@ class HeadsTrainer(nn.Module):
         return self.target if self.cfg.lora else self._frozen[0]
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # A vocabulary subset only makes training cheaper: evaluation scores the full
+        # vocabulary, as decoding does.
+        vocab = self.vocab if self.training else None
         if "hidden" in batch:  # from the feature cache
-            return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill, self.vocab)
+            return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill, vocab)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]  # [B, T] each
         target = self._target()
         with torch.no_grad():
@@ -172,7 +175,7 @@ class HeadsTrainer(nn.Module):
             hidden = t_hidden
         targets = shift_targets(ids, mask * attn, self.cfg.num_heads, top_ids, top_logp)
         loss, counts = heads_loss(self.heads, hidden.reshape(-1, hidden.shape[-1]), targets, self.weights,
-                                  self.cfg.distill, self.vocab)
+                                  self.cfg.distill, vocab)
         if self.cfg.lora:
             keep = attn.bool()
             lm = lm_distill_loss(logits[keep], t_logits[keep])
@@ -653,6 +656,7 @@ def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig
         "eval_accuracy": per_head,
         "accuracy_reference": "target argmax" if cfg.distill > 0 else "data token",
         "steps": step,
+        "train_vocab": cfg.train_vocab or heads.config.vocab_size,
         "train_seconds": round(seconds, 1),
     }
     if cfg.lora:
