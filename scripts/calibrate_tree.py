@@ -39,6 +39,16 @@ def greedy_answers(engine, prompts: list[list[int]], max_new_tokens: int) -> lis
             for p in tqdm(prompts, desc="target answers", file=sys.stderr)]
 
 
+def parse_cost(text: str) -> dict[int, float]:
+    try:
+        cost = {int(n): float(ms) for n, ms in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise MedusaError(f"--cost {text!r} is not of the form 'n:ms,n:ms,...' (e.g. '1:61,2:94,16:111')") from None
+    if 1 not in cost:
+        raise MedusaError("--cost must include n=1 (the cost of plain decoding)")
+    return cost
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", required=True, help="heads folder to calibrate (calibration.json is written into it)")
@@ -52,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-answers", type=int, default=2000, help="reference answers counted for the draft vocabulary")
     ap.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (candidates, root excluded)")
     ap.add_argument("--max-rank", type=int, default=10, help="deepest rank of a head's top-k considered")
+    ap.add_argument("--cost", default=None,
+                    help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
@@ -105,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         accuracy = {f"head{k}": {f"top{r}": float(((ranks[:, k] >= 0) & (ranks[:, k] < r)).float().mean())
                                  for r in (1, 5)} for k in range(heads.num_heads)}
 
-        cost = measure_cost(engine.model, [s for s in COST_SIZES if s <= args.max_nodes + 1],
-                            prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2))
+        if args.cost:
+            cost = parse_cost(args.cost)
+        else:
+            cost = measure_cost(engine.model, [s for s in COST_SIZES if s <= args.max_nodes + 1],
+                                prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2))
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
     record.setdefault("measured", {})[device] = {
         "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
-        "cost_ms": {str(k): v for k, v in cost.items()}, "threads": torch.get_num_threads(),
+        "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "threads": torch.get_num_threads(),
         "curve": [list(c) for c in choice.curve],
     }
     record["accuracy"] = accuracy

@@ -88,3 +88,17 @@ def test_calibrate_script_end_to_end(tmp_path):
     assert eng.heads.draft_vocab is not None
     prompt = eng.tokenizer("Hello there")["input_ids"]
     assert eng.generate(prompt, max_new_tokens=16).tokens == eng.generate(prompt, max_new_tokens=16, mode="baseline").tokens
+
+
+def test_cost_curve_argument():
+    spec = importlib.util.spec_from_file_location("calibrate_tree", ROOT / "scripts" / "calibrate_tree.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_cost("1:61,2:94.5,16:111") == {1: 61.0, 2: 94.5, 16: 111.0}
+    for bad in ("1-61", "2:94", "x:1"):
+        try:
+            script.parse_cost(bad)
+        except medusa.MedusaError as err:
+            assert "--cost" in str(err)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
