@@ -161,7 +161,10 @@ def cache_batch(cache: FeatureCache, spans: np.ndarray, idx: np.ndarray, device:
         rows[b, :n] = torch.from_numpy(keep)
         positions.append(np.arange(lo, hi)[keep])
     pos = np.concatenate(positions)  # [n] in row order, the order hidden[rows] reads
-    load = lambda a, dtype: torch.from_numpy(np.asarray(a[pos])).to(device=device, dtype=dtype)  # noqa: E731
+
+    def load(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(array[pos])).to(device=device, dtype=dtype)
+
     return Batch(ids.to(device), attn.to(device), rows.to(device), load(cache.hidden, torch.float32),
                  load(cache.teacher_ids, torch.long), load(cache.teacher_logp, torch.float32))
 
