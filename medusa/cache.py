@@ -5,18 +5,68 @@ transformers already accepts: explicit ``position_ids``, a prepared 4D additive
 ``attention_mask`` of shape ``[1, 1, n_new, past + n_new]`` (returned as-is by
 transformers' mask preprocessing), and a ``DynamicCache`` whose tensors we compact after
 verification so that only the accepted path stays.
+
+The cache's layers are ``BufferedLayer``: a ``DynamicLayer`` whose keys and values live in
+a preallocated buffer that grows by doubling. ``DynamicLayer`` concatenates, copying the
+whole cache of every layer at every step; here a step writes only its new entries, and
+cropping or compacting never reallocates.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """A full-length cache layer backed by a reusable buffer.
+
+    ``keys``/``values`` are always views ``buffer[..., :length, :]``, so everything that
+    reads a ``DynamicLayer`` (transformers' masks, ``get_seq_length``, our ``crop`` and
+    ``keep_nodes``) works unchanged. ``update`` writes the new entries in place after
+    ``length``, doubling the buffer when it is full: amortised O(new tokens) per step.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        kbuf, vbuf = self._kbuf, self._vbuf
+        if kbuf is not None and kbuf.shape[-2] >= needed and kbuf.shape[:-2] == key_states.shape[:-2]:
+            return
+        capacity = max(needed, 2 * (kbuf.shape[-2] if kbuf is not None else 0), 256)
+        length = self.get_seq_length()
+        new_k = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+        new_v = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+        if length:
+            new_k[..., :length, :] = self.keys
+            new_v[..., :length, :] = self.values
+        self._kbuf, self._vbuf = new_k, new_v
+        self.keys, self.values = new_k[..., :length, :], new_v[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        self._reserve(key_states, value_states, end)
+        self._kbuf[..., start:end, :] = key_states
+        self._vbuf[..., start:end, :] = value_states
+        self.keys = self._kbuf[..., :end, :]
+        self.values = self._vbuf[..., :end, :]
+        return self.keys, self.values
 
 
 def new_cache() -> DynamicCache:
     # Built without the model config on purpose: every layer is then a plain full-length
     # layer we can compact and crop freely; sliding windows are applied by the masks.
-    return DynamicCache()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = BufferedLayer
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -124,28 +124,31 @@ def choose_tree(counts: Counter, positions: int, cost_ms: dict[int, float], max_
 
 
 @torch.inference_mode()
-def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, reps: int = 5) -> dict[int, float]:
+def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, reps: int = 9) -> dict[int, float]:
     """Median milliseconds of one target pass over ``n`` new tree nodes after ``prefix``
-    cached tokens, for each ``n`` in ``sizes`` (a star-shaped tree: cost depends on n only)."""
+    cached tokens, for each ``n`` in ``sizes`` (a star-shaped tree: cost depends on n only).
+
+    Sizes are timed round-robin (``reps`` rounds after a warm-up round), so a slow spell of
+    the machine spreads over every size instead of inflating one of them.
+    """
     device = model.get_output_embeddings().weight.device
     vocab = model.config.vocab_size
     cache = kv.new_cache()
     ids = torch.randint(0, vocab, (1, prefix), device=device)
     kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, None, logits_rows=slice(-1, None))
-    out: dict[int, float] = {}
+    setups = {}
     for n in sizes:
         tree = compile_tree([(i,) for i in range(n - 1)]).to(device)
-        tokens = torch.randint(0, vocab, (1, n), device=device)
-        positions = (prefix + tree.depth)[None]
-        samples = []
-        for _ in range(reps + 1):
+        setups[n] = (tree, torch.randint(0, vocab, (1, n), device=device), (prefix + tree.depth)[None])
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(reps + 1):
+        for n, (tree, tokens, positions) in setups.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype) if n > 1 else None
             logits, _ = kv.forward(model, tokens, positions, cache, mask)
             logits.argmax(-1).tolist()  # the step's host sync
-            samples.append(time.perf_counter() - t0)
+            samples[n].append(time.perf_counter() - t0)
             kv.crop(cache, prefix)
-        out[n] = statistics.median(samples[1:]) * 1e3
-    return out
+    return {n: statistics.median(s[1:]) * 1e3 for n, s in samples.items()}

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -205,8 +206,11 @@ def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, pr
     """Fresh heads sized for ``model`` (a Hugging Face causal LM)."""
     lm_head = model.get_output_embeddings()
     vocab, hidden = lm_head.weight.shape
+    base = getattr(model.config, "name_or_path", None)
+    if base and Path(base).name == DEFAULT_MODEL_NAME:
+        base = DEFAULT_MODEL_ID  # the embedded default's cache folder: name it portably
     config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
-                         projection=projection, base_model=getattr(model.config, "name_or_path", None))
+                         projection=projection, base_model=base)
     heads = MedusaHeads(config, lm_head=lm_head)
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from medusa import cache as kv
 from medusa.tree import compile_tree
@@ -61,5 +62,29 @@ def test_cache_after_keeping_a_path_equals_sequential_cache(arch):
         kv.forward(model, torch.tensor([seq]), torch.arange(len(seq))[None], ref, None)
     assert kv.cache_length(cache) == len(seq)
     for layer, ref_layer in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_buffered_cache_grows_crops_and_rewrites_like_a_fresh_pass():
+    """The reusable buffer crosses its first capacity (256), is cropped back, and is
+    overwritten by new tokens: its contents always equal a cache built in one pass."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(3, 96, (300,), generator=g).tolist()
+    other = torch.randint(3, 96, (40,), generator=g).tolist()
+    cache = kv.new_cache()
+    with torch.no_grad():
+        for start, end in [(0, 200), (200, 250), (250, 300)]:  # 250 -> 300 forces a reallocation
+            kv.forward(model, torch.tensor([seq[start:end]]), torch.arange(start, end)[None], cache, None)
+        assert all(layer._kbuf.shape[-2] >= 300 for layer in cache.layers)
+        kv.crop(cache, 270)
+        kv.forward(model, torch.tensor([other]), torch.arange(270, 310)[None], cache, None)
+        ref = DynamicCache()  # transformers' own concatenating cache
+        full = seq[:270] + other
+        kv.forward(model, torch.tensor([full]), torch.arange(len(full))[None], ref, None)
+    assert kv.cache_length(cache) == len(full)
+    for layer, ref_layer in zip(cache.layers, ref.layers):
+        assert isinstance(layer, kv.BufferedLayer)
         torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=1e-5)
