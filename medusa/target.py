@@ -33,9 +33,24 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    # CPUs without AMX emulate bf16 matmuls slowly; fp32 is both faster and exact there.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(device: torch.device) -> torch.dtype | str:
+    """fp32 on a CPU (CPUs without AMX emulate bf16 matmuls slowly; fp32 is faster and exact
+    there); elsewhere ``"auto"``: the dtype the checkpoint was saved in (bf16 for most large
+    models, fp32 for the embedded default)."""
+    return torch.float32 if device.type == "cpu" else "auto"
+
+
+def _drop_gguf_quantizer(lm: PreTrainedModel) -> None:
+    """GGUF weights arrive dequantised into ordinary tensors; the quantizer transformers leaves
+    on the model (and in its config, for folders saved from it) describes nothing real."""
+    config = getattr(lm.config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    if str(getattr(method, "value", method)) != "gguf":
+        return
+    lm.hf_quantizer = None
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(lm.config, attr):
+            delattr(lm.config, attr)
 
 
 def embedded_gguf_path() -> Path:
@@ -70,7 +85,7 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # A GGUF-loaded model carries quantizer state that save_pretrained refuses;
         # the weights are already dequantised, so dropping it saves a plain model.
-        model.hf_quantizer = None
+        _drop_gguf_quantizer(model)
         model.config.name_or_path = DEFAULT_MODEL_ID
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -131,8 +146,7 @@ def load_target(
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MedusaError(f"cannot load model {model!r}: {first}") from err
-    if getattr(lm, "hf_quantizer", None) is not None and "gguf_file" in extra:
-        lm.hf_quantizer = None  # GGUF weights arrive dequantised
+    _drop_gguf_quantizer(lm)
     lm.to(device).eval().requires_grad_(False)
     return lm, tokenizer
 
