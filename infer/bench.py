@@ -178,6 +178,12 @@ def run_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     return _engine_run(engine, ids, args, "lookup")
 
 
+@mode("hybrid")
+def run_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    """Medusa heads and prompt lookup in one tree per step."""
+    return _engine_run(engine, ids, args, "hybrid")
+
+
 @mode("hf-assisted")
 def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     """transformers' assisted generation with the same draft and draft length as ``draft``."""
@@ -256,8 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
     ap.add_argument("--draft-confidence", type=float, default=0.0,
                     help="end a draft chain after a token the draft gave less probability (0: off; draft, hf-assisted)")
-    ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, prompt-lookup)")
-    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, prompt-lookup)")
+    ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
@@ -288,14 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
-        heads = args.heads if args.heads is not None or "medusa" in modes else None
+        uses_heads = sorted({"medusa", "hybrid"} & set(modes))
+        heads = args.heads if args.heads is not None or uses_heads else None
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft)
         engine.lookup_tokens, engine.lookup_ngram = args.lookup_tokens, args.lookup_ngram
         engine.draft_confidence = args.draft_confidence
-        if "medusa" in modes and engine.heads is None:
-            raise MedusaError("mode medusa needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
+        if uses_heads and engine.heads is None:
+            raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None

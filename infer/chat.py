@@ -413,7 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the shipped heads "
                                    "of the embedded model, when present)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
-    p.add_argument("--mode", help="medusa, draft, lookup or baseline (default: medusa when heads are loaded, "
+    p.add_argument("--mode", help="medusa, hybrid (heads + prompt lookup), draft, lookup or baseline (default: medusa when heads are loaded, "
                                   "draft when --draft is given, else baseline)")
     p.add_argument("--temperature", type=float, help="0 is greedy (the default); above 0 samples")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")

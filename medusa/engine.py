@@ -17,13 +17,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from medusa import cache as kv
 from medusa.errors import MedusaError
 from medusa.heads import MedusaHeads
-from medusa.proposers import Autoregressive, DraftModel, MedusaProposer, PromptLookup, Proposal, Proposer
+from medusa.proposers import Autoregressive, DraftModel, Hybrid, MedusaProposer, PromptLookup, Proposal, Proposer
 from medusa.sampling import SamplingConfig, next_token
 from medusa.target import context_window, eos_token_ids
 from medusa.tree import load_tree
 from medusa.verify import Accepted, verify
 
-MODES = ("baseline", "medusa", "draft", "lookup")
+MODES = ("baseline", "medusa", "draft", "lookup", "hybrid")
 
 
 @dataclass
@@ -222,10 +222,14 @@ class Engine:
             return mode
         if mode == "baseline":
             return Autoregressive(self.device)
-        if mode == "medusa":
+        if mode in ("medusa", "hybrid"):
             if self.heads is None:
-                raise MedusaError("mode 'medusa' needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
-            return MedusaProposer(self.heads, self.tree_paths(tree), self.device)
+                raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
+            heads = MedusaProposer(self.heads, self.tree_paths(tree), self.device)
+            if mode == "medusa":
+                return heads
+            return Hybrid(heads, PromptLookup(self.device, num_tokens=self.lookup_tokens, max_ngram=self.lookup_ngram),
+                          self.device)
         if mode == "draft":
             if self.draft is None:
                 raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")

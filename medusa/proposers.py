@@ -5,7 +5,8 @@ Every decoding mode is one proposer behind the same engine loop:
 * ``Autoregressive`` - no candidates, the root alone (plain decoding, the baseline);
 * ``MedusaProposer`` - the heads' top-k laid out by a static tree;
 * ``DraftModel`` - a small causal LM drafting a chain token by token;
-* ``PromptLookup`` - a chain copied from where the latest n-gram occurred before.
+* ``PromptLookup`` - a chain copied from where the latest n-gram occurred before;
+* ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree.
 
 A proposer answers ``propose(state) -> Proposal`` and hears the outcome through
 ``update(state, outcome)``; it keeps whatever state it needs (a draft model's cache, an
@@ -211,8 +212,9 @@ class PromptLookup:
     """Training-free drafting by n-gram lookup in the prompt and the text generated so far.
 
     The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up
-    at their latest earlier occurrence and the up to ``num_tokens`` tokens that followed it
-    are proposed as a chain. An index of every n-gram's latest end position is extended
+    at their latest earlier occurrence and the ``num_tokens`` tokens that followed it are
+    proposed as a chain (fewer where the text ends first; a span repeating up to the end,
+    such as ``a b a b``, is continued with its period). An index of every n-gram's latest end position is extended
     as the sequence grows, so a lookup costs O(``max_ngram``) per step. The proposal is
     deterministic given the text, so it carries no ``q``: lossless verification treats
     each candidate as a point mass.
@@ -246,10 +248,67 @@ class PromptLookup:
         for n in self.ngrams:
             end = self.index.get(tuple(tokens[total - n:])) if n <= total else None
             if end is not None:
-                follow = tokens[end:end + self.k]
+                # Copy what followed. A match that runs into the suffix itself (a repeating
+                # span, period total - end) is continued periodically rather than cut short.
+                for i in range(self.k):
+                    j = end + i
+                    follow.append(tokens[j] if j < total else follow[j - total])
                 break
         chain_tokens = torch.tensor(tokens[-1:] + follow, device=self.device)  # [1 + k]: the root, then the copy
         return Proposal(tree=_chain_tree(self.trees, len(follow), self.device), tokens=chain_tokens, is_chain=True)
 
     def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
         pass
+
+
+class Hybrid:
+    """Medusa heads and prompt lookup verified together in one target pass.
+
+    The heads' static tree and, when the n-gram index finds a match, the lookup chain hang
+    side by side off the root; verification keeps the longest accepted path of either. The
+    two are complementary: the heads guess short continuations anywhere, the lookup copies
+    long spans where the answer repeats the prompt or itself. Where the target's pass costs
+    about the same for a few more nodes (GPUs), the chain is nearly free. The chain's nodes
+    use rank ``width`` at depth 1 (``width`` = one past the heads' largest rank there), so
+    they never collide with the heads' paths; a combined layout is compiled once per chain
+    length. Neither part samples, so lossless verification treats every node as a point mass.
+    """
+
+    def __init__(self, medusa: MedusaProposer, lookup: PromptLookup, device: torch.device) -> None:
+        self.medusa, self.lookup, self.device = medusa, lookup, device
+        self.base = list(medusa.tree.paths)
+        self.branch = max((p[0] for p in self.base), default=-1) + 1
+        self.layouts: dict[int, tuple[TreeBuffers, torch.Tensor, torch.Tensor]] = {}
+
+    def _layout(self, k: int) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor]:
+        """The tree for a ``k``-token chain, and where the heads' and the chain's nodes go in it."""
+        if k not in self.layouts:
+            chain_paths = [(self.branch,) + (0,) * d for d in range(k)]
+            tree = compile_tree(self.base + chain_paths)
+            index = {path: i + 1 for i, path in enumerate(tree.paths)}
+            heads_nodes = torch.tensor([0] + [index[path] for path in self.medusa.tree.paths], dtype=torch.long)
+            chain_nodes = torch.tensor([index[path] for path in chain_paths], dtype=torch.long)
+            self.layouts[k] = (tree.to(self.device), heads_nodes.to(self.device), chain_nodes.to(self.device))
+        return self.layouts[k]
+
+    def begin(self, state: "DecodeState") -> None:
+        self.medusa.begin(state)
+        self.lookup.begin(state)
+
+    def propose(self, state: "DecodeState") -> Proposal:
+        copied = self.lookup.propose(state)
+        k = copied.tokens.numel() - 1
+        if not self.base:  # a calibrated tree may be empty: then this is plain lookup
+            return copied
+        guessed = self.medusa.propose(state)
+        if k == 0:
+            return guessed
+        tree, heads_nodes, chain_nodes = self._layout(k)
+        tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
+        tokens[heads_nodes] = guessed.tokens.long()
+        tokens[chain_nodes] = copied.tokens[1:].long()
+        return Proposal(tree=tree, tokens=tokens)
+
+    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+        self.medusa.update(state, outcome)
+        self.lookup.update(state, outcome)

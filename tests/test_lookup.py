@@ -8,7 +8,8 @@ from transformers import GenerationConfig
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
-from medusa.proposers import PromptLookup
+from medusa.heads import init_heads_for
+from medusa.proposers import Hybrid, MedusaProposer, PromptLookup
 from tiny import tiny_model
 
 # A prompt that repeats itself, as code edits and summaries do.
@@ -60,7 +61,9 @@ def state_with(tokens: list[int]):
     ([4, 1, 2, 8, 5, 1, 2, 7, 4, 1, 2], 3, [8, 5, 1]),  # a longer match beats a later, shorter one
     ([4, 1, 2, 8, 5, 1, 2, 7, 4, 1, 2], 2, [7, 4, 1]),  # ... unless longer n-grams are not looked up
     ([6, 7, 8, 9], 3, []),  # no earlier occurrence of any suffix: the root alone
-    ([6, 1, 1], 3, [1]),  # a match that runs into the suffix itself is cut at the end
+    ([6, 1, 1], 3, [1, 1, 1]),  # a match running into the suffix continues with its period (1)
+    ([6, 1, 2, 1, 2], 3, [1, 2, 1]),  # ... here period 2
+    ([1, 2, 3, 7, 1, 2], 3, [3, 7, 1]),  # the text after an earlier match runs out: fewer than 3 is fine too
 ])
 def test_lookup_proposes_what_followed_the_latest_longest_match(tokens, max_ngram, expected):
     lookup = PromptLookup(torch.device("cpu"), num_tokens=3, max_ngram=max_ngram)
@@ -80,7 +83,7 @@ def test_lookup_index_follows_a_growing_sequence():
     state.tokens += [1, 2]  # (1, 2) now repeats: propose what followed it before
     assert lookup.propose(state).tokens.tolist() == [2, 3, 4, 1, 2]
     state.tokens += [7, 1, 2]  # a newer occurrence of (1, 2), followed by 7
-    assert lookup.propose(state).tokens.tolist() == [2, 7, 1, 2]
+    assert lookup.propose(state).tokens.tolist() == [2, 7, 1, 2, 7]  # 7 1 2 repeats up to the end
 
 
 def test_bad_lookup_settings_are_clear_errors():
@@ -88,3 +91,71 @@ def test_bad_lookup_settings_are_clear_errors():
         PromptLookup(torch.device("cpu"), num_tokens=4, max_ngram=0)
     with pytest.raises(MedusaError, match="num_tokens"):
         PromptLookup(torch.device("cpu"), num_tokens=0)
+
+
+# -- hybrid: the heads' tree and the lookup chain in one pass --------------------------------
+HEADS_TREE = [(0,), (1,), (0, 0), (1, 0)]
+
+
+def random_heads(model, seed):
+    heads = init_heads_for(model, num_heads=2, num_layers=1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hybrid_greedy_equals_target_greedy(arch):
+    model = tiny_model(arch)
+    n = 48
+    ref = hf_greedy(model, PROMPT, n)
+    for heads in (init_heads_for(model, num_heads=2), random_heads(model, 1)):
+        eng = Engine(model, heads=heads, tree=HEADS_TREE)
+        res = eng.generate(PROMPT, max_new_tokens=n, mode="hybrid")
+        assert res.tokens == ref
+
+
+def test_hybrid_takes_the_lookup_chain_where_it_is_longer():
+    model = tiny_model("llama")  # its greedy text ends in a long run of one token
+    eng = Engine(model, heads=init_heads_for(model, num_heads=2), tree=HEADS_TREE)
+    res = eng.generate(PROMPT, max_new_tokens=48, mode="hybrid")
+    # The heads reach depth 2, so a step that emits more than 3 tokens took the chain.
+    assert max(res.stats.accepted) > 3, res.stats.accepted
+    heads_only = eng.generate(PROMPT, max_new_tokens=48, mode="medusa")
+    assert res.tokens == heads_only.tokens and res.stats.steps < heads_only.stats.steps
+
+
+def test_hybrid_lays_out_the_heads_tree_and_the_chain_side_by_side():
+    model = tiny_model("llama")
+    heads = random_heads(model, 2)
+    device = torch.device("cpu")
+    medusa = MedusaProposer(heads, HEADS_TREE, device)
+    lookup = PromptLookup(device, num_tokens=3, max_ngram=2)
+    hybrid = Hybrid(medusa, lookup, device)
+    state = Engine(model, heads=heads).generate([7, 8, 9], max_new_tokens=1, mode="baseline").state
+    state.tokens, state.root = [7, 8, 9, 1, 2, 3, 1, 2], torch.tensor(2)  # lookup reads only these
+    hybrid.begin(state)
+    proposal = hybrid.propose(state)
+    guessed, copied = medusa.propose(state), lookup.propose(state)
+    assert copied.tokens.numel() > 1  # (1, 2) occurred before: the chain is there
+    tree = proposal.tree
+    assert tree.num_nodes == guessed.tree.num_nodes + copied.tokens.numel() - 1
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    for i, p in enumerate(guessed.tree.paths):  # every head candidate keeps its path and token
+        assert proposal.tokens[index[p]] == guessed.tokens[i + 1]
+    chain_nodes = [index[p] for p in tree.paths if p[0] == 2]  # rank 2 at depth 1: past the heads' ranks 0, 1
+    assert proposal.tokens[chain_nodes].tolist() == copied.tokens[1:].tolist()
+    assert tree.parent[chain_nodes].tolist() == [0] + chain_nodes[:-1]  # a chain hanging off the root
+    assert proposal.tokens[0] == state.root
+
+
+def test_hybrid_without_a_match_is_the_heads_tree():
+    model = tiny_model("llama")
+    heads = random_heads(model, 3)
+    device = torch.device("cpu")
+    hybrid = Hybrid(MedusaProposer(heads, HEADS_TREE, device), PromptLookup(device), device)
+    state = Engine(model, heads=heads).generate([7, 8, 9, 10], max_new_tokens=1, mode="baseline").state
+    hybrid.begin(state)
+    assert hybrid.propose(state).tree.paths == tuple(sorted(HEADS_TREE, key=lambda p: (len(p), p)))
