@@ -190,9 +190,13 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
     if engine.draft is None:
         raise MedusaError("mode hf-assisted needs a draft: pass --draft FOLDER_OR_HUB_ID (or --draft default)")
     schedule = "heuristic" if engine.adaptive_draft else "constant"
-    config = _hf_config(engine, args, num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule,
-                        assistant_confidence_threshold=engine.draft_confidence)
-    return hf_generate(engine, ids, config, assistant_model=engine.draft)
+    settings = dict(num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule,
+                    assistant_confidence_threshold=engine.draft_confidence)
+    # transformers reads these from the assistant's own generation config too (where the
+    # confidence stop otherwise defaults to 0.4): set both, so both modes draft alike.
+    for name, value in settings.items():
+        setattr(engine.draft.generation_config, name, value)
+    return hf_generate(engine, ids, _hf_config(engine, args, **settings), assistant_model=engine.draft)
 
 
 @mode("prompt-lookup")
@@ -260,8 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (draft, hf-assisted)")
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
-    ap.add_argument("--draft-confidence", type=float, default=0.0,
-                    help="end a draft chain after a token the draft gave less probability (0: off; draft, hf-assisted)")
+    ap.add_argument("--draft-confidence", type=float, default=0.4,
+                    help="end a draft chain after a token the draft gave less probability (default 0.4, transformers' own; 0: off; draft, hf-assisted)")
     ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")

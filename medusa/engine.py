@@ -164,7 +164,8 @@ class Engine:
         self.draft = draft
         self.draft_tokens = 4
         self.adaptive_draft = False
-        self.draft_confidence = 0.0  # > 0: end a chain after a token the draft gave less probability
+        # > 0: end a chain after a token the draft gave less probability (0.4: transformers' default)
+        self.draft_confidence = 0.4
         # mode "lookup": up to lookup_tokens copied after the longest (<= lookup_ngram) match.
         self.lookup_tokens = 8
         self.lookup_ngram = 3

@@ -64,7 +64,7 @@ def test_draft_greedy_equals_target_greedy(arch):
              ("noisy", noisy_copy(target, 0.02), 3, True), ("unrelated", tiny_model(arch, seed=7), 2, False)]
     for name, draft, k, adaptive in cases:
         eng = Engine(target, draft=draft)
-        eng.draft_tokens, eng.adaptive_draft = k, adaptive
+        eng.draft_tokens, eng.adaptive_draft, eng.draft_confidence = k, adaptive, 0.0  # full chains
         res = eng.generate(PROMPT, max_new_tokens=n, mode="draft")
         assert res.tokens == ref, name
         if name == "itself":

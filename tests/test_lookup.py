@@ -11,6 +11,7 @@ from medusa.errors import MedusaError
 from medusa.heads import init_heads_for
 from medusa.proposers import Hybrid, MedusaProposer, PromptLookup
 from tiny import tiny_model
+from tiny_heads import random_heads
 
 # A prompt that repeats itself, as code edits and summaries do.
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]
@@ -97,21 +98,12 @@ def test_bad_lookup_settings_are_clear_errors():
 HEADS_TREE = [(0,), (1,), (0, 0), (1, 0)]
 
 
-def random_heads(model, seed):
-    heads = init_heads_for(model, num_heads=2, num_layers=1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return heads
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hybrid_greedy_equals_target_greedy(arch):
     model = tiny_model(arch)
     n = 48
     ref = hf_greedy(model, PROMPT, n)
-    for heads in (init_heads_for(model, num_heads=2), random_heads(model, 1)):
+    for heads in (init_heads_for(model, num_heads=2), random_heads(model, num_heads=2, seed=1, scale=0.3)):
         eng = Engine(model, heads=heads, tree=HEADS_TREE)
         res = eng.generate(PROMPT, max_new_tokens=n, mode="hybrid")
         assert res.tokens == ref
@@ -129,7 +121,7 @@ def test_hybrid_takes_the_lookup_chain_where_it_is_longer():
 
 def test_hybrid_lays_out_the_heads_tree_and_the_chain_side_by_side():
     model = tiny_model("llama")
-    heads = random_heads(model, 2)
+    heads = random_heads(model, num_heads=2, seed=2, scale=0.3)
     device = torch.device("cpu")
     medusa = MedusaProposer(heads, HEADS_TREE, device)
     lookup = PromptLookup(device, num_tokens=3, max_ngram=2)
@@ -153,7 +145,7 @@ def test_hybrid_lays_out_the_heads_tree_and_the_chain_side_by_side():
 
 def test_hybrid_without_a_match_is_the_heads_tree():
     model = tiny_model("llama")
-    heads = random_heads(model, 3)
+    heads = random_heads(model, num_heads=2, seed=3, scale=0.3)
     device = torch.device("cpu")
     hybrid = Hybrid(MedusaProposer(heads, HEADS_TREE, device), PromptLookup(device), device)
     state = Engine(model, heads=heads).generate([7, 8, 9, 10], max_new_tokens=1, mode="baseline").state
