@@ -83,7 +83,7 @@ def decode(engine, ids: list[int]) -> str:
 def test_two_turns_reuse_the_cache_and_mode_switches(engine, tmp_path):
     child = spawn(["--heads", "init", "--max-new-tokens", "12"], tmp_path)
     child.expect_exact("heads   init")
-    child.expect_exact("mode    medusa")
+    child.expect_exact("mode    hybrid")
     child.expect_exact(PROMPT)
     first, stats1 = ask(child, "Name a fruit.")
     child.sendline("/mode baseline")
@@ -122,7 +122,7 @@ def test_two_turns_reuse_the_cache_and_mode_switches(engine, tmp_path):
     # Only the new turn was prefilled (plus the last answer token, whose KV the cache lacks).
     assert int(stats1.group(2)) == len(t1["prompt_ids"])
     assert int(stats2.group(2)) == len(t2["prompt_ids"]) - len(history) + 1
-    # Both answers (medusa mode, then baseline on the reused cache) equal fresh decoding.
+    # Both answers (hybrid mode, then baseline on the reused cache) equal fresh decoding.
     for turn, printed in ((t1, first), (t2, second)):
         assert turn["answer_ids"] == fresh(engine, turn["prompt_ids"], 12)
         assert printed == decode(engine, turn["answer_ids"])
