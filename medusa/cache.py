@@ -34,7 +34,7 @@ class BufferedLayer(DynamicLayer):
         self._vbuf: torch.Tensor | None = None
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        kbuf, vbuf = self._kbuf, self._vbuf
+        kbuf = self._kbuf
         if kbuf is not None and kbuf.shape[-2] >= needed and kbuf.shape[:-2] == key_states.shape[:-2]:
             return
         capacity = max(needed, 2 * (kbuf.shape[-2] if kbuf is not None else 0), 256)

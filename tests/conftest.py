@@ -14,3 +14,15 @@ def embedded():
     import medusa
 
     return medusa.load(heads="init", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: they are all per-call overhead,
+    and two spinning threads make each forward several times slower on a busy CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import medusa
 from medusa import cache as kv
@@ -19,27 +19,13 @@ from medusa.errors import MedusaError
 from medusa.proposers import DraftModel
 from medusa.sampling import SamplingConfig, probabilities
 from medusa.target import load_target
-from tiny import ARCHS, tiny_model
+from tiny import ARCHS, hf_greedy, tiny_model
 from tiny_heads import VOCAB, target_folder, word_tokenizer
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are all per-call overhead: on a shared, busy CPU two spinning threads
-    # make each forward ~10x slower than one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         generation_config=GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=2,
-                                                            pad_token_id=0))
-    return out[0, len(ids):].tolist()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def noisy_copy(model, scale, seed=1):

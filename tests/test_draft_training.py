@@ -19,13 +19,7 @@ from train_fixtures import tiny_target, write_counting_data
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are all per-call overhead: one thread avoids contention on a busy CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_distilled_draft_is_closer_to_the_target_and_loads(tmp_path):

@@ -2,23 +2,16 @@
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import init_heads_for
 from medusa.proposers import Proposal
 from medusa.tree import chain, compile_tree
-from tiny import ARCHS, tiny_model
+from tiny import ARCHS, hf_greedy, tiny_model
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
-
-
-def hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         generation_config=GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0))
-    return out[0, len(ids):].tolist()
 
 
 def random_heads(model, seed):

@@ -4,34 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import init_heads_for
 from medusa.proposers import Hybrid, MedusaProposer, PromptLookup
-from tiny import tiny_model
+from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 # A prompt that repeats itself, as code edits and summaries do.
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are all per-call overhead: on a shared, busy CPU two spinning threads
-    # make each forward ~10x slower than one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def hf_greedy(model, ids, n):
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0)
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         generation_config=config)
-    return out[0, len(ids):].tolist()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

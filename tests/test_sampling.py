@@ -53,13 +53,7 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], law: dict[tuple[int, ...],
                                          torch.tensor(chi2 / 2, dtype=torch.float64)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Thousands of tiny ops: intra-op threads only add overhead (a lot on a busy machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a bigram target: p(next | prefix) depends on the last token only ---------------------

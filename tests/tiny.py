@@ -42,3 +42,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **kwargs) -> PreTrainedModel:
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval().requires_grad_(False)
+
+
+def hf_greedy(model: PreTrainedModel, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of ``ids`` (``n`` tokens, EOS id 2): the reference."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         generation_config=config)
+    return out[0, len(ids):].tolist()
