@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 import medusa
+from medusa.engine import MODES as ENGINE_MODES
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.sampling import ACCEPTANCE, SamplingConfig
@@ -121,7 +123,7 @@ def mode(name: str) -> Callable[[Runner], Runner]:
     return register
 
 
-def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, name: str) -> Run:
+def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, name: str) -> Run:
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree, sampling=args.sampling)
     return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1, accepted=list(res.stats.accepted))
 
@@ -158,30 +160,9 @@ def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     return run
 
 
-@mode("baseline")
-def run_baseline(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(engine, ids, args, "baseline")
-
-
-@mode("medusa")
-def run_medusa(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(engine, ids, args, "medusa")
-
-
-@mode("draft")
-def run_draft(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(engine, ids, args, "draft")
-
-
-@mode("lookup")
-def run_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(engine, ids, args, "lookup")
-
-
-@mode("hybrid")
-def run_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    """Medusa heads and prompt lookup in one tree per step."""
-    return _engine_run(engine, ids, args, "hybrid")
+# The engine's own modes: the same runner, by name (baseline, medusa, draft, lookup, hybrid).
+for _name in ENGINE_MODES:
+    MODES[_name] = functools.partial(_engine_run, name=_name)
 
 
 @mode("hf-assisted")

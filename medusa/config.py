@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 import yaml
 
@@ -157,3 +159,29 @@ def diff_from_defaults(cfg: Any) -> dict[str, Any]:
         if value != default:
             out[f.name] = value
     return out
+
+
+# -- entry points ------------------------------------------------------------------------------
+class TqdmHandler(logging.Handler):
+    """Log lines printed above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def log_above_progress_bars() -> None:
+    """INFO logging with a time stamp, written around tqdm bars (the training entry points)."""
+    handler = TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def run_main(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s status; a ``MedusaError`` is one line on stderr and status 2."""
+    try:
+        sys.exit(main())
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

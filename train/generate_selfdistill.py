@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medusa.config import arg, parse_config
+from medusa.config import arg, parse_config, run_main
 from medusa.data import DataStats, load_conversations
-from medusa.errors import MedusaError
 from medusa.target import eos_token_ids, load_target
 
 
@@ -121,8 +120,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MedusaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

@@ -13,26 +13,14 @@ meaning: ``python -m train.train_draft --help``. The loop lives in
 from __future__ import annotations
 
 import logging
-import sys
 
-from tqdm.auto import tqdm
 
-from medusa.config import parse_config
+from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.draft_training import DraftTrainConfig, train_draft
-from medusa.errors import MedusaError
-
-
-class TqdmHandler(logging.Handler):
-    """Log lines printed above the progress bar instead of through it."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    handler = TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    log_above_progress_bars()
     cfg = parse_config(DraftTrainConfig, argv)
     folder = train_draft(cfg)
     logging.getLogger("medusa.draft_training").info("draft written to %s", folder)
@@ -40,8 +28,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MedusaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

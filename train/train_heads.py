@@ -9,28 +9,17 @@ lives in ``medusa/training.py``; this file only parses the config and reports er
 from __future__ import annotations
 
 import logging
-import sys
 
 from accelerate import PartialState
-from tqdm.auto import tqdm
 
-from medusa.config import parse_config
+from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.errors import MedusaError
 from medusa.hub import push_heads, require_token
 from medusa.training import TrainConfig, train
 
 
-class TqdmHandler(logging.Handler):
-    """Log lines printed above the progress bar instead of through it."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record), file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
-    handler = TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    log_above_progress_bars()
     cfg = parse_config(TrainConfig, argv)
     if cfg.push_to_hub:
         require_token()  # a missing token shows now, not after the training run
@@ -48,8 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MedusaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)
