@@ -263,6 +263,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--acceptance", choices=ACCEPTANCE, default=None,
                     help=f"verification when sampling: lossless, or the lossy typical (default: {d.acceptance})")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--static-cache", action="store_true", help="engine modes keep the KV cache in fixed tensors")
+    ap.add_argument("--compile", action="store_true",
+                    help="engine modes: static cache and a torch.compile'd verification pass (CUDA graphs on CUDA); "
+                         "compiled in the warm-up, outside the timing")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         heads = args.heads if args.heads is not None or uses_heads else None
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
-                             draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft)
+                             draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
+                             static_cache=args.static_cache, compile=args.compile)
         engine.lookup_tokens, engine.lookup_ngram = args.lookup_tokens, args.lookup_ngram
         engine.draft_confidence = args.draft_confidence
         if uses_heads and engine.heads is None:

@@ -429,6 +429,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tree", help="Medusa tree: a name in configs/trees (cpu, gpu) or a JSON file of paths")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="static KV cache and a torch.compile'd verification pass (CUDA graphs on CUDA): "
+                        "a slow first answer, faster ones after")
     p.add_argument("--show-accepted", action="store_true",
                    help="colour the tokens drafted by the heads/draft that the target accepted")
     p.add_argument("--prompt", help="answer this one message and exit")
@@ -454,7 +457,7 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = medusa.load(args.model, heads=args.heads, draft=args.draft, device=args.device, dtype=args.dtype,
-                             tree=args.tree)
+                             tree=args.tree, compile=args.compile)
     # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they
     # point into medusa or at this caller. Other libraries' warnings are noise here.
     ours = (str(Path(medusa.__file__).resolve().parent), str(Path(__file__).resolve()))

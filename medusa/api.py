@@ -42,18 +42,25 @@ def load(
     trust_remote_code: bool = False,
     draft_tokens: int = 4,
     adaptive_draft: bool = False,
+    static_cache: bool = False,
+    compile: bool | str = False,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
     ``draft`` (for ``mode="draft"``) is a model folder, Hub id or ``.gguf`` file sharing the
     target's tokenizer, or ``"default"`` (see :func:`medusa.draft.load_draft`); it drafts
     ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set.
+
+    ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
+    verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
+    backend). The first generation then pays the compilation, once per tree size.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)
-    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm)
+    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
+                    static_cache=static_cache, compile=compile)
     engine.draft_tokens = draft_tokens
     engine.adaptive_draft = adaptive_draft
     return engine

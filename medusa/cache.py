@@ -10,13 +10,20 @@ The cache's layers are ``BufferedLayer``: a ``DynamicLayer`` whose keys and valu
 a preallocated buffer that grows by doubling. ``DynamicLayer`` concatenates, copying the
 whole cache of every layer at every step; here a step writes only its new entries, and
 cropping or compacting never reallocates.
+
+``new_static_cache`` is the other kind, for ``torch.compile`` and CUDA graphs: transformers'
+``StaticLayer`` per layer, a fixed ``[1, H_kv, capacity, D]`` tensor at a fixed address that
+every pass writes in place at the layer's ``cumulative_length``. Attention then always reads
+all ``capacity`` slots, so every mask is ``[1, 1, n_new, capacity]`` with the unused slots
+masked; cropping moves ``cumulative_length`` back and compaction gathers in place, so the
+tensors (and a captured graph's addresses) never change.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 
 class BufferedLayer(DynamicLayer):
@@ -69,22 +76,64 @@ def new_cache() -> DynamicCache:
     return cache
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
+def new_static_cache(model: PreTrainedModel, capacity: int) -> Cache:
+    """A cache of ``capacity`` slots per layer at fixed addresses (see the module docstring)."""
+    layers = model.config.get_text_config().num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(layers)])
 
 
-def _layers(cache: DynamicCache):
+def is_static(cache: Cache) -> bool:
+    return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
+
+
+def capacity(cache: Cache) -> int | None:
+    """Slots of a static cache (``None``: a dynamic cache, which grows)."""
+    return cache.layers[0].max_cache_len if is_static(cache) else None
+
+
+def reserve(cache: Cache, needed: int) -> None:
+    """Make a static cache hold at least ``needed`` positions: a larger one (a power of two)
+    replaces each layer's tensors, keeping the cached entries. Dynamic caches grow alone."""
+    if not is_static(cache) or cache.layers[0].max_cache_len >= needed:
+        return
+    size = 1 << (max(needed, 256) - 1).bit_length()
+    with torch.inference_mode():
+        _regrow(cache, size)
+
+
+def _regrow(cache: Cache, size: int) -> None:
+    for i, old in enumerate(cache.layers):
+        new = StaticLayer(max_cache_len=size)
+        if old.is_initialized:
+            length = int(old.cumulative_length)
+            new.lazy_initialization(old.keys, old.values)
+            new.keys[..., :length, :] = old.keys[..., :length, :]
+            new.values[..., :length, :] = old.values[..., :length, :]
+            new.cumulative_length.fill_(length)
+        cache.layers[i] = new
+
+
+def cache_length(cache: Cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def _layers(cache: Cache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and layer.keys is not None]
 
 
-def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions (a view: no copy)."""
+def crop(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions (a view: no copy; a static cache just forgets
+    the slots after ``length``, which later passes overwrite and masks hide)."""
     for layer in _layers(cache):
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+        if isinstance(layer, StaticLayer):
+            with torch.inference_mode():  # the counter may be an inference tensor
+                layer.cumulative_length.fill_(length)
+        else:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
-def keep_nodes(cache: DynamicCache, start: int, nodes: torch.Tensor, contiguous: bool) -> None:
+def keep_nodes(cache: Cache, start: int, nodes: torch.Tensor, contiguous: bool) -> None:
     """After a tree pass appended ``N`` entries at ``start``, keep only ``nodes`` of them.
 
     ``nodes`` are increasing indices into the tree (root first). When they are ``0..m-1``
@@ -115,21 +164,28 @@ def tree_attention_mask(
     ancestor: torch.Tensor,
     depth: torch.Tensor,
     dtype: torch.dtype,
+    kv_len: int | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive mask for ``N`` tree nodes appended after ``past`` cached positions.
 
     ``ancestor`` ``[N, N]`` bool says which tree nodes each node sees; ``depth`` ``[N]``
     gives positions ``past + depth``. Returns ``[1, 1, N, past + N]`` (0 = attend,
     dtype-min = masked), or a dict per layer type for models that mix sliding-window and
-    full layers.
+    full layers. ``kv_len`` (a static cache's capacity) widens it to ``[1, 1, N, kv_len]``
+    with the slots after the tree masked.
     """
     n = ancestor.shape[0]
     device = ancestor.device
     visible = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), ancestor], dim=1)  # [N, past+N]
     window = _sliding_window(model)
     types = _layer_types(model)
+    pad = 0 if kv_len is None else kv_len - past - n
+    if pad < 0:
+        raise ValueError(f"kv_len {kv_len} is shorter than the {past + n} positions the mask covers")
 
     def additive(allowed: torch.Tensor) -> torch.Tensor:
+        if pad:
+            allowed = torch.cat([allowed, allowed.new_zeros(n, pad)], dim=1)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
@@ -148,11 +204,18 @@ def tree_attention_mask(
     return out
 
 
+def causal_mask(model: PreTrainedModel, past: int, n: int, dtype: torch.dtype, device: torch.device,
+                kv_len: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`tree_attention_mask` for a chain of ``n`` tokens (a prompt, a drafted run)."""
+    ancestor = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    return tree_attention_mask(model, past, ancestor, torch.arange(n, device=device), dtype, kv_len)
+
+
 def forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
-    cache: DynamicCache,
+    cache: Cache,
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
     logits_rows: torch.Tensor | slice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
 
 from medusa import cache as kv
 from medusa.errors import MedusaError
@@ -37,7 +38,7 @@ class DecodeState:
     sampling rule and random stream (proposers that sample draw from the same stream).
     """
 
-    cache: DynamicCache
+    cache: Cache
     tokens: list[int]
     length: int
     root: torch.Tensor
@@ -151,6 +152,8 @@ class Engine:
         heads: MedusaHeads | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         draft: PreTrainedModel | None = None,
+        static_cache: bool = False,
+        compile: bool | str = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -169,6 +172,18 @@ class Engine:
         # mode "lookup": up to lookup_tokens copied after the longest (<= lookup_ngram) match.
         self.lookup_tokens = 8
         self.lookup_ngram = 3
+        # A static cache (fixed shapes and addresses) and, with compile, the verification pass
+        # compiled: CUDA graphs on CUDA ("reduce-overhead"), inductor kernels elsewhere. A
+        # string names another torch.compile backend (e.g. "aot_eager" to debug tracing).
+        # Each tree size is compiled once, so compile suits the fixed tree of mode "medusa".
+        self.static_cache = bool(static_cache or compile)
+        self._pass = kv.forward
+        self._clone_outputs = False
+        if compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            mode = "reduce-overhead" if backend == "inductor" and self.device.type == "cuda" else None
+            self._pass = torch.compile(kv.forward, backend=backend, mode=mode, dynamic=False)
+            self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
 
     # -- public API -----------------------------------------------------------------
     def generate(self, input_ids: Sequence[int] | torch.Tensor, **kwargs) -> GenerationResult:
@@ -255,18 +270,26 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                 sampling: SamplingConfig) -> DecodeState:
-        cache, start = kv.new_cache(), 0
-        if state is not None:
+                 sampling: SamplingConfig, max_new_tokens: int) -> DecodeState:
+        cache, start = None, 0
+        if state is not None and kv.is_static(state.cache) == self.static_cache:
             cached = state.tokens[: state.length]
             start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
             start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
             cache = state.cache
             kv.crop(cache, start)
+        if cache is None:
+            cache = kv.new_static_cache(self.model, 256) if self.static_cache else kv.new_cache()
         stats.prefill_tokens = len(ids) - start
         new = torch.tensor([ids[start:]], device=self.device)
         pos = torch.arange(start, len(ids), device=self.device)[None]
-        logits, hidden = kv.forward(self.model, new, pos, cache, None, logits_rows=slice(-1, None))
+        mask = None
+        if self.static_cache:
+            # room for the answer and a large tree, so that decoding rarely regrows the cache
+            room = len(ids) + max_new_tokens + 64
+            kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room)
+            mask = kv.causal_mask(self.model, start, len(ids) - start, self.model.dtype, self.device, kv.capacity(cache))
+        logits, hidden = kv.forward(self.model, new, pos, cache, mask, logits_rows=slice(-1, None))
         generator = sampling.generator(self.device)
         root = next_token(logits[-1], sampling, generator)
         return DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1], logits=logits[-1],
@@ -277,8 +300,17 @@ class Engine:
         """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted."""
         tree, start = proposal.tree, state.length
         positions = (start + tree.depth)[None]
-        mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth, self.model.dtype)
-        logits, hidden = kv.forward(self.model, proposal.tokens[None], positions, state.cache, mask)
+        if self.static_cache:
+            n = proposal.tokens.shape[0]
+            kv.reserve(state.cache, start + n)
+            mask = kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth, self.model.dtype,
+                                          kv.capacity(state.cache))
+        else:
+            mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,
+                                                                         self.model.dtype)
+        logits, hidden = self._pass(self.model, proposal.tokens[None], positions, state.cache, mask)
+        if self._clone_outputs:
+            logits, hidden = logits.clone(), hidden.clone()
         acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
@@ -300,7 +332,7 @@ class Engine:
              ) -> Generator[tuple[list[int], int], None, GenerationResult]:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        state = self._prefill(ids, prior, stats, sampling)
+        state = self._prefill(ids, prior, stats, sampling, max_new_tokens)
         first = [int(state.root)]
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
