@@ -37,7 +37,7 @@ from medusa.config import arg, to_dict
 from medusa.data import DataSplits, Example, build_datasets
 from medusa.errors import MedusaError
 from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
-from medusa.heads import MedusaHeads, init_heads_for, save_heads
+from medusa.heads import MedusaHeads, init_heads_for, load_heads, save_heads
 from medusa.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 from medusa.target import load_target
 
@@ -60,6 +60,8 @@ class TrainConfig:
     num_layers: int = arg(1, "residual blocks per head")
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
                           choices=("shared", "per_head"))
+    init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
+                                       "their num_heads/num_layers/projection replace the settings above")
     # -- data --
     data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
     data_split: str = arg("train", "split of Hub datasets")
@@ -446,7 +448,17 @@ def train(cfg: TrainConfig) -> Path:
 
     # Heads train in fp32 (master weights); a shared projection stays the target's own.
     set_seed(cfg.seed)
-    heads = init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
+    if cfg.init_heads:
+        heads = load_heads(cfg.init_heads, target, device=device, dtype=torch.float32)
+        heads.trees = {}  # calibrated for the old weights: recalibrate after training
+        heads.set_draft_vocab(None)
+        cfg.num_heads, cfg.num_layers, cfg.projection = (heads.config.num_heads, heads.config.num_layers,
+                                                         heads.config.projection)
+        if main:
+            log.info("heads: starting from %s (%d heads x %d layers, %s projection)", cfg.init_heads,
+                     heads.config.num_heads, heads.config.num_layers, heads.config.projection)
+    else:
+        heads = init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
     if cfg.lora:
         target = attach_lora(target, cfg)
         heads.bind(target.get_output_embeddings())

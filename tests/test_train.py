@@ -58,6 +58,21 @@ def test_loss_falls_and_accuracy_rises_then_heads_load(setup, tmp_path):
     assert engine.heads is not None and engine.heads.num_heads == 3
 
 
+def test_training_can_start_from_trained_heads(setup, tmp_path):
+    first = tmp_path / "first"
+    train(config(setup, first, max_steps=40, eval_every=40))
+    trained = [r for r in history(first) if r["kind"] == "eval"][-1]
+    AcceleratorState._reset_state(True)
+    # a different head count is ignored: the folder's heads (3) are what training continues
+    again = tmp_path / "again"
+    train(config(setup, again, init_heads=str(first), num_heads=5, lr=1e-6, max_steps=2, eval_every=2))
+    start = [r for r in history(again) if r["kind"] == "eval"][0]
+    assert start["step"] == 0
+    for k in (1, 2, 3):  # step 0 already scores what the first run reached, far above fresh heads
+        assert start[f"head{k}/top1"] == pytest.approx(trained[f"head{k}/top1"], abs=0.02)
+    assert read_heads_config(again).num_heads == 3
+
+
 def test_self_distillation_with_feature_cache(setup, tmp_path):
     out, cache = tmp_path / "heads", tmp_path / "cache"
     cfg = config(setup, out, distill=1.0, cache_dir=str(cache), positions_per_batch=64, max_steps=30, eval_every=30)
