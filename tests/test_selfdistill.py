@@ -27,3 +27,20 @@ def test_generates_resumes_and_feeds_training(tmp_path):
     assert ids[: len(first)] == [r["id"] for r in first] and len(ids) == len(set(ids))
     stats = DataStats()
     assert len(load_conversations(str(out), stats)) == len(second)
+
+
+def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
+    model = tiny_target(tmp_path / "model")
+    data = tmp_path / "dup.jsonl"
+    prompts = [f"count from {w} please" for w in ("one", "two", "one", "three", "two")]
+    data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": p},
+                                                                  {"role": "assistant", "content": "1 2"}]}) + "\n"
+                            for i, p in enumerate(prompts)))
+    out = tmp_path / "sd.jsonl"
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max_new_tokens", "4",
+            "--batch_size", "2", "--device", "cpu"]
+    assert main(args) == 0
+    assert "duplicate_prompt=2" in capsys.readouterr().err
+    assert main(args) == 0  # resumed: duplicates of answered prompts stay skipped too
+    answered = [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()]
+    assert answered and len(answered) == len(set(answered))

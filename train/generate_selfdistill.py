@@ -68,24 +68,35 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # a line cut off by an interruption: that prompt is redone
     stats = DataStats()
     prompts: list[tuple[str, list[dict], list[int]]] = []
+    seen: set[tuple[int, ...]] = set()
     for source in cfg.data:
         convs = load_conversations(source, stats, cfg.split, None, cfg.seed)[cfg.skip_samples:]
         if cfg.max_samples:
             convs = convs[: cfg.max_samples]
         for rid, messages in convs:
             rid = f"{source}:{rid}"
-            if rid in done:
-                continue
             head = messages[:2] if messages[0]["role"] == "system" else messages[:1]
             ids = tok.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            if rid in done:
+                seen.add(tuple(ids))
+                continue
             if len(ids) > cfg.max_prompt_tokens:
                 stats.add("prompt_too_long")
                 continue
+            key = tuple(ids)
+            if cfg.temperature == 0 and key in seen:
+                stats.add("duplicate_prompt")  # greedy: the same prompt, the same answer
+                continue
+            seen.add(key)
             prompts.append((rid, head, list(ids)))
     print(f"data: {stats.summary()}; {len(done)} already answered, {len(prompts)} to go", file=sys.stderr)
-    # Similar lengths together: less padding per batch.
+    # Similar lengths together (less padding per batch), batches in random order: a run
+    # stopped early has answered a fair sample of the prompts, not just the shortest.
     prompts.sort(key=lambda p: len(p[2]))
+    batches = [prompts[b: b + cfg.batch_size] for b in range(0, len(prompts), cfg.batch_size)]
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    batches = [batches[i] for i in order]
     gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id)
     if cfg.temperature > 0:
         gen_kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
@@ -95,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     eos = set(eos_token_ids(model, tok)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
     with out.open("a") as fh:
-        for b in range(0, len(prompts), cfg.batch_size):
-            batch = prompts[b: b + cfg.batch_size]
+        for batch in batches:
             width = max(len(p[2]) for p in batch)
             input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
             attn = torch.zeros((len(batch), width), dtype=torch.long)
