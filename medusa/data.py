@@ -24,9 +24,10 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -54,7 +55,7 @@ class DataStats:
     def add(self, key: str, n: int = 1) -> None:
         self.counts[key] += n
 
-    def merge(self, other: "DataStats") -> None:
+    def merge(self, other: DataStats) -> None:
         self.counts.update(other.counts)
 
     def __getitem__(self, key: str) -> int:

@@ -29,10 +29,10 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

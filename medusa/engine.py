@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -111,7 +111,7 @@ class Generation:
     def stop(self) -> None:
         self._stop.set()
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> list[int]:
@@ -194,7 +194,7 @@ class Engine:
         self,
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = 256,
-        mode: "str | Proposer" = "medusa",
+        mode: str | Proposer = "medusa",
         temperature: float | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         state: DecodeState | None = None,
@@ -232,7 +232,7 @@ class Engine:
         stop = threading.Event()
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
-    def proposer(self, mode: "str | Proposer", tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
+    def proposer(self, mode: str | Proposer, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
         """The proposer for a mode name; a Proposer object passed as ``mode`` is used as is."""
         if not isinstance(mode, str):
             return mode

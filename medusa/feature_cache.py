@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class FeatureCache:
     seq_end: np.ndarray  # [N] int64: end offset of the sequence holding each position
 
     @classmethod
-    def open(cls, folder: str | Path) -> "FeatureCache":
+    def open(cls, folder: str | Path) -> FeatureCache:
         folder = Path(folder)
         load = lambda name: np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
         offsets = np.load(folder / "offsets.npy", allow_pickle=False)

@@ -59,7 +59,7 @@ class HeadsConfig:
         return {"model_type": MODEL_TYPE, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
+    def from_dict(cls, data: dict[str, Any]) -> HeadsConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -110,7 +110,7 @@ class MedusaHeads(nn.Module):
         self.trees: dict[str, list[tuple[int, ...]]] = {}
 
     # -- wiring -------------------------------------------------------------------------
-    def bind(self, lm_head: nn.Module) -> "MedusaHeads":
+    def bind(self, lm_head: nn.Module) -> MedusaHeads:
         """Attach the target's vocabulary projection (used by ``shared`` heads)."""
         weight = lm_head.weight
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):

@@ -30,7 +30,15 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
-from medusa.heads import CALIBRATION_NAME, CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaHeads, apply_calibration, read_heads_config
+from medusa.heads import (
+    CALIBRATION_NAME,
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadsConfig,
+    MedusaHeads,
+    apply_calibration,
+    read_heads_config,
+)
 from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME, cache_root
 
 CARD_NAME = "README.md"

@@ -48,12 +48,12 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         """Called after the prompt is prefilled, before the first ``propose``."""
 
-    def propose(self, state: "DecodeState") -> Proposal: ...
+    def propose(self, state: DecodeState) -> Proposal: ...
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         """Called after each verified step with what was accepted."""
 
 
@@ -63,13 +63,13 @@ class Autoregressive:
     def __init__(self, device: torch.device) -> None:
         self.tree = compile_tree([]).to(device)
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         pass
 
-    def propose(self, state: "DecodeState") -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal:
         return Proposal(tree=self.tree, tokens=state.root.view(1), is_chain=True)
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
 
 
@@ -87,17 +87,17 @@ class MedusaProposer:
         self.is_chain = all(len(set(p[:-1] for p in tree.paths if len(p) == d)) <= 1 and
                             sum(1 for p in tree.paths if len(p) == d) == 1 for d in range(1, tree.max_depth + 1))
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         pass
 
-    def propose(self, state: "DecodeState") -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal:
         if self.tree.max_depth == 0:  # a calibrated tree may say heads do not pay here
             return Proposal(tree=self.tree, tokens=state.root.view(1), is_chain=True)
         top = self.heads.topk(state.hidden, self.width, num_heads=self.tree.max_depth)  # [D, width]
         tokens = torch.cat([state.root.view(1), top.reshape(-1)[self.candidate_index]])
         return Proposal(tree=self.tree, tokens=tokens, is_chain=self.is_chain)
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
 
 
@@ -150,13 +150,13 @@ class DraftModel:
         self.pending: torch.Tensor | None = None  # [k - 1] draft tokens fed in the last propose
         self.drafted = 0  # chain length of the last proposal
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         self.cache = kv.new_cache()
         self.cached = []
         self.pending = None
 
     @torch.inference_mode()
-    def propose(self, state: "DecodeState") -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal:
         n, total = len(self.cached), len(state.tokens)
         # The draft writes positions n .. total + k - 2; stay inside its context window.
         k = self.k if self.window is None else min(self.k, self.window - total + 1)
@@ -191,7 +191,7 @@ class DraftModel:
         tokens = torch.cat([state.root.view(1), chain_tokens])  # [k + 1]
         return Proposal(tree=_chain_tree(self.trees, k, self.device), tokens=tokens, q=q_rows, is_chain=True)
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         # What the draft cache holds beyond the old prefix: the fed draft tokens. Keep the
         # part the target agreed with, drop the rest.
         n = len(self.cached)
@@ -231,11 +231,11 @@ class PromptLookup:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self.indexed = 0  # n-grams ending at or before this position are indexed
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         self.index = {}
         self.indexed = 0
 
-    def propose(self, state: "DecodeState") -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal:
         tokens = state.tokens
         total = len(tokens)
         # Index n-grams that end before the last token, so each has a continuation.
@@ -257,7 +257,7 @@ class PromptLookup:
         chain_tokens = torch.tensor(tokens[-1:] + follow, device=self.device)  # [1 + k]: the root, then the copy
         return Proposal(tree=_chain_tree(self.trees, len(follow), self.device), tokens=chain_tokens, is_chain=True)
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
 
 
@@ -291,11 +291,11 @@ class Hybrid:
             self.layouts[k] = (tree.to(self.device), heads_nodes.to(self.device), chain_nodes.to(self.device))
         return self.layouts[k]
 
-    def begin(self, state: "DecodeState") -> None:
+    def begin(self, state: DecodeState) -> None:
         self.medusa.begin(state)
         self.lookup.begin(state)
 
-    def propose(self, state: "DecodeState") -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal:
         copied = self.lookup.propose(state)
         k = copied.tokens.numel() - 1
         if not self.base:  # a calibrated tree may be empty: then this is plain lookup
@@ -309,6 +309,6 @@ class Hybrid:
         tokens[chain_nodes] = copied.tokens[1:].long()
         return Proposal(tree=tree, tokens=tokens)
 
-    def update(self, state: "DecodeState", outcome: "StepOutcome") -> None:
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         self.medusa.update(state, outcome)
         self.lookup.update(state, outcome)

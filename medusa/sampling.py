@@ -66,7 +66,7 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def override(self, **values: Any) -> "SamplingConfig":
+    def override(self, **values: Any) -> SamplingConfig:
         """A copy with the given fields replaced; ``None`` values mean "keep mine"."""
         names = {f.name for f in fields(self)}
         unknown = set(values) - names

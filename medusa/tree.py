@@ -13,9 +13,9 @@ before it and a root-to-leaf path visits increasing indices.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ class TreeBuffers:
     def max_depth(self) -> int:
         return len(self.topk)
 
-    def to(self, device: torch.device | str) -> "TreeBuffers":
+    def to(self, device: torch.device | str) -> TreeBuffers:
         move = {n: getattr(self, n).to(device) for n in ("parent", "depth", "head", "rank", "ancestor", "leaves", "leaf_depth")}
         return TreeBuffers(paths=self.paths, topk=self.topk, **move)
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import ARCHS, tiny_model
 from transformers import DynamicCache
 
 from medusa import cache as kv
 from medusa.tree import compile_tree
-from tiny import ARCHS, tiny_model
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 

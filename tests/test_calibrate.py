@@ -4,13 +4,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from tiny import tiny_model
 
 import medusa
 from medusa.calibrate import candidate_ranks, choose_tree, interpolate, path_counts
 from medusa.heads import init_heads_for, save_heads
 from medusa.target import default_model_dir
 from medusa.tree import compile_tree
-from tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,11 +3,20 @@
 import json
 
 import pytest
-
-from medusa.data import (DataStats, build_datasets, load_conversations, normalize, pack, read_json_file,
-                         salvage_json_array, sharegpt_path, tokenize_conversation)
-from medusa.errors import MedusaError
 from train_fixtures import counting_conversation, make_tokenizer
+
+from medusa.data import (
+    DataStats,
+    build_datasets,
+    load_conversations,
+    normalize,
+    pack,
+    read_json_file,
+    salvage_json_array,
+    sharegpt_path,
+    tokenize_conversation,
+)
+from medusa.errors import MedusaError
 
 
 def _sharegpt(i, turns=("human", "gpt")):

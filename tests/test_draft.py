@@ -7,6 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny import ARCHS, hf_greedy, tiny_model
+from tiny_heads import VOCAB, target_folder, word_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -19,8 +21,6 @@ from medusa.errors import MedusaError
 from medusa.proposers import DraftModel
 from medusa.sampling import SamplingConfig, probabilities
 from medusa.target import load_target
-from tiny import ARCHS, hf_greedy, tiny_model
-from tiny_heads import VOCAB, target_folder, word_tokenizer
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model
+from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.config import parse_config
 from medusa.draft_training import RECORD, DraftTrainConfig, distill_loss, topk_distill_loss
 from medusa.errors import MedusaError
 from train.train_draft import main
-from tiny import tiny_model
-from train_fixtures import tiny_target, write_counting_data
 
 REPO = Path(__file__).resolve().parent.parent
 

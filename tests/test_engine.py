@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny import ARCHS, hf_greedy, tiny_model
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import init_heads_for
 from medusa.proposers import Proposal
 from medusa.tree import chain, compile_tree
-from tiny import ARCHS, hf_greedy, tiny_model
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tiny_heads import PROMPT, REPO, random_heads, target_folder
 from torch import nn
 
 import medusa
@@ -18,7 +19,6 @@ from medusa.errors import MedusaError
 from medusa.export import export_heads, load_plain_tensors, read_fasterdecoding
 from medusa.hub import heads_from_state, load_heads_from, read_heads
 from medusa.target import load_target
-from tiny_heads import PROMPT, REPO, random_heads, target_folder
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import HeadsConfig, MedusaHeads, init_heads_for, load_heads, save_heads
-from tiny import tiny_model
 
 
 def perturbed(heads, seed=0):

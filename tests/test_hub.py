@@ -17,17 +17,17 @@ import torch
 import yaml
 from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file
+from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder, write_json
+from train_fixtures import tiny_target, write_counting_data
 
 import medusa
+from medusa.config import to_dict
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import HeadsConfig
 from medusa.hub import build_publish_folder, head_accuracy, load_heads_from, model_card
-from medusa.config import to_dict
 from medusa.target import load_target
 from medusa.training import TrainConfig
-from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder, write_json
-from train_fixtures import tiny_target, write_counting_data
 
 # What train/train_heads.py records in the heads config (medusa/training.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.heads import read_heads_config
-from train_fixtures import tiny_target, write_counting_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import hf_greedy, tiny_model
+from tiny_heads import random_heads
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
 from medusa.heads import init_heads_for
 from medusa.proposers import Hybrid, MedusaProposer, PromptLookup
-from tiny import hf_greedy, tiny_model
-from tiny_heads import random_heads
 
 # A prompt that repeats itself, as code edits and summaries do.
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]

@@ -4,8 +4,16 @@ import torch
 import torch.nn.functional as F
 
 from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.losses import (IGNORE, frequent_tokens, head_logits, head_weights, heads_loss, lm_distill_loss,
-                           shift_targets, soft_cross_entropy)
+from medusa.losses import (
+    IGNORE,
+    frequent_tokens,
+    head_logits,
+    head_weights,
+    heads_loss,
+    lm_distill_loss,
+    shift_targets,
+    soft_cross_entropy,
+)
 
 
 def _heads(vocab=11, hidden=8, num_heads=3, seed=0):

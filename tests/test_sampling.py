@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny import tiny_model
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from medusa.engine import Engine
 from medusa.errors import MedusaError
@@ -26,7 +26,6 @@ from medusa.heads import HeadsConfig, MedusaHeads, init_heads_for
 from medusa.sampling import SamplingConfig, probabilities, sample
 from medusa.tree import chain, compile_tree
 from medusa.verify import verify_sampled, verify_typical
-from tiny import tiny_model
 
 ALPHA = 1e-4
 V = 16  # vocabulary of every model here

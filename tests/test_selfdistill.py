@@ -3,9 +3,10 @@ as training data."""
 
 import json
 
+from train_fixtures import tiny_target, write_counting_data
+
 from medusa.data import DataStats, load_conversations
 from train.generate_selfdistill import main
-from train_fixtures import tiny_target, write_counting_data
 
 
 def test_generates_resumes_and_feeds_training(tmp_path):

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import ARCHS, hf_greedy, tiny_model
 
 from medusa import cache as kv
 from medusa.engine import Engine
 from medusa.heads import init_heads_for
-from tiny import ARCHS, hf_greedy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

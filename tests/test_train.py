@@ -8,12 +8,12 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
+from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.errors import MedusaError
 from medusa.heads import read_heads_config
 from medusa.training import TrainConfig, latest_checkpoint, train
-from train_fixtures import tiny_target, write_counting_data
 
 
 @pytest.fixture(scope="module")

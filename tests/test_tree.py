@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from medusa.errors import MedusaError
 from medusa.tree import chain, compile_tree, load_tree

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PreTrainedModel,
-                          Qwen2Config)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")
 

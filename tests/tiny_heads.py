@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
+from tiny import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from medusa.heads import MedusaHeads, init_heads_for
-from tiny import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 96

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 
-
 from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.draft_training import DraftTrainConfig, train_draft
 
