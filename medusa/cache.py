@@ -236,3 +236,14 @@ def forward(
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits.float(), hidden
+
+
+def compiled_forward(device: torch.device, compile: bool | str = True):
+    """:func:`forward` through ``torch.compile`` (``compile``: True for inductor, with CUDA
+    graphs on CUDA, or another backend's name), for static caches. Shapes are static: each
+    new-token count compiles once. On CUDA the outputs live in the graph's memory until its
+    next replay, so callers that keep them clone them."""
+    backend = compile if isinstance(compile, str) else "inductor"
+    mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
+    return torch.compile(forward, backend=backend, mode=mode, dynamic=False)
+

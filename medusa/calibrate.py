@@ -124,18 +124,26 @@ def choose_tree(counts: Counter, positions: int, cost_ms: dict[int, float], max_
 
 
 @torch.inference_mode()
-def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, reps: int = 9) -> dict[int, float]:
+def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, reps: int = 9,
+                 static_cache: bool = False, compile: bool | str = False) -> dict[int, float]:
     """Median milliseconds of one target pass over ``n`` new tree nodes after ``prefix``
     cached tokens, for each ``n`` in ``sizes`` (a star-shaped tree: cost depends on n only).
 
     Sizes are timed round-robin (``reps`` rounds after a warm-up round), so a slow spell of
-    the machine spreads over every size instead of inflating one of them.
+    the machine spreads over every size instead of inflating one of them. ``static_cache``
+    and ``compile`` time the pass as an engine built with them runs it (compiled in the
+    warm-up round).
     """
     device = model.get_output_embeddings().weight.device
     vocab = model.config.vocab_size
-    cache = kv.new_cache()
+    static = bool(static_cache or compile)
+    run = kv.compiled_forward(device, compile) if compile else kv.forward
+    cache = kv.new_static_cache(model, prefix + max(sizes)) if static else kv.new_cache()
+    kv.reserve(cache, prefix + max(sizes))
+    width = kv.capacity(cache)
     ids = torch.randint(0, vocab, (1, prefix), device=device)
-    kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, None, logits_rows=slice(-1, None))
+    mask = kv.causal_mask(model, 0, prefix, model.dtype, device, width) if static else None
+    kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, mask, logits_rows=slice(-1, None))
     setups = {}
     for n in sizes:
         tree = compile_tree([(i,) for i in range(n - 1)]).to(device)
@@ -146,8 +154,11 @@ def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, re
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype) if n > 1 else None
-            logits, _ = kv.forward(model, tokens, positions, cache, mask)
+            if static or n > 1:
+                mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype, width)
+            else:
+                mask = None
+            logits, _ = run(model, tokens, positions, cache, mask)
             logits.argmax(-1).tolist()  # the step's host sync
             samples[n].append(time.perf_counter() - t0)
             kv.crop(cache, prefix)

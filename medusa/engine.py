@@ -180,9 +180,7 @@ class Engine:
         self._pass = kv.forward
         self._clone_outputs = False
         if compile:
-            backend = compile if isinstance(compile, str) else "inductor"
-            mode = "reduce-overhead" if backend == "inductor" and self.device.type == "cuda" else None
-            self._pass = torch.compile(kv.forward, backend=backend, mode=mode, dynamic=False)
+            self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
 
     # -- public API -----------------------------------------------------------------

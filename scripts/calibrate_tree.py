@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rank", type=int, default=10, help="deepest rank of a head's top-k considered")
     ap.add_argument("--cost", default=None,
                     help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")
+    ap.add_argument("--compile", action="store_true",
+                    help="measure the pass cost as an engine with compile=True runs it (static cache, torch.compile)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             cost = parse_cost(args.cost)
         else:
             cost = measure_cost(engine.model, [s for s in COST_SIZES if s <= args.max_nodes + 1],
-                                prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2))
+                                prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
+                                compile=args.compile)
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
     record.setdefault("measured", {})[device] = {
         "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
-        "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "threads": torch.get_num_threads(),
+        "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "compiled": args.compile, "threads": torch.get_num_threads(),
         "curve": [list(c) for c in choice.curve],
     }
     record["accuracy"] = accuracy

@@ -104,3 +104,14 @@ def test_cost_curve_argument():
             assert "--cost" in str(err)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_measure_cost_times_every_size_with_each_cache_kind():
+    from medusa.calibrate import measure_cost
+
+    model = tiny_model("llama")
+    for kind in ({}, {"static_cache": True}, {"compile": "aot_eager"}):
+        torch._dynamo.reset()
+        cost = measure_cost(model, [1, 3, 8], prefix=20, reps=2, **kind)
+        assert sorted(cost) == [1, 3, 8]
+        assert all(0 < ms < 10_000 for ms in cost.values()), kind
