@@ -66,10 +66,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")
     ap.add_argument("--compile", action="store_true",
                     help="measure the pass cost as an engine with compile=True runs it (static cache, torch.compile)")
+    ap.add_argument("--for-device", default=None,
+                    help="store the tree for this device type (e.g. cuda) instead of this machine's: head accuracy is "
+                         "measured here, the cost curve must come from --cost measured on that device")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     args = ap.parse_args(argv)
+    if args.for_device and not args.cost:
+        print("error: --for-device needs --cost, the pass-cost curve measured on that device", file=sys.stderr)
+        return 1
     try:
         engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype)
         heads, tok = engine.heads, engine.tokenizer
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    device = engine.device.type
+    device = args.for_device or engine.device.type
     print(f"positions {positions}, draft vocabulary {len(vocab_ids) if vocab_ids else 'full'} (covers {coverage:.1%} of held-out answer tokens)")
     for name, acc in accuracy.items():
         print(f"  {name}: top-1 {acc['top1']:.3f}  top-5 {acc['top5']:.3f}")
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
     record.setdefault("measured", {})[device] = {
         "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
-        "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "compiled": args.compile, "threads": torch.get_num_threads(),
+        "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "compiled": args.compile,
+        "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
         "curve": [list(c) for c in choice.curve],
     }
     record["accuracy"] = accuracy

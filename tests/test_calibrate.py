@@ -90,6 +90,15 @@ def test_calibrate_script_end_to_end(tmp_path):
     assert eng.heads.draft_vocab is not None
     prompt = eng.tokenizer("Hello there")["input_ids"]
     assert eng.generate(prompt, max_new_tokens=16).tokens == eng.generate(prompt, max_new_tokens=16, mode="baseline").tokens
+    # A tree for another device from its measured (here: flat, GPU-like) cost curve; the CPU tree stays.
+    common = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(data), "--samples", "4",
+              "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8"]
+    assert script.main(common + ["--for-device", "cuda"]) == 1  # no cost curve: refused
+    assert script.main(common + ["--for-device", "cuda", "--cost", "1:40,9:40"]) == 0
+    again = json.loads((heads_dir / "calibration.json").read_text())
+    assert again["trees"]["cpu"] == record["trees"]["cpu"]
+    assert again["measured"]["cuda"]["cost_ms"] == {"1": 40.0, "9": 40.0}
+    assert again["measured"]["cuda"]["accuracy_measured_on"] == "cpu"
 
 
 def test_cost_curve_argument():
