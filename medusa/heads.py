@@ -202,15 +202,21 @@ class MedusaHeads(nn.Module):
         return save_heads(self, folder)
 
 
+def base_model_name(model: nn.Module) -> str | None:
+    """The name heads record as their base: the model's ``name_or_path``, with the embedded
+    default's cache folder replaced by its Hub id (a path on one machine means nothing on another)."""
+    base = getattr(model.config, "name_or_path", None)
+    if base and Path(base).name == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_ID
+    return base or None
+
+
 def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, projection: str = "shared") -> MedusaHeads:
     """Fresh heads sized for ``model`` (a Hugging Face causal LM)."""
     lm_head = model.get_output_embeddings()
     vocab, hidden = lm_head.weight.shape
-    base = getattr(model.config, "name_or_path", None)
-    if base and Path(base).name == DEFAULT_MODEL_NAME:
-        base = DEFAULT_MODEL_ID  # the embedded default's cache folder: name it portably
     config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
-                         projection=projection, base_model=base)
+                         projection=projection, base_model=base_model_name(model))
     heads = MedusaHeads(config, lm_head=lm_head)
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 

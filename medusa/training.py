@@ -38,9 +38,9 @@ from medusa.config import arg, to_dict
 from medusa.data import DataSplits, Example, build_datasets
 from medusa.errors import MedusaError
 from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
-from medusa.heads import MedusaHeads, init_heads_for, load_heads, save_heads
+from medusa.heads import MedusaHeads, base_model_name, init_heads_for, load_heads, save_heads
 from medusa.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
-from medusa.target import load_target
+from medusa.target import DEFAULT_MODEL_ID, load_target
 
 log = logging.getLogger("medusa.training")
 
@@ -452,6 +452,7 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.init_heads:
         heads = load_heads(cfg.init_heads, target, device=device, dtype=torch.float32)
         heads.trees = {}  # calibrated for the old weights: recalibrate after training
+        heads.config.base_model = base_model_name(target)
         heads.set_draft_vocab(None)
         cfg.num_heads, cfg.num_layers, cfg.projection = (heads.config.num_heads, heads.config.num_layers,
                                                          heads.config.projection)
@@ -678,7 +679,7 @@ def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig
         target_dir = out / "target"
         merged.save_pretrained(target_dir, safe_serialization=True)
         tokenizer.save_pretrained(target_dir)
-        heads.config.base_model = cfg.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+        heads.config.base_model = cfg.model or DEFAULT_MODEL_ID
         heads.config.extra["medusa2"] = {"target": "target", "note": "heads go with the LoRA-tuned target in ./target"}
     write_heads(heads, out)
     (out / "training_args.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
