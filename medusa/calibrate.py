@@ -139,7 +139,6 @@ def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, re
     static = bool(static_cache or compile)
     run = kv.compiled_forward(device, compile) if compile else kv.forward
     cache = kv.new_static_cache(model, prefix + max(sizes)) if static else kv.new_cache()
-    kv.reserve(cache, prefix + max(sizes))
     width = kv.capacity(cache)
     ids = torch.randint(0, vocab, (1, prefix), device=device)
     mask = kv.causal_mask(model, 0, prefix, model.dtype, device, width) if static else None
