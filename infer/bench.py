@@ -8,6 +8,10 @@ so that machine noise hits every mode alike. Speed is reported as tokens/s and a
 to ``hf`` (transformers' own ``generate``) measured in this run; greedy outputs are checked
 token for token against ``hf``.
 
+Modes ``eagle`` and ``eagle-hybrid`` (the eagle tree plus the lookup chain) run the EAGLE
+heads of ``--eagle-heads`` (default: those shipped for the embedded model) on the same loaded
+target, so that Medusa heads (``medusa``, ``hybrid``) and EAGLE heads compare in one run.
+
 With ``--temperature`` above 0 every mode samples (``hf`` through transformers' own
 sampling with the same temperature, top-p and top-k); outputs then differ run to run by
 design, so the identical-output column reads n/a while tau and speedup still compare.
@@ -27,15 +31,18 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
-from medusa.engine import MODES as ENGINE_MODES
-from medusa.engine import Engine
-from medusa.errors import MedusaError
-from medusa.sampling import ACCEPTANCE, SamplingConfig
+from infer import bench_vllm
+from medusa.decoding import MAX_NEW_TOKENS
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import MODES as ENGINE_MODES
+from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
+from medusa.errors import MedusaError, require_extra
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "mt_bench.jsonl"
+DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
 
 
 @dataclass
@@ -160,9 +167,46 @@ def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     return run
 
 
-# The engine's own modes: the same runner, by name (baseline, medusa, draft, lookup, hybrid).
+HF_STATIC_MIN = 2048  # hf-compile's cache slots: one size for every prompt, so generate compiles once
+
+
+@mode("hf-compile")
+def run_hf_compile(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    """transformers ``generate`` as a user would compile it: its own fixed-size ``StaticCache``
+    and its ``torch.compile``'d decoding forward (``CompileConfig``; allowed on every device).
+    The cache has ``HF_STATIC_MIN`` slots (a power of two above that for longer runs), so one
+    graph serves every prompt; it is compiled in the bench's warm-up, outside the timing."""
+    need = len(ids) + args.max_new_tokens
+    size = max(HF_STATIC_MIN, 1 << (need - 1).bit_length())
+    if engine.max_positions is not None:
+        size = min(size, engine.max_positions)
+    cache = StaticCache(config=engine.model.config, max_cache_len=size)
+    compiled = CompileConfig(fullgraph=False, mode="default" if engine.device.type != "cuda" else "reduce-overhead")
+    compiled._compile_all_devices = True  # transformers compiles on CUDA only unless this is set
+    run = hf_generate(engine, ids, _hf_config(engine, args, compile_config=compiled), past_key_values=cache)
+    run.steps = len(run.tokens)
+    return run
+
+
+# The engine's own modes: the same runner, by name (baseline, medusa, draft, lookup, hybrid;
+# eagle is registered below, on the engine holding eagle heads).
 for _name in ENGINE_MODES:
     MODES[_name] = functools.partial(_engine_run, name=_name)
+
+
+def _eagle_engine(engine: Engine, args: argparse.Namespace) -> Engine:
+    """The engine whose heads are eagle heads: the main one when ``--heads`` loaded eagle heads."""
+    return engine if args.eagle_engine is None else args.eagle_engine
+
+
+@mode("eagle")
+def run_eagle(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(_eagle_engine(engine, args), ids, args, name="eagle")
+
+
+@mode("eagle-hybrid")
+def run_eagle_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+    return _engine_run(_eagle_engine(engine, args), ids, args, name="hybrid")
 
 
 @mode("hf-assisted")
@@ -170,9 +214,10 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
     """transformers' assisted generation with the same draft and draft length as ``draft``."""
     if engine.draft is None:
         raise MedusaError("mode hf-assisted needs a draft: pass --draft FOLDER_OR_HUB_ID (or --draft default)")
-    schedule = "heuristic" if engine.adaptive_draft else "constant"
-    settings = dict(num_assistant_tokens=engine.draft_tokens, num_assistant_tokens_schedule=schedule,
-                    assistant_confidence_threshold=engine.draft_confidence)
+    cfg = engine.proposer_config
+    schedule = "heuristic" if cfg.adaptive_draft else "constant"
+    settings = dict(num_assistant_tokens=cfg.draft_tokens, num_assistant_tokens_schedule=schedule,
+                    assistant_confidence_threshold=cfg.draft_confidence)
     # transformers reads these from the assistant's own generation config too (where the
     # confidence stop otherwise defaults to 0.4): set both, so both modes draft alike.
     for name, value in settings.items():
@@ -183,9 +228,13 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
 @mode("prompt-lookup")
 def run_prompt_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     """transformers' prompt lookup decoding with the same settings as ``lookup``."""
-    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.lookup_tokens,
-                        max_matching_ngram_size=engine.lookup_ngram)
+    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.proposer_config.lookup_tokens,
+                        max_matching_ngram_size=engine.proposer_config.lookup_ngram)
     return hf_generate(engine, ids, config)
+
+
+# vLLM as a peer: vllm, vllm-ngram and vllm-heads, each a long-lived worker in vLLM's own venv.
+bench_vllm.register(mode, Run)
 
 
 # -- report --------------------------------------------------------------------------------
@@ -199,9 +248,12 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
         seconds = sum(r.seconds for r in rs)
         steps = [r.steps for r in rs if r.steps is not None]
         tps = tokens / seconds if seconds else 0.0
-        same = None
+        same = same_base = None
         if reference in runs and name != reference and not sampled:
             same = sum(r.tokens == ref.tokens for r, ref in zip(rs, runs[reference]))
+        if "baseline" in runs and name not in (reference, "baseline") and not sampled:
+            # the engine's own promise: speculation never changes what plain decoding emits
+            same_base = sum(r.tokens == b.tokens for r, b in zip(rs, runs["baseline"]))
         categories: dict[str, dict] = {}
         for p, r in zip(prompts, rs):
             c = categories.setdefault(p.category, {"tokens": 0, "seconds": 0.0})
@@ -211,7 +263,7 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "tokens": tokens, "seconds": seconds, "tokens_per_second": tps,
             "speedup": tps / ref_tps if ref_tps else None,
             "tau": tokens / sum(steps) if len(steps) == len(rs) and sum(steps) else None,
-            "identical": same, "sampled": sampled, "prompts": len(rs),
+            "identical": same, "identical_baseline": same_base, "sampled": sampled, "prompts": len(rs),
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
@@ -232,6 +284,9 @@ def table(summary: dict, reference: str | None) -> str:
             same = "n/a (sampled)" if s.get("sampled") else "-"
         else:
             same = f"{'yes' if s['identical'] == s['prompts'] else 'NO'} ({s['identical']}/{s['prompts']})"
+        base = s.get("identical_baseline")
+        if base is not None:
+            same += f"; baseline: {'yes' if base == s['prompts'] else 'NO'} ({base}/{s['prompts']})"
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {speed} | {tau} | {same} |")
     return "\n".join(lines)
 
@@ -241,20 +296,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
+    ap.add_argument("--eagle-heads", default=None,
+                    help="eagle heads for modes eagle and eagle-hybrid when --heads are not eagle heads "
+                         "(default: the eagle heads shipped for the default model)")
     ap.add_argument("--draft", default=None,
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
-    ap.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (draft, hf-assisted)")
+    pc = ProposerConfig()  # the one place the per-mode defaults live
+    ap.add_argument("--draft-tokens", type=int, default=pc.draft_tokens, help="tokens the draft proposes per step (draft, hf-assisted)")
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
-    ap.add_argument("--draft-confidence", type=float, default=0.4,
-                    help="end a draft chain after a token the draft gave less probability (default 0.4, transformers' own; 0: off; draft, hf-assisted)")
-    ap.add_argument("--lookup-tokens", type=int, default=8, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
-    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--draft-confidence", type=float, default=pc.draft_confidence,
+                    help=f"end a draft chain after a token the draft gave less probability (default {pc.draft_confidence:g}, transformers' own; 0: off; draft, hf-assisted)")
+    ap.add_argument("--lookup-tokens", type=int, default=pc.lookup_tokens, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--lookup-ngram", type=int, default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
-    ap.add_argument("--tree", default=None, help="tree name in configs/trees or a JSON file of paths (default: per device)")
+    ap.add_argument("--tree", default=None, help="tree name in medusa/assets/trees or a JSON file of paths (default: per device)")
     d = SamplingConfig()  # the one place sampling defaults live
     ap.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default: {d.temperature:g})")
     ap.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {d.top_p:g} = off)")
@@ -273,6 +332,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def eagle_heads(args: argparse.Namespace, engine: Engine):
+    """The eagle heads of ``--eagle-heads``, or those shipped for the embedded default model."""
+    from medusa.api import SHIPPED_EAGLE_HEADS
+    from medusa.hub.hub import load_heads_from
+
+    source = args.eagle_heads
+    if source is None:
+        if args.model is not None or not (SHIPPED_EAGLE_HEADS / "config.json").is_file():
+            raise MedusaError("modes eagle and eagle-hybrid need eagle heads: pass --eagle-heads FOLDER (or --heads FOLDER)")
+        source = SHIPPED_EAGLE_HEADS
+    heads = load_heads_from(source, engine.model)
+    if heads.config.kind != "eagle":
+        raise MedusaError(f"--eagle-heads {source} holds {heads.config.kind} heads: pass a folder of eagle heads")
+    return heads
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -282,17 +357,24 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+        if args.out:
+            require_extra("bench")  # the report's plots need matplotlib: say so before the run, not after
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
         uses_heads = sorted({"medusa", "hybrid"} & set(modes))
+        uses_eagle = bool({"eagle", "eagle-hybrid"} & set(modes))
         heads = args.heads if args.heads is not None or uses_heads else None
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
+        proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
+                                   draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
+                                   lookup_ngram=args.lookup_ngram)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
-                             draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
-                             static_cache=args.static_cache, compile=args.compile)
-        engine.lookup_tokens, engine.lookup_ngram = args.lookup_tokens, args.lookup_ngram
-        engine.draft_confidence = args.draft_confidence
+                             static_cache=args.static_cache, compile=args.compile, proposers=proposers)
         if uses_heads and engine.heads is None:
             raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
+        args.eagle_engine = None
+        if uses_eagle and not (engine.heads is not None and engine.heads.config.kind == "eagle"):
+            args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
+                                       static_cache=args.static_cache, compile=args.compile, proposer_config=proposers)
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None
@@ -315,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             "lookup_tokens": args.lookup_tokens, "lookup_ngram": args.lookup_ngram,
             "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
+            "dtype_reason": getattr(getattr(engine.model, "dtype_choice", None), "reason", "asked for (--dtype)"),
             "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
     if args.json:

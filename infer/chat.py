@@ -18,15 +18,18 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
     from transformers import PreTrainedTokenizerBase
 
-    from medusa.engine import Engine, Generation, GenerationResult
-    from medusa.sampling import SamplingConfig
+    from medusa.decoding.engine import Engine, Generation, GenerationResult
+    from medusa.decoding.sampling import SamplingConfig
+
+from medusa.conversation import Conversation
+from medusa.decoding import MAX_NEW_TOKENS
 
 # 2 (bad usage) comes from argparse itself.
 EXIT_OK, EXIT_USER_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -71,109 +74,24 @@ def say(text: str, stream: TextIO | None = None) -> None:
 
 
 class StreamDecoder:
-    """Token ids to text as they arrive.
-
-    Each new token is decoded together with the few tokens before it, and only the text it
-    adds is returned: tokenizers that attach a space to the following token (SentencePiece)
-    print it right, and bytes of a multi-byte character split over tokens are held back
-    (decoded as U+FFFD) until the character is complete.
-    """
+    """Token ids to text as they arrive, through the tokenizers library's ``DecodeStream``:
+    a space SentencePiece attaches to the following token prints right, and bytes of a
+    multi-byte character split over tokens are held back until the character is complete."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # start of the context window of tokens already printed
-        self.read = 0  # tokens before this index have been printed
+        from tokenizers.decoders import DecodeStream
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            from medusa.errors import MedusaError
+
+            raise MedusaError(f"{type(tokenizer).__name__} has no fast (tokenizers) backend, which streaming needs: "
+                              "load the model's tokenizer.json")
+        self.backend = backend
+        self.stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
-
-
-# -- the conversation --------------------------------------------------------------------
-@dataclass
-class Turn:
-    user: str
-    answer: str
-    prompt_ids: list[int]  # everything the model saw before answering
-    answer_ids: list[int]  # what it answered (end-of-turn token included when it ended)
-    finish_reason: str
-    stats: dict[str, Any]
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    text: str  # the chat-template text the ids stand for
-    dropped: int  # oldest turns left out to fit the context window
-
-
-@dataclass
-class Conversation:
-    """Messages plus the exact token ids the model has seen and produced so far.
-
-    A new turn's ids are the previous ids as they were generated (exactly what the KV cache
-    holds) followed by the template's continuation, encoded; re-encoding the whole history
-    would be equal in text but may split the model's own answers into different tokens.
-    """
-
-    tokenizer: PreTrainedTokenizerBase
-    system: str | None = None
-    turns: list[Turn] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-
-    def messages(self, turns: list[Turn], user: str | None) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.system}] if self.system is not None else []
-        for t in turns:
-            msgs += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.answer}]
-        if user is not None:
-            msgs.append({"role": "user", "content": user})
-        return msgs
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def prompt(self, user: str, turns: list[Turn]) -> Prompt:
-        text = self.tokenizer.apply_chat_template(self.messages(turns, user), add_generation_prompt=True, tokenize=False)
-        if self.text and text.startswith(self.text):
-            return Prompt(self.ids + self.encode(text[len(self.text):]), text, len(self.turns) - len(turns))
-        return Prompt(self.encode(text), text, len(self.turns) - len(turns))
-
-    def fit(self, user: str, window: int, budget: int) -> Prompt:
-        """The prompt for ``user``'s message, oldest turns dropped until the prompt plus an
-        answer of ``budget`` tokens fits a ``window``-token context."""
-        from medusa.errors import MedusaError
-
-        turns = list(self.turns)
-        while True:
-            prompt = self.prompt(user, turns)
-            if len(prompt.ids) + budget <= window:
-                return prompt
-            if not turns:
-                raise MedusaError(
-                    f"the message needs {len(prompt.ids)} tokens but only {window - budget} fit "
-                    f"(context window {window} less {budget} for the answer): shorten it or lower --max-new-tokens"
-                )
-            turns = turns[1:]
-
-    def add(self, user: str, prompt: Prompt, answer_ids: list[int], finish_reason: str, stats: dict[str, Any]) -> None:
-        decode = self.tokenizer.decode
-        answer = decode(answer_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        self.turns = self.turns[prompt.dropped:] + [Turn(user, answer, prompt.ids, list(answer_ids), finish_reason, stats)]
-        self.ids = prompt.ids + list(answer_ids)
-        self.text = prompt.text + decode(answer_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def reset(self) -> None:
-        self.turns, self.ids, self.text = [], [], ""
+        return self.stream.step(self.backend, token) or ""
 
 
 # -- Ctrl-C while decoding ---------------------------------------------------------------
@@ -316,7 +234,7 @@ class Chat:
     # -- commands -------------------------------------------------------------------------
     def command(self, line: str) -> bool:
         """Run a /command; False when the session should end."""
-        from medusa.engine import MODES
+        from medusa.decoding.proposers import MODES
         from medusa.errors import MedusaError
 
         name, _, arg = line.strip().partition(" ")
@@ -382,7 +300,7 @@ class Chat:
 # -- startup -----------------------------------------------------------------------------
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     """The options given, over SamplingConfig's defaults (raises MedusaError on bad values)."""
-    from medusa.sampling import SamplingConfig
+    from medusa.decoding.sampling import SamplingConfig
 
     return SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                      seed=args.seed, acceptance=args.acceptance)
@@ -413,7 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the shipped heads "
                                    "of the embedded model, when present)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
-    p.add_argument("--mode", help="medusa, hybrid (heads + prompt lookup), draft, lookup or baseline (default: hybrid when heads are loaded, "
+    p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup or baseline "
+                                  "(default: hybrid when heads are loaded, "
                                   "draft when --draft is given, else baseline)")
     p.add_argument("--temperature", type=float, help="0 is greedy (the default); above 0 samples")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
@@ -421,12 +340,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same answer")
     p.add_argument("--acceptance", help="with sampling: lossless (exactly the target's distribution, default) "
                                         "or typical (Medusa's, accepts more, lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"longest answer in tokens (default {MAX_NEW_TOKENS})")
     p.add_argument("--max-context", type=int, default=None,
                    help="keep the conversation within this many tokens (default: the model's context window); "
                         "the oldest turns are dropped")
     p.add_argument("--system", help="system prompt (default: the chat template's)")
-    p.add_argument("--tree", help="Medusa tree: a name in configs/trees (cpu, gpu) or a JSON file of paths")
+    p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--compile", action="store_true",
@@ -444,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def embedded_needs_dequantising() -> bool:
-    from medusa.target import DEFAULT_MODEL_NAME, cache_root
+    from medusa.models.target import DEFAULT_MODEL_NAME, cache_root
 
     return not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file()
 
@@ -484,7 +403,7 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
 
 
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
-    from medusa.tree import compile_tree
+    from medusa.decoding.tree import compile_tree
 
     lm = engine.model
     params = sum(p.numel() for p in lm.parameters()) / 1e6
@@ -521,7 +440,7 @@ def setup_readline() -> Callable[[], None]:
         import readline
     except ImportError:
         return lambda: None
-    from medusa.target import cache_root
+    from medusa.models.target import cache_root
 
     path = Path(os.environ.get("MEDUSA_CHAT_HISTORY", cache_root() / "chat_history"))
     try:

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from medusa.heads import MedusaHeads
+from medusa.models.heads import MedusaHeads
 
 
 def category_table(summary: dict, reference: str | None) -> str:

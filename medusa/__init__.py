@@ -4,14 +4,50 @@
 >>> eng = medusa.load()                      # embedded default model and its heads
 >>> res = eng.generate([1, 2, 3], max_new_tokens=32)
 >>> res.tokens, res.stats.tau
+
+The layout follows the architecture: ``medusa.decoding`` (engine, proposers, trees,
+acceptance, the one module touching transformers internals), ``medusa.models`` (heads,
+target, draft, checkpoints), ``medusa.training`` and ``medusa.hub``. Names below are
+imported on first use, so ``import medusa`` stays light.
 """
 
-from medusa.api import load
-from medusa.engine import Engine, GenerationResult, GenerationStats
-from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads, load_heads
-from medusa.sampling import SamplingConfig
-from medusa.tree import compile_tree
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "load": "medusa.api",
+    "Engine": "medusa.decoding.engine",
+    "GenerationResult": "medusa.decoding.engine",
+    "GenerationStats": "medusa.decoding.engine",
+    "MedusaError": "medusa.errors",
+    "HeadsConfig": "medusa.models.heads",
+    "MedusaHeads": "medusa.models.heads",
+    "load_heads": "medusa.models.heads",
+    "compile_tree": "medusa.decoding.tree",
+    "SamplingConfig": "medusa.decoding.sampling",
+    "ProposerConfig": "medusa.decoding.proposers",
+    "Conversation": "medusa.conversation",
+}
 
 __all__ = ["load", "Engine", "GenerationResult", "GenerationStats", "MedusaError", "HeadsConfig", "MedusaHeads",
-           "load_heads", "compile_tree", "SamplingConfig"]
+           "load_heads", "compile_tree", "SamplingConfig", "ProposerConfig", "Conversation"]
+
+if TYPE_CHECKING:
+    from medusa.api import load
+    from medusa.conversation import Conversation
+    from medusa.decoding.engine import Engine, GenerationResult, GenerationStats
+    from medusa.decoding.proposers import ProposerConfig
+    from medusa.decoding.sampling import SamplingConfig
+    from medusa.decoding.tree import compile_tree
+    from medusa.errors import MedusaError
+    from medusa.models.heads import HeadsConfig, MedusaHeads, load_heads
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'medusa' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

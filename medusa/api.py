@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from medusa.draft import load_draft
-from medusa.engine import Engine
-from medusa.heads import MedusaHeads, init_heads_for, load_heads
-from medusa.hub import load_heads_from
-from medusa.target import DEFAULT_MODEL_NAME, load_target
+from medusa.decoding.device import adopt_picked_dtype
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import ProposerConfig
+from medusa.hub.hub import load_heads_from
+from medusa.models.draft import load_draft
+from medusa.models.heads import MedusaHeads, init_heads_for, load_heads
+from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
 
 # Heads shipped with the repo for the embedded default model.
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
+# EAGLE heads shipped for the same model (modes eagle and hybrid; the bench's eagle modes).
+SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
 
 
 def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
     """``None``: the shipped heads when the target is the embedded default (else no heads);
     ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
-    Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub`)."""
+    Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub.hub`)."""
     if isinstance(heads, MedusaHeads):
         return heads.bind(model.get_output_embeddings()) if heads.config.projection == "shared" else heads
     if heads is None:
@@ -40,10 +45,11 @@ def load(
     dtype: torch.dtype | str | None = None,
     tree: str | Sequence[Sequence[int]] | None = None,
     trust_remote_code: bool = False,
-    draft_tokens: int = 4,
-    adaptive_draft: bool = False,
+    draft_tokens: int | None = None,
+    adaptive_draft: bool | None = None,
     static_cache: bool = False,
     compile: bool | str = False,
+    proposers: ProposerConfig | None = None,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
@@ -56,11 +62,12 @@ def load(
     backend). The first generation then pays the compilation, once per tree size.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    if dtype is None:  # the fastest dtype that keeps the promise on this device, measured once (device.py)
+        adopt_picked_dtype(lm, cache_root() / "dtype.json")
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)
-    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
-                    static_cache=static_cache, compile=compile)
-    engine.draft_tokens = draft_tokens
-    engine.adaptive_draft = adaptive_draft
-    return engine
+    overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
+    config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
+    return Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
+                  static_cache=static_cache, compile=compile, proposer_config=config)

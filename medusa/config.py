@@ -16,7 +16,8 @@ import logging
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -106,6 +107,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
     """Build ``cls`` from a mapping, rejecting unknown keys (typos never pass silently)."""
     types_ = _field_types(cls)
+    data = dict(data)
+    for old, new in RENAMED.items():
+        if old in data and old not in types_ and new in types_:
+            if new in data:
+                raise MedusaError(f"{source}: {old} is the old name of {new}: set only {new}")
+            logging.getLogger("medusa.config").warning("%s: %s is now called %s (read as %s=%s)", source, old, new,
+                                                       new, data[old])
+            data[new] = data.pop(old)
     unknown = sorted(set(data) - set(types_))
     if unknown:
         raise MedusaError(f"{source}: unknown field(s) {', '.join(unknown)} for {cls.__name__}: see --help for the fields")
@@ -163,20 +172,15 @@ def diff_from_defaults(cfg: Any) -> dict[str, Any]:
 
 
 # -- entry points ------------------------------------------------------------------------------
-class TqdmHandler(logging.Handler):
-    """Log lines printed above the progress bar instead of through it."""
+@contextmanager
+def log_above_progress_bars() -> Iterator[None]:
+    """INFO logging with a time stamp, printed above tqdm's progress bars while the context
+    is open (tqdm's own ``logging_redirect_tqdm``): the training entry points run inside it."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    def emit(self, record: logging.LogRecord) -> None:
-        from tqdm.auto import tqdm
-
-        tqdm.write(self.format(record), file=sys.stderr)
-
-
-def log_above_progress_bars() -> None:
-    """INFO logging with a time stamp, written around tqdm bars (the training entry points)."""
-    handler = TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    with logging_redirect_tqdm():
+        yield
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:
@@ -186,3 +190,126 @@ def run_main(main: Callable[[], int]) -> NoReturn:
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+# -- training configs ----------------------------------------------------------------------------
+# Heads and draft training share these field groups; a subclass changes a default with
+# `override` (help text kept). They live here, not in medusa/training, so that reading a run
+# record (the Hub model card) never imports the training stack.
+
+def override(group: type, name: str, default: Any) -> Any:
+    """The field ``name`` of ``group`` with another default (same help and choices)."""
+    meta = group.__dataclass_fields__[name].metadata  # type: ignore[attr-defined]
+    return arg(default, meta["help"], meta["choices"])
+
+
+# Old field names still read from YAML files, with a warning naming the new one.
+RENAMED = {"cache_topk": "teacher_topk"}
+
+
+@dataclasses.dataclass
+class TargetFields:
+    model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded SmolLM2-135M-Instruct)")
+    dtype: str | None = arg(None, "target dtype: float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
+    trust_remote_code: bool = arg(False, "allow model code from the Hub")
+
+
+@dataclasses.dataclass
+class DataFields:
+    data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
+    data_split: str = arg("train", "split of Hub datasets")
+    max_samples: int | None = arg(None, "conversations taken from each source (shuffled with data_seed)")
+    max_length: int = arg(512, "tokens per sequence (longer ones are truncated)")
+    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
+    data_seed: int = arg(0, "seed of the data shuffle and held-out split")
+
+
+@dataclasses.dataclass
+class CacheFields:
+    cache_dir: str | None = arg(None, "feature cache of the frozen target's hidden states and top-k next-token "
+                                      "log-probabilities (built there when missing; heads and draft training with "
+                                      "the same data settings share it): epochs then never run the target")
+    teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher (and in the cache)")
+    train_vocab: int = arg(0, "softmax over only the N most frequent tokens of the data while training (0: full "
+                              "vocabulary); makes CPU training several times cheaper")
+
+
+@dataclasses.dataclass
+class OptimFields:
+    batch_size: int = arg(4, "sequences per micro-batch per process")
+    grad_accum: int = arg(1, "micro-batches per optimizer step")
+    lr: float = arg(1e-3, "peak learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
+    warmup_steps: int = arg(20, "linear warmup steps")
+    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of lr (cosine, linear)")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
+    num_epochs: float = arg(1.0, "passes over the training data (when max_steps <= 0)")
+    max_steps: int = arg(-1, "optimizer steps; > 0 overrides num_epochs")
+    seed: int = arg(42, "seed of initialisation, data order and dropout")
+
+
+@dataclasses.dataclass
+class EvalFields:
+    eval_every: int = arg(200, "evaluate on held-out data every N steps (0: only at the end; a draft also "
+                                          "at the start)")
+    eval_batches: int = arg(20, "micro-batches per evaluation (0: all held-out data)")
+    log_every: int = arg(10, "log metrics every N steps")
+
+
+@dataclasses.dataclass
+class TrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
+    """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) on a Hugging Face causal LM."""
+
+    # -- target and heads --
+    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
+    kind: str = arg("medusa", "heads kind: medusa (independent heads) or eagle (one autoregressive decoder layer "
+                              "over the target's features; needs cache_dir)", choices=("medusa", "eagle"))
+    num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
+                            "unrolled in training (training-time test)")
+    num_layers: int = arg(1, "residual blocks per head")
+    projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
+                          choices=("shared", "per_head"))
+    init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
+                                       "their num_heads/num_layers/projection replace the settings above")
+    # -- data and objective --
+    pack: bool = arg(False, "pack sequences into max_length chunks instead of padding")
+    distill: float = arg(1.0, "weight of self-distillation KL vs ground-truth CE: 1 = KL only, 0 = CE only")
+    head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")
+    head_weights: list[float] | None = arg(None, "explicit per-head loss weights (comma separated)")
+    feature_weight: float = arg(0.1, "eagle: weight of the feature regression next to the KL")
+    # -- Medusa-2 --
+    lora: bool = arg(False, "Medusa-2: also train the target through LoRA adapters")
+    lora_r: int = arg(16, "LoRA rank")
+    lora_alpha: int = arg(32, "LoRA alpha")
+    lora_dropout: float = arg(0.05, "LoRA dropout")
+    lora_target_modules: list[str] = arg(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
+    lm_loss_weight: float = arg(1.0, "Medusa-2: weight of the KL keeping the tuned target close to the original")
+    lora_lr: float | None = arg(None, "learning rate of LoRA parameters (default: lr / 10)")
+    # -- feature cache (Medusa-1), schedule --
+    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache")
+    positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process")
+    schedule: str = arg("cosine", "learning-rate schedule after warmup", choices=("cosine", "linear", "constant"))
+    # -- output, checkpoints, logging --
+    output_dir: str = arg("out/heads", "where the trained heads folder is written")
+    save_every: int = arg(500, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)")
+    resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
+    wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "
+                                "WANDB_MODE=disabled turns it off)")
+    wandb_project: str = arg("medusa", "wandb project")
+    run_name: str | None = arg(None, "run name for logs")
+    push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "
+                                   "(token: `hf auth login` or HF_TOKEN, checked before training starts)")
+    hub_model_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
+
+    def __post_init__(self) -> None:
+        if self.push_to_hub and not self.hub_model_id:
+            raise MedusaError("push_to_hub needs hub_model_id: set it to the Hub repository USER/NAME")
+        if self.lora and self.cache_dir:
+            raise MedusaError("a feature cache needs a frozen target, but lora trains it: drop cache_dir or lora")
+        if not 0 <= self.distill <= 1:
+            raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
+        if self.kind == "eagle" and (self.lora or not self.cache_dir):
+            raise MedusaError("eagle heads train on the feature cache of a frozen target: set cache_dir and drop lora")
+        if self.max_steps <= 0 and self.num_epochs <= 0:
+            raise MedusaError("set max_steps or num_epochs to a positive number")

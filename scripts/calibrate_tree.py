@@ -1,5 +1,8 @@
 """Calibrate the decode tree (and the draft vocabulary) of a set of heads for this device.
 
+Medusa heads get a static tree; eagle heads get the size of their per-step dynamic tree
+(nodes verified, depth, top-k), from the same answers and the same pass-cost curve.
+
     python scripts/calibrate_tree.py --heads HEADS_DIR [--model M] [--prompts sharegpt] [--samples 48]
 
 1. The target answers held-out prompts greedily: the text the tree will be verified on.
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -24,10 +28,11 @@ import torch
 from tqdm import tqdm
 
 import medusa
-from medusa.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts
-from medusa.data import DataStats, load_conversations
+from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts, tree_key
+from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
 from medusa.errors import MedusaError
-from medusa.heads import CALIBRATION_NAME
+from medusa.models.heads import CALIBRATION_NAME
+from medusa.training.data import DataStats, load_conversations
 
 COST_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]
 
@@ -47,6 +52,55 @@ def parse_cost(text: str) -> dict[int, float]:
     if 1 not in cost:
         raise MedusaError("--cost must include n=1 (the cost of plain decoding)")
     return cost
+
+
+def measured_cost(args: argparse.Namespace, engine, prompts: list[list[int]], max_n: int) -> dict[int, float]:
+    if args.cost:
+        return parse_cost(args.cost)
+    return measure_cost(engine.model, [s for s in COST_SIZES if s <= max_n],
+                        prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
+                        compile=args.compile)
+
+
+# (depth, topk) of the dynamic trees tried for eagle heads: narrow and shallow to wide and deep
+EAGLE_GRID = [(3, 2), (5, 3), (6, 4), (7, 8)]
+
+
+def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, prompts: list[list[int]],
+                    answers: list[list[int]], vocab_ids: list[int] | None, coverage: float) -> int:
+    """Eagle heads: acceptance of the N best nodes of dynamic trees (teacher-forced on the
+    target's answers) against the pass cost; the best size goes to calibration.json."""
+    heads = engine.heads
+    pairs = [(p, a) for p, a in zip(prompts, answers) if a]
+    curves = {}
+    for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
+        size = DynamicTree(nodes=min(args.max_nodes, depth * topk * topk), depth=depth, topk=topk)
+        curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size)
+    cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
+    size, expected, tps = choose_dynamic(curves, cost)
+    device = args.for_device or engine.device.type
+    for (depth, topk), (acc, draft_ms) in curves.items():
+        print(f"depth {depth} top-{topk}: drafting {draft_ms:.1f} ms/step; accepted drafts with N nodes: "
+              + ", ".join(f"{n}:{a:.2f}" for n, a in enumerate(acc, start=1) if n in (1, 2, 4, 8, 16, 32, 64)))
+    print("T(n) ms: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in cost.items()))
+    print(f"best on {device}: {size.nodes} nodes (depth {size.depth}, top-{size.topk}), expected {expected:.2f} "
+          f"tokens/pass -> {tps:.1f} tokens/s (plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
+    if args.dry_run:
+        return 0
+    path = Path(args.heads) / CALIBRATION_NAME
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record.setdefault("dynamic", {})[device] = dataclasses.asdict(size)
+    record.setdefault("measured", {})[device] = {
+        "expected_tokens_per_pass": expected, "tokens_per_second": tps, "cost_ms": {str(k): v for k, v in cost.items()},
+        "cost_measured": not args.cost, "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
+        "curves": {f"{d}x{k}": {"accepted": acc, "draft_ms": ms} for (d, k), (acc, ms) in curves.items()},
+    }
+    record["draft_vocab_coverage"] = coverage
+    record["draft_vocab"] = vocab_ids
+    record["command"] = "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    path.write_text(json.dumps(record) + "\n")
+    print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             coverage = sum(t in set(vocab_ids) for t in held) / max(len(held), 1)
             heads.set_draft_vocab(vocab_ids)
 
+        if heads.config.kind == "eagle":
+            return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
+
         # Per-path acceptance on the target's own answers.
         all_ranks = []
         with torch.inference_mode():
@@ -125,18 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         accuracy = {f"head{k}": {f"top{r}": float(((ranks[:, k] >= 0) & (ranks[:, k] < r)).float().mean())
                                  for r in (1, 5)} for k in range(heads.num_heads)}
 
-        if args.cost:
-            cost = parse_cost(args.cost)
-        else:
-            cost = measure_cost(engine.model, [s for s in COST_SIZES if s <= args.max_nodes + 1],
-                                prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
-                                compile=args.compile)
+        cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    device = args.for_device or engine.device.type
+    # trees and cost curves are kept per device and dtype ("cpu", "cpu-bfloat16", "cuda-bfloat16")
+    device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
     print(f"positions {positions}, draft vocabulary {len(vocab_ids) if vocab_ids else 'full'} (covers {coverage:.1%} of held-out answer tokens)")
     for name, acc in accuracy.items():
         print(f"  {name}: top-1 {acc['top1']:.3f}  top-5 {acc['top5']:.3f}")

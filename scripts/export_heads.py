@@ -5,7 +5,8 @@
 
 HEADS is a heads folder or a Hub id USER/NAME. Heads that share the target's lm_head
 (the default) need the target (--model, default: the base model the heads record) so that
-its lm_head can be copied into every head, as both layouts store one projection per head.
+its lm_head can be copied: once for vLLM (which all heads then use), once per head for
+FasterDecoding. EAGLE-style heads (kind: eagle) have no export: see medusa/hub/export.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import sys
 from pathlib import Path
 
 from medusa.errors import MedusaError
-from medusa.export import LAYOUTS, export_heads, target_for, target_lm_head
-from medusa.heads import CALIBRATION_NAME
-from medusa.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
-from medusa.target import parse_dtype
+from medusa.hub.export import LAYOUTS, export_heads, target_for, target_lm_head
+from medusa.hub.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
+from medusa.models.heads import CALIBRATION_NAME
+from medusa.models.target import parse_dtype
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         lm_head = None
         if config.projection == "shared":
             target = target_for(config, args.model)
-            print(f"copying lm_head of {target or 'the embedded default model'} into {config.num_heads} heads", file=sys.stderr)
+            copies = "once, for all heads" if args.to == "vllm" else f"into each of {config.num_heads} heads"
+            print(f"copying lm_head of {target or 'the embedded default model'} {copies}", file=sys.stderr)
             lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
         out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab)
     except MedusaError as err:

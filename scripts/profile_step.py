@@ -15,9 +15,9 @@ import time
 import torch
 
 import medusa
-from medusa import cache as kv
-from medusa.tree import compile_tree
-from medusa.verify import verify_greedy
+from medusa.decoding import hf as kv
+from medusa.decoding.tree import compile_tree
+from medusa.decoding.verify import verify_greedy
 
 
 def timed(fn, reps: int) -> float:

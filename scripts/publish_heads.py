@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from medusa.errors import MedusaError
-    from medusa.hub import build_publish_folder, folder_listing, upload
+    from medusa.hub.hub import build_publish_folder, folder_listing, upload
 
     try:
 

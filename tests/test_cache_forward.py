@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from tiny import ARCHS, tiny_model
+from tiny import ARCHS, WINDOWED, tiny_model
 from transformers import DynamicCache
 
-from medusa import cache as kv
-from medusa.tree import compile_tree
+from medusa.decoding import hf as kv
+from medusa.decoding.tree import compile_tree
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 
@@ -19,7 +19,7 @@ def full_forward(model, ids):
 
 
 # Every architecture, and the sliding-window ones with a window shorter than the context.
-CASES = [(a, None) for a in ARCHS] + [(a, 8) for a in ARCHS if a != "llama"]
+CASES = [(a, None) for a in ARCHS] + [(a, 8) for a in WINDOWED]
 
 
 @pytest.mark.parametrize("arch, window", CASES)

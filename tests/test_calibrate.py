@@ -7,10 +7,10 @@ import torch
 from tiny import tiny_model
 
 import medusa
-from medusa.calibrate import candidate_ranks, choose_tree, interpolate, path_counts
-from medusa.heads import init_heads_for, save_heads
-from medusa.target import default_model_dir
-from medusa.tree import compile_tree
+from medusa.decoding.calibrate import candidate_ranks, choose_tree, interpolate, path_counts
+from medusa.decoding.tree import compile_tree
+from medusa.models.heads import init_heads_for, save_heads
+from medusa.models.target import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,7 @@ def test_cost_curve_argument():
 
 
 def test_measure_cost_times_every_size_with_each_cache_kind():
-    from medusa.calibrate import measure_cost
+    from medusa.decoding.calibrate import measure_cost
 
     model = tiny_model("llama")
     for kind in ({}, {"static_cache": True}, {"compile": "aot_eager"}):

@@ -19,7 +19,7 @@ import pytest
 from tiny import tiny_model
 
 from infer.chat import Chat, StreamDecoder, Style, main, parse_args
-from medusa.heads import init_heads_for, save_heads
+from medusa.models.heads import init_heads_for, save_heads
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Configs: every shipped YAML loads into its dataclass; flags override YAML; typos fail."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -9,7 +9,7 @@ import yaml
 
 from medusa.config import arg, diff_from_defaults, parse_config
 from medusa.errors import MedusaError
-from medusa.training import TrainConfig
+from medusa.training.loop import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.yaml"))
@@ -89,3 +89,22 @@ def test_accelerate_yaml(path):
         assert ds["zero_optimization"]["stage"] in (2, 3)
         assert "mixed_precision" not in cfg  # accelerate refuses it next to a DeepSpeed file
     assert "accelerate launch" in path.read_text().splitlines()[1]
+
+
+def test_heads_and_draft_share_one_schema_for_common_settings(tmp_path, caplog):
+    from medusa.training.draft import DraftTrainConfig
+
+    shared = {f.name for f in fields(TrainConfig)} & {f.name for f in fields(DraftTrainConfig)}
+    assert {"model", "data", "max_length", "cache_dir", "teacher_topk", "train_vocab", "lr", "eval_every"} <= shared
+    shared.discard("output_dir")  # a heads folder vs a draft model folder: the one field that means two things
+    helps = [{f.name: f.metadata["help"] for f in fields(cls) if f.name in shared} for cls in (TrainConfig, DraftTrainConfig)]
+    assert helps[0] == helps[1]  # one help text per setting
+    # The draft's old name of the teacher's top-k still reads from YAML, with a message naming the new one.
+    path = tmp_path / "draft.yaml"
+    path.write_text("cache_topk: 16\n")
+    with caplog.at_level("WARNING"):
+        assert parse_config(DraftTrainConfig, ["--config", str(path)]).teacher_topk == 16
+    assert "cache_topk is now called teacher_topk" in caplog.text
+    path.write_text("cache_topk: 16\nteacher_topk: 8\n")
+    with pytest.raises(MedusaError, match="set only teacher_topk"):
+        parse_config(DraftTrainConfig, ["--config", str(path)])

@@ -1,11 +1,13 @@
 """Data: salvaging cut-off files, counting bad records, chat-template loss masks."""
 
+import gzip
 import json
 
 import pytest
 from train_fixtures import counting_conversation, make_tokenizer
 
-from medusa.data import (
+from medusa.errors import MedusaError
+from medusa.training.data import (
     DataStats,
     build_datasets,
     load_conversations,
@@ -16,7 +18,6 @@ from medusa.data import (
     sharegpt_path,
     tokenize_conversation,
 )
-from medusa.errors import MedusaError
 
 
 def _sharegpt(i, turns=("human", "gpt")):
@@ -50,6 +51,17 @@ def test_jsonl_with_bad_lines(tmp_path):
     stats = DataStats()
     assert len(list(read_json_file(path, stats))) == 2
     assert stats["dropped"] == 1
+
+
+def test_gzipped_jsonl_is_read_like_jsonl(tmp_path):
+    # the shipped self-distillation answers are committed as .jsonl.gz
+    path = tmp_path / "answers.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write(json.dumps(_sharegpt(0)) + "\n{cut off\n" + json.dumps(_sharegpt(1)) + "\n")
+    stats = DataStats()
+    convs = load_conversations(str(path), stats)
+    assert sorted(rid for rid, _ in convs) == ["r0", "r1"]
+    assert stats["dropped"] == 1 and stats["recovered"] == 2
 
 
 def test_normalize_reasons():
@@ -86,7 +98,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
 def test_embedded_tokenizer_masks_assistant_text():
     from transformers import AutoTokenizer
 
-    from medusa.target import default_model_dir
+    from medusa.models.target import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue is a colour."}]

@@ -13,14 +13,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import medusa
-from medusa import cache as kv
-from medusa import draft as draft_module
-from medusa.draft import check_compatible, load_draft, shallow_draft
-from medusa.engine import Engine, StepOutcome
+from medusa.decoding import hf as kv
+from medusa.decoding.engine import Engine, StepOutcome
+from medusa.decoding.proposers import DraftModel, ProposerConfig
+from medusa.decoding.sampling import SamplingConfig, probabilities
 from medusa.errors import MedusaError
-from medusa.proposers import DraftModel
-from medusa.sampling import SamplingConfig, probabilities
-from medusa.target import load_target
+from medusa.models import draft as draft_module
+from medusa.models.draft import check_compatible, load_draft, shallow_draft
+from medusa.models.target import load_target
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 
@@ -49,8 +49,8 @@ def test_draft_greedy_equals_target_greedy(arch):
     cases = [("itself", target, 4, False), ("shallow", shallow_draft(target, 1), 1, False),
              ("noisy", noisy_copy(target, 0.02), 3, True), ("unrelated", tiny_model(arch, seed=7), 2, False)]
     for name, draft, k, adaptive in cases:
-        eng = Engine(target, draft=draft)
-        eng.draft_tokens, eng.adaptive_draft, eng.draft_confidence = k, adaptive, 0.0  # full chains
+        eng = Engine(target, draft=draft, proposer_config=ProposerConfig(draft_tokens=k, adaptive_draft=adaptive,
+                                                                          draft_confidence=0.0))  # full chains
         res = eng.generate(PROMPT, max_new_tokens=n, mode="draft")
         assert res.tokens == ref, name
         if name == "itself":
@@ -162,7 +162,7 @@ def test_load_with_a_draft_folder_decodes_like_the_target(tmp_path):
     shallow_draft(target, 1).save_pretrained(draft_dir)
     tok.save_pretrained(draft_dir)
     eng = medusa.load(model=str(target_dir), draft=str(draft_dir), device="cpu", draft_tokens=3)
-    assert eng.draft.config.num_hidden_layers == 1 and eng.draft_tokens == 3
+    assert eng.draft.config.num_hidden_layers == 1 and eng.proposer_config.draft_tokens == 3
     res = eng.generate(PROMPT, max_new_tokens=30, mode="draft")
     assert res.tokens == hf_greedy(eng.model, PROMPT, 30)
 
@@ -185,10 +185,7 @@ def test_shallow_draft_is_the_targets_early_exit(arch):
     # first layer of the target, then the final norm and the (tied) output projection
     hidden = target(ids, output_hidden_states=True).hidden_states[1]
     base = target.get_decoder()
-    expected = target.get_output_embeddings()(base.norm(hidden))
-    cap = getattr(target.config, "final_logit_softcapping", None)
-    if cap:
-        expected = torch.tanh(expected / cap) * cap
+    expected = kv.lm_logits(target, base.norm(hidden))  # the target's own head post-processing
     torch.testing.assert_close(one(ids).logits, expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(MedusaError, match="layers"):
         shallow_draft(target, layers + 1)
@@ -212,8 +209,7 @@ def test_default_draft_prefers_the_distilled_folder(tmp_path, monkeypatch):
 
 def test_draft_respects_the_context_window():
     target = tiny_model("llama", max_position_embeddings=24)
-    eng = Engine(target, draft=target)
-    eng.draft_tokens = 5
+    eng = Engine(target, draft=target, proposer_config=ProposerConfig(draft_tokens=5))
     res = eng.generate(PROMPT, max_new_tokens=100, mode="draft")
     assert res.finish_reason == "context"
     assert len(PROMPT) + len(res.tokens) == 24 + 1
@@ -276,8 +272,7 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], law: dict[tuple[int, ...],
 def test_draft_sampling_preserves_the_target_distribution(draft_kind, k, sampling):
     target = small_model(0)
     draft = noisy_copy(target, 0.03) if draft_kind == "close" else small_model(5)
-    eng = Engine(target, draft=draft)
-    eng.draft_tokens = k
+    eng = Engine(target, draft=draft, proposer_config=ProposerConfig(draft_tokens=k))
     samples, drafted_hits, m = [], 0, 400
     for seed in range(m):
         res = eng.generate(SAMPLING_PROMPT, max_new_tokens=K, mode="draft", sampling=sampling.override(seed=seed))

@@ -12,8 +12,8 @@ from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.config import parse_config
-from medusa.draft_training import RECORD, DraftTrainConfig, distill_loss, topk_distill_loss
 from medusa.errors import MedusaError
+from medusa.training.draft import RECORD, DraftTrainConfig, distill_loss, topk_distill_loss
 from train.train_draft import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def test_time_limit_stops_early_and_still_saves(tmp_path):
 
 def test_config_defaults_write_the_default_draft_and_bad_values_are_errors():
     cfg = parse_config(DraftTrainConfig, [])
-    assert cfg.model is None and cfg.output_path() == medusa.draft.default_draft_dir()
+    assert cfg.model is None and cfg.output_path() == medusa.models.draft.default_draft_dir()
     assert parse_config(DraftTrainConfig, ["--model", "x/y"]).output_path().name == "draft"
     with pytest.raises(MedusaError, match="temperature"):
         parse_config(DraftTrainConfig, ["--temperature", "0"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from medusa.target import DEFAULT_MODEL_NAME, default_model_dir, eos_token_ids
+from medusa.models.target import DEFAULT_MODEL_NAME, default_model_dir, eos_token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 

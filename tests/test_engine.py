@@ -2,13 +2,17 @@
 
 import pytest
 import torch
-from tiny import ARCHS, hf_greedy, tiny_model
+from test_sampling import chi_square_pvalue, marginal_heads, target_law
+from tiny import ARCHS, WINDOWED, hf_greedy, tiny_model
 
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import DraftModel, MedusaProposer, PromptLookup, Proposal
+from medusa.decoding.sampling import SamplingConfig
+from medusa.decoding.state import DecodeState
+from medusa.decoding.tree import chain, compile_tree
 from medusa.errors import MedusaError
-from medusa.heads import init_heads_for
-from medusa.proposers import Proposal
-from medusa.tree import chain, compile_tree
+from medusa.models.draft import shallow_draft
+from medusa.models.heads import init_heads_for
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -136,8 +140,42 @@ def test_state_reuse_continues_like_a_fresh_prefill():
     reused = eng.generate(follow, max_new_tokens=12, state=first.state)
     fresh = eng.generate(follow, max_new_tokens=12)
     assert reused.tokens == fresh.tokens
-    # only the new tokens were prefilled: the reused cache already held the first turn
-    assert first.state.length >= len(PROMPT) + len(first.tokens) - 1
+    # only the new tokens were prefilled: the first turn's last token (the root, not yet in
+    # the cache) and the three added ones
+    assert reused.stats.prefill_tokens == 4
+    assert fresh.stats.prefill_tokens == len(follow)
+    assert reused.state.cache is first.state.cache  # a turn that extends the last one continues in place
+
+
+def test_branching_twice_from_one_state_equals_generate():
+    # A, then B from A's state diverging early, then C from A's state again: C must not
+    # trust A's longer prefix in a cache B has overwritten since
+    model = tiny_model("llama")
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE)
+    a = eng.generate(PROMPT, max_new_tokens=20)
+    branch_b = PROMPT[:2] + [60, 61, 62]
+    b = eng.generate(branch_b, max_new_tokens=20, state=a.state)
+    assert b.tokens == hf_greedy(model, branch_b, 20)
+    assert b.state.cache is a.state.cache  # A owned its cache: B took it without a copy
+    branch_c = PROMPT + a.tokens[:5] + [70]
+    c = eng.generate(branch_c, max_new_tokens=20, state=a.state)
+    assert c.tokens == hf_greedy(model, branch_c, 20)
+    assert c.state.cache is not a.state.cache  # A's cache was taken: C branched off a copy
+    assert c.stats.prefill_tokens == len(branch_c) - 2  # only the prefix B kept was still A's
+    # and every state stays usable in any order afterwards
+    for prior, extra in ((b, [80]), (a, [81, 82]), (c, [83]), (b, [84, 85])):
+        ids = branch_b if prior is b else branch_c if prior is c else PROMPT
+        follow = ids + prior.tokens + extra
+        again = eng.generate(follow, max_new_tokens=12, state=prior.state)
+        assert again.tokens == hf_greedy(model, follow, 12)
+
+
+def test_branching_from_one_state_with_a_static_cache():
+    model = tiny_model("qwen2")
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, static_cache=True)
+    a = eng.generate(PROMPT, max_new_tokens=16)
+    for branch in (PROMPT[:3] + [50], PROMPT + a.tokens[:4] + [51], PROMPT[:4] + [52, 53]):
+        assert eng.generate(branch, max_new_tokens=16, state=a.state).tokens == hf_greedy(model, branch, 16)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -163,3 +201,115 @@ def test_medusa_mode_without_heads_is_a_clear_error():
         eng.generate(PROMPT, mode="medusa")
     with pytest.raises(MedusaError, match="unknown mode"):
         eng.generate(PROMPT, mode="nope")
+
+
+class BudgetRecorder(OracleProposer):
+    """The oracle, ignoring the budget (so the engine's own cuts are exercised), recording it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.budgets = []
+
+    def propose(self, state):
+        self.budgets.append(state.budget)
+        return super().propose(state)
+
+
+def depth2_eos(model):
+    """The greedy continuation and an index j where it has a fresh token at depth 2 of a
+    depth-3 oracle step (the prefill emits token 0, each step 4 more: 1-4, 5-8, ...)."""
+    ref = hf_greedy(model, PROMPT, 40)
+    j = next(j for j in range(6, 40, 4) if ref[j] not in ref[:j])
+    return ref, j
+
+
+def test_eos_inside_an_accepted_chunk_then_reuse():
+    model = tiny_model("llama")
+    ref, j = depth2_eos(model)
+    model.generation_config.eos_token_id = ref[j]
+    eng = Engine(model)
+    oracle = BudgetRecorder(ref, 3, model.config.vocab_size)
+    res = eng.generate(PROMPT, max_new_tokens=40, mode=oracle)
+    assert res.finish_reason == "eos" and res.tokens == ref[: j + 1]
+    # the last step accepted 4 tokens but emitted 2 (EOS at depth 2): only those count
+    assert res.stats.accepted == [4] * ((j - 2) // 4) + [2]
+    assert sum(res.stats.accepted) == len(res.tokens) - 1  # the prefill's token is not a step's
+    assert res.state.length == len(PROMPT) + j and res.state.tokens == PROMPT + ref[: j + 1]
+    follow = PROMPT + res.tokens + [7, 8]
+    again = eng.generate(follow, max_new_tokens=10, mode="baseline", state=res.state)
+    assert again.stats.prefill_tokens == 3  # EOS (the root, never cached) and the two new ones
+    full = hf_greedy(model, follow, 10)
+    assert again.tokens == (full[: full.index(ref[j]) + 1] if ref[j] in full else full)
+
+
+def test_length_limit_inside_an_accepted_chunk_then_reuse():
+    model = tiny_model("llama")
+    ref = hf_greedy(model, PROMPT, 40)
+    eng = Engine(model)
+    oracle = BudgetRecorder(ref, 3, model.config.vocab_size)
+    res = eng.generate(PROMPT, max_new_tokens=7, mode=oracle)
+    assert res.finish_reason == "length" and res.tokens == ref[:7]
+    assert res.stats.accepted == [4, 2]  # the second step's last two were cut
+    assert oracle.budgets == [6, 2]  # what the proposer was told it may still emit
+    follow = PROMPT + res.tokens + [9]
+    again = eng.generate(follow, max_new_tokens=10, mode="baseline", state=res.state)
+    assert again.stats.prefill_tokens == 2
+    assert again.tokens == hf_greedy(model, follow, 10)
+
+
+def test_the_budget_includes_the_context_window():
+    model = tiny_model("llama", max_position_embeddings=20)
+    ref = hf_greedy(model, PROMPT, 15)
+    oracle = BudgetRecorder(ref + [3] * 8, 3, model.config.vocab_size)
+    res = Engine(model).generate(PROMPT, max_new_tokens=100, mode=oracle)
+    assert res.finish_reason == "context" and len(PROMPT) + len(res.tokens) == 21
+    assert res.tokens == ref[: len(res.tokens)]
+    # after the prefill the cache holds 6 positions: 20 - 6 = 14 tokens fit, then 10, 6, 2, 1
+    assert oracle.budgets == [14, 10, 6, 2, 1]
+
+
+def budget_state(model, tokens, budget):
+    with torch.no_grad():
+        hidden = model.get_decoder()(torch.tensor([tokens[:-1]])).last_hidden_state[0, -1]
+    return DecodeState(cache=None, tokens=list(tokens), length=len(tokens) - 1, root=torch.tensor(tokens[-1]),
+                       hidden=hidden, logits=torch.zeros(model.config.vocab_size), budget=budget)
+
+
+@pytest.mark.parametrize("budget, depth", [(None, 3), (4, 3), (3, 2), (2, 1), (1, 0)])
+def test_proposers_draft_no_deeper_than_the_budget(budget, depth):
+    model = tiny_model("llama")
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # repeats: the lookup has a long match
+    medusa = MedusaProposer(init_heads_for(model, num_heads=3), TREE, torch.device("cpu"))
+    tree = medusa.propose(budget_state(model, tokens, budget)).tree
+    assert tree.max_depth == depth
+    assert set(tree.paths) == {p for p in TREE if len(p) <= depth}
+    lookup = PromptLookup(torch.device("cpu"), num_tokens=8)
+    assert lookup.propose(budget_state(model, tokens, budget)).tokens.numel() == 1 + (8 if budget is None else depth)
+    draft = DraftModel(shallow_draft(model, 1), torch.device("cpu"), num_tokens=3)
+    assert draft.propose(budget_state(model, tokens, budget)).tokens.numel() == 1 + depth
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_chain_modes_with_a_dynamic_cache_past_the_sliding_window(arch):
+    # chains run with transformers' own masks over our window-less cache: the window must hold
+    model = tiny_model(arch, sliding_window=8)
+    ref = hf_greedy(model, PROMPT, 40)
+    eng = Engine(model, draft=shallow_draft(model, 1))
+    for mode in ("baseline", "lookup", "draft"):
+        res = eng.generate(PROMPT, max_new_tokens=40, mode=mode)
+        assert res.tokens == ref, mode
+        assert max(res.stats.accepted) > 1 or mode == "baseline"
+
+
+def test_hybrid_sampling_follows_the_target():
+    # heads' tree plus the lookup chain, sampled: the first 3 tokens' joint law is the target's
+    model = tiny_model("llama", vocab_size=16, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    sampling = SamplingConfig(temperature=0.8, top_k=8)
+    eng = Engine(model, heads=marginal_heads(model, sampling, 1.0), tree=[(0,), (1,), (0, 0)])
+    samples, multi = [], 0
+    for seed in range(400):
+        res = eng.generate([5, 7, 3, 9], max_new_tokens=3, mode="hybrid", sampling=sampling.override(seed=seed))
+        samples.append(tuple(res.tokens))
+        multi += max(res.stats.accepted, default=0) > 1
+    assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > 1e-4
+    assert multi > 100  # candidates were accepted, not only the target's own tokens

@@ -16,9 +16,10 @@ from torch import nn
 
 import medusa
 from medusa.errors import MedusaError
-from medusa.export import export_heads, load_plain_tensors, read_fasterdecoding
-from medusa.hub import heads_from_state, load_heads_from, read_heads
-from medusa.target import load_target
+from medusa.hub.export import export_heads, load_plain_tensors, read_fasterdecoding
+from medusa.hub.hub import load_heads_from, read_heads
+from medusa.models.heads import HeadsConfig, heads_from_state
+from medusa.models.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,9 @@ def vllm_forward(tensors: dict[str, torch.Tensor], config: dict, hidden: torch.T
         x = hidden
         for j in range(config["num_hidden_layers"]):
             x = x + F.silu(F.linear(x, tensors[f"blocks.{k}.layers.{j}.weight"], tensors[f"blocks.{k}.layers.{j}.bias"]))
-        logits = x @ tensors[f"lm_heads.{k}.weight"].T  # [T, truncated_vocab_size]
+        # original_lm_head: one projection, stored once, for every head
+        proj = tensors["lm_head.weight"] if config.get("original_lm_head") else tensors[f"lm_heads.{k}.weight"]
+        logits = x @ proj.T  # [T, truncated_vocab_size]
         if "token_map" in tensors:
             full = torch.full((x.shape[0], config["vocab_size"]), float("-inf"))
             full[:, tensors["token_map"]] = logits
@@ -170,16 +173,18 @@ def test_vllm_export_names_shapes_config_and_function(target, tmp_path, projecti
 
     tensors = load_file(out / "model.safetensors")
     expected = {f"blocks.{k}.layers.{j}.{p}" for k in range(3) for j in range(num_layers) for p in ("weight", "bias")}
-    expected |= {f"lm_heads.{k}.weight" for k in range(3)}
+    # Shared heads: the target's lm_head once (vLLM's original_lm_head), not once per head.
+    expected |= {"lm_head.weight"} if projection == "shared" else {f"lm_heads.{k}.weight" for k in range(3)}
     assert set(tensors) == expected
+    assert cfg["original_lm_head"] is (projection == "shared")
     for k in range(3):
-        assert tensors[f"lm_heads.{k}.weight"].shape == (v, h)
+        assert tensors["lm_head.weight" if projection == "shared" else f"lm_heads.{k}.weight"].shape == (v, h)
         for j in range(num_layers):
             assert tensors[f"blocks.{k}.layers.{j}.weight"].shape == (h, h)
             assert tensors[f"blocks.{k}.layers.{j}.bias"].shape == (h,)
             assert torch.equal(tensors[f"blocks.{k}.layers.{j}.weight"], state[f"blocks.{k}.{j}.linear.weight"])
     if projection == "shared":
-        assert all(torch.equal(tensors[f"lm_heads.{k}.weight"], lm_head) for k in range(3))
+        assert torch.equal(tensors["lm_head.weight"], lm_head)
 
     hidden = torch.randn(4, h)
     torch.testing.assert_close(vllm_forward(tensors, cfg, hidden), heads(hidden), rtol=0, atol=1e-5)
@@ -235,7 +240,7 @@ def test_export_script_copies_the_target_lm_head(target, tmp_path, capsys):
     assert rc == 0
     tensors = load_file(out / "model.safetensors")
     assert all(t.dtype == torch.float16 for t in tensors.values())
-    assert torch.equal(tensors["lm_heads.2.weight"], model.get_output_embeddings().weight.half())
+    assert torch.equal(tensors["lm_head.weight"], model.get_output_embeddings().weight.half())
     printed = capsys.readouterr().out
     assert "vllm serve" in printed and '"method": "medusa"' in printed and '"num_speculative_tokens": 3' in printed
 
@@ -269,3 +274,29 @@ def test_vllm_export_with_a_draft_vocabulary(target, tmp_path, capsys):
     assert script.main([str(heads.save(tmp_path / "uncalibrated")), "--to", "vllm", "--out", str(tmp_path / "x"),
                         "--draft-vocab"]) == 1
     assert "no calibrated draft vocabulary" in capsys.readouterr().err
+
+
+def test_shared_heads_with_a_draft_vocabulary_store_one_truncated_projection(target, tmp_path):
+    _, model = target
+    heads = random_heads(model, num_heads=3)  # shared projection
+    config, state = read_heads(heads.save(tmp_path / "heads"))
+    vocab = [7, 3, 50, 11]
+    lm_head = model.get_output_embeddings().weight
+    out = export_heads(config, state, tmp_path / "vllm", "vllm", lm_head=lm_head, draft_vocab=vocab)
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    assert cfg["original_lm_head"] is True and cfg["truncated_vocab_size"] == 4
+    assert not any(k.startswith("lm_heads.") for k in tensors)
+    assert torch.equal(tensors["lm_head.weight"], lm_head[sorted(vocab)])  # [S, H]: the only projection
+    hidden = torch.randn(3, model.config.hidden_size)
+    drafted = vllm_forward(tensors, cfg, hidden)
+    torch.testing.assert_close(drafted[..., sorted(vocab)], heads(hidden)[..., sorted(vocab)], rtol=0, atol=1e-6)
+
+
+def test_eagle_heads_have_no_foreign_export(tmp_path):
+    config = HeadsConfig(hidden_size=8, vocab_size=16, num_heads=2, kind="eagle")
+    for layout in ("vllm", "fasterdecoding"):
+        with pytest.raises(MedusaError, match=f"eagle heads have no {layout} export") as err:
+            export_heads(config, {}, tmp_path / layout, layout)
+        assert "\n" not in str(err.value)
+        assert not (tmp_path / layout).exists()

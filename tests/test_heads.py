@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads, init_heads_for, load_heads, save_heads
+from medusa.models.heads import HeadsConfig, MedusaHeads, init_heads_for, load_heads, save_heads
 
 
 def perturbed(heads, seed=0):

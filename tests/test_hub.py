@@ -22,12 +22,13 @@ from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.config import to_dict
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig
-from medusa.hub import build_publish_folder, head_accuracy, load_heads_from, model_card
-from medusa.target import load_target
-from medusa.training import TrainConfig
+from medusa.hub.card import head_accuracy, model_card
+from medusa.hub.hub import build_publish_folder, load_heads_from
+from medusa.models.heads import HeadsConfig
+from medusa.models.target import load_target
+from medusa.training.loop import TrainConfig
 
 # What train/train_heads.py records in the heads config (medusa/training.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],

@@ -7,10 +7,10 @@ import torch
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import Hybrid, MedusaProposer, PromptLookup, ProposerConfig
 from medusa.errors import MedusaError
-from medusa.heads import init_heads_for
-from medusa.proposers import Hybrid, MedusaProposer, PromptLookup
+from medusa.models.heads import init_heads_for
 
 # A prompt that repeats itself, as code edits and summaries do.
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]
@@ -25,8 +25,7 @@ def test_lookup_greedy_equals_target_greedy(arch):
     n = 48
     ref = hf_greedy(model, PROMPT, n)
     for k, ngram in ((8, 3), (2, 1)):
-        eng = Engine(model)
-        eng.lookup_tokens, eng.lookup_ngram = k, ngram
+        eng = Engine(model, proposer_config=ProposerConfig(lookup_tokens=k, lookup_ngram=ngram))
         res = eng.generate(PROMPT, max_new_tokens=n, mode="lookup")
         assert res.tokens == ref
         # the tiny model's greedy text repeats, so copying from it pays off at times

@@ -3,11 +3,10 @@
 import torch
 import torch.nn.functional as F
 
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.losses import (
+from medusa.models.heads import HeadsConfig, MedusaHeads
+from medusa.training.losses import (
     IGNORE,
     frequent_tokens,
-    head_logits,
     head_weights,
     heads_loss,
     lm_distill_loss,
@@ -52,7 +51,7 @@ def test_ce_matches_cross_entropy_per_head():
     expected = 0
     for k in range(3):
         rows = tg.valid[k]
-        expected += weights[k] * F.cross_entropy(head_logits(heads, k, hidden[rows]), tg.labels[k, rows])
+        expected += weights[k] * F.cross_entropy(heads.logits(hidden[rows], [k])[0].float(), tg.labels[k, rows])
     assert torch.allclose(loss, expected, atol=1e-5)
     assert counts["n"].tolist() == [2 * 5, 2 * 4, 2 * 3]
     assert (counts["top1"] <= counts["top5"]).all()
@@ -97,9 +96,9 @@ def test_vocab_subset_counts_outside_targets_as_misses():
     for k in range(3):
         rows = tg.valid[k]
         labels = tg.labels[k, rows]
-        pred = vocab[head_logits(heads, k, hidden[rows], vocab).argmax(-1)]
+        pred = vocab[heads.logits(hidden[rows], [k], vocab)[0].argmax(-1)]
         assert counts["top1"][k] == (pred == labels).sum()  # odd labels can never be hit
-    assert head_logits(heads, 0, hidden, vocab).shape == (12, 10)
+    assert heads.logits(hidden, [0], vocab)[0].shape == (12, 10)
 
 
 def test_frequent_tokens_and_weights():

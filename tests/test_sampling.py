@@ -20,12 +20,12 @@ from tiny import tiny_model
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
+from medusa.decoding.sampling import SamplingConfig, probabilities, sample
+from medusa.decoding.tree import chain, compile_tree
+from medusa.decoding.verify import verify_sampled, verify_typical
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads, init_heads_for
-from medusa.sampling import SamplingConfig, probabilities, sample
-from medusa.tree import chain, compile_tree
-from medusa.verify import verify_sampled, verify_typical
+from medusa.models.heads import HeadsConfig, MedusaHeads, init_heads_for
 
 ALPHA = 1e-4
 V = 16  # vocabulary of every model here

@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny import ARCHS, hf_greedy, tiny_model
 
-from medusa import cache as kv
-from medusa.engine import Engine
-from medusa.heads import init_heads_for
+from medusa.decoding import hf as kv
+from medusa.decoding.engine import Engine
+from medusa.models.heads import init_heads_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

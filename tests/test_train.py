@@ -12,8 +12,8 @@ from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.errors import MedusaError
-from medusa.heads import read_heads_config
-from medusa.training import TrainConfig, latest_checkpoint, train
+from medusa.models.heads import read_heads_config
+from medusa.training.loop import TrainConfig, latest_checkpoint, train
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,41 @@ def test_medusa2_lora_saves_a_loadable_target_and_heads(setup, tmp_path):
     changed = [k for k in original if "q_proj" in k and not torch.equal(original[k], tuned[k])]
     assert changed  # the LoRA update was merged into the saved target
     engine = medusa.load(model=str(out / "target"), heads=str(out), device="cpu")
-    result = engine.generate([4, 12, 13, 16], max_new_tokens=8)
-    assert len(result.tokens) >= 1
+    prompt = [4, 12, 13, 16]
+    expected = engine.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert engine.generate(prompt, max_new_tokens=8, mode="medusa").tokens == expected.tolist()
+    # The KL keeping the tuned target near the original was computed and logged every step;
+    # it starts at 0 (LoRA's B is zero-initialised) and grows once the adapters move.
+    kl = [r["lm_kl"] for r in history(out) if r["kind"] == "train"]
+    assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-6
+
+
+def test_retrained_heads_drop_the_stale_calibration(setup, tmp_path):
+    out = tmp_path / "heads"
+    train(config(setup, out, max_steps=2))
+    (out / "calibration.json").write_text(json.dumps({"trees": {"cpu": [[0], [1], [0, 0]]}}))
+    assert medusa.load(model=setup["model"], heads=str(out), device="cpu").heads.trees  # applied while valid
+    AcceleratorState._reset_state(True)
+    train(config(setup, out, max_steps=3))
+    assert not (out / "calibration.json").exists()
+    assert not medusa.load(model=setup["model"], heads=str(out), device="cpu").heads.trees
+
+
+def test_feature_cache_is_keyed_on_the_weights_not_the_name(setup, tmp_path):
+    model = tiny_target(tmp_path / "model", seed=0)
+    out, cache = tmp_path / "heads", tmp_path / "cache"
+    kw = dict(model=str(model), distill=1.0, cache_dir=str(cache), positions_per_batch=32, max_steps=1)
+    train(config(setup, out, **kw))
+    first = json.loads((cache / "train" / "meta.json").read_text())
+    hidden = np.array(np.load(cache / "train" / "hidden.npy"))
+    shutil.rmtree(model)
+    tiny_target(model, seed=1)  # other weights, same path and name
+    AcceleratorState._reset_state(True)
+    train(config(setup, out, **kw))
+    second = json.loads((cache / "train" / "meta.json").read_text())
+    assert first != second
+    assert not np.array_equal(hidden, np.load(cache / "train" / "hidden.npy"))
 
 
 def test_config_errors_are_one_line_medusa_errors(setup, tmp_path):
@@ -147,3 +180,14 @@ def test_config_errors_are_one_line_medusa_errors(setup, tmp_path):
         config(setup, tmp_path, lora=True, cache_dir=str(tmp_path / "c"))
     with pytest.raises(MedusaError, match="no usable training conversations|data file not found"):
         train(config(setup, tmp_path / "x", data=[str(tmp_path / "missing.jsonl")]))
+
+
+def test_wandb_logs_offline_through_accelerate_without_a_login(setup, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest disables wandb; this test runs it
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no credentials anywhere to find
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "w"
+    train(config(setup, out, max_steps=2, wandb=True))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))  # the run's offline log, nothing sent

@@ -1,7 +1,7 @@
 import pytest
 
+from medusa.decoding.tree import chain, compile_tree, load_tree
 from medusa.errors import MedusaError
-from medusa.tree import chain, compile_tree, load_tree
 
 PATHS = [(0, 0), (1,), (0,), (0, 0, 0), (0, 1), (1, 0)]  # deliberately unsorted
 

@@ -5,14 +5,21 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
+    Gemma3Config,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedModel,
     Qwen2Config,
+    SiglipVisionConfig,
 )
 
-ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+# cohere and granite post-process their logits (logit_scale, logits_scaling), gemma3
+# softcaps them and mixes sliding-window and full layers.
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "cohere", "granite")
+WINDOWED = ("qwen2", "mistral", "gemma3")  # the ones tiny_config gives a sliding window
 
 
 def tiny_config(arch: str, vocab_size: int = 96, sliding_window: int | None = None, **overrides):
@@ -33,6 +40,21 @@ def tiny_config(arch: str, vocab_size: int = 96, sliding_window: int | None = No
                       layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                       final_logit_softcapping=30.0)
         return Gemma3TextConfig(**common)
+    if arch == "gemma3_composite":
+        # Gemma-3 4B and up: a vision-language model whose text settings (window, layer
+        # types, context, softcap) live in the nested text config only.
+        # Untied: with tied random embeddings and no softcap (the composite class applies
+        # none) greedy decoding only repeats the last token.
+        text = tiny_config("gemma3", vocab_size, sliding_window, **{"tie_word_embeddings": False, **overrides})
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            image_token_index=vocab_size - 1, boi_token_index=vocab_size - 2,
+                            eoi_token_index=vocab_size - 3, tie_word_embeddings=False)
+    if arch == "cohere":
+        return CohereConfig(logit_scale=0.5, **common)  # logits multiplied by 0.5
+    if arch == "granite":
+        return GraniteConfig(logits_scaling=4.0, **common)  # logits divided by 4
     raise ValueError(arch)
 
 

@@ -21,8 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa.config import arg, parse_config, run_main
-from medusa.data import DataStats, load_conversations
-from medusa.target import eos_token_ids, load_target
+from medusa.errors import require_extra
+from medusa.models.target import eos_token_ids, load_target
+from medusa.training.data import DataStats, load_conversations
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SelfDistillConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_extra("train")  # first, so that even --help names the extra to install
     cfg = parse_config(SelfDistillConfig, argv)
     torch.manual_seed(cfg.seed)
     model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 
 from medusa.config import log_above_progress_bars, parse_config, run_main
-from medusa.draft_training import DraftTrainConfig, train_draft
+from medusa.errors import require_extra
+from medusa.training.draft import DraftTrainConfig, train_draft
 
 
 def main(argv: list[str] | None = None) -> int:
-    log_above_progress_bars()
-    cfg = parse_config(DraftTrainConfig, argv)
-    folder = train_draft(cfg)
-    logging.getLogger("medusa.draft_training").info("draft written to %s", folder)
+    require_extra("train")  # first, so that even --help names the extra to install
+    with log_above_progress_bars():
+        cfg = parse_config(DraftTrainConfig, argv)
+        folder = train_draft(cfg)
+    logging.getLogger("medusa.training.draft").info("draft written to %s", folder)
     return 0
 
 

@@ -3,28 +3,29 @@
     accelerate launch train/train_heads.py --config configs/train/smollm2-135m.yaml [--field value ...]
 
 Every field, its default and its meaning: ``python train/train_heads.py --help``. The loop
-lives in ``medusa/training.py``; this file only parses the config and reports errors.
+lives in ``medusa/training/loop.py``; this file only parses the config and reports errors.
 """
 
 from __future__ import annotations
 
 import logging
 
-from accelerate import PartialState
-
 from medusa.config import log_above_progress_bars, parse_config, run_main
-from medusa.errors import MedusaError
-from medusa.hub import push_heads, require_token
-from medusa.training import TrainConfig, train
+from medusa.errors import MedusaError, require_extra
+from medusa.hub.hub import push_heads, require_token
+from medusa.training.loop import TrainConfig, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    log_above_progress_bars()
-    cfg = parse_config(TrainConfig, argv)
-    if cfg.push_to_hub:
-        require_token()  # a missing token shows now, not after the training run
-    folder = train(cfg)
-    log = logging.getLogger("medusa.training")
+    require_extra("train")  # first, so that even --help names the extra to install
+    from accelerate import PartialState
+
+    with log_above_progress_bars():
+        cfg = parse_config(TrainConfig, argv)
+        if cfg.push_to_hub:
+            require_token()  # a missing token shows now, not after the training run
+        folder = train(cfg)
+    log = logging.getLogger("medusa.training.loop")
     log.info("heads written to %s", folder)
     if cfg.push_to_hub and PartialState().is_main_process:
         try:

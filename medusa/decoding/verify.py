@@ -18,8 +18,8 @@ from functools import lru_cache
 
 import torch
 
-from medusa.sampling import SamplingConfig, probabilities, sample
-from medusa.tree import TreeBuffers
+from medusa.decoding.sampling import SamplingConfig, probabilities, sample
+from medusa.decoding.tree import TreeBuffers
 
 
 @dataclass(frozen=True)

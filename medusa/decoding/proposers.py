@@ -15,46 +15,19 @@ n-gram index) to itself.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from medusa import cache as kv
+from medusa.decoding import hf as kv
+from medusa.decoding.sampling import probabilities, sample
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.tree import TreeBuffers, chain, compile_tree
 from medusa.errors import MedusaError
-from medusa.heads import MedusaHeads
-from medusa.sampling import probabilities, sample
-from medusa.target import context_window
-from medusa.tree import TreeBuffers, chain, compile_tree
-
-if TYPE_CHECKING:
-    from medusa.engine import DecodeState, StepOutcome
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A tree of candidates: ``tokens`` ``[N]`` laid out as ``tree`` (root first).
-
-    ``q`` ``[N, V]``, when given, is the distribution each node's token was drawn from
-    (row 0, the root, is unused); rules that sample need it, greedy ones do not.
-    ``is_chain`` lets the engine use plain causal attention instead of a tree mask.
-    """
-
-    tree: TreeBuffers
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None
-    is_chain: bool = False
-
-
-class Proposer(Protocol):
-    def begin(self, state: DecodeState) -> None:
-        """Called after the prompt is prefilled, before the first ``propose``."""
-
-    def propose(self, state: DecodeState) -> Proposal: ...
-
-    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        """Called after each verified step with what was accepted."""
+from medusa.models.heads import MedusaHeads
+from medusa.models.target import context_window
 
 
 class Autoregressive:
@@ -81,21 +54,32 @@ class MedusaProposer:
         if tree.max_depth > heads.num_heads:
             raise ValueError(f"tree is {tree.max_depth} deep but there are only {heads.num_heads} heads")
         self.heads = heads
+        self.device = device
         self.tree = tree.to(device)
         self.width = max(tree.topk, default=1)
-        self.candidate_index = tree.candidate_index().to(device)  # [N-1] into flattened [D, width]
-        self.is_chain = all(len(set(p[:-1] for p in tree.paths if len(p) == d)) <= 1 and
-                            sum(1 for p in tree.paths if len(p) == d) == 1 for d in range(1, tree.max_depth + 1))
+        # the tree cut to each depth the token budget allows, built once per depth:
+        # depth -> (tree, candidate index [N-1] into the flattened [D, width] top-k, is_chain)
+        self.layouts: dict[int, tuple[TreeBuffers, torch.Tensor, bool]] = {}
+
+    def _layout(self, depth: int) -> tuple[TreeBuffers, torch.Tensor, bool]:
+        if depth not in self.layouts:
+            tree = self.tree if depth >= self.tree.max_depth else compile_tree(
+                [p for p in self.tree.paths if len(p) <= depth]).to(self.device)
+            is_chain = all(len(set(p[:-1] for p in tree.paths if len(p) == d)) <= 1 and
+                           sum(1 for p in tree.paths if len(p) == d) == 1 for d in range(1, tree.max_depth + 1))
+            self.layouts[depth] = (tree, tree.candidate_index().to(self.device), is_chain)
+        return self.layouts[depth]
 
     def begin(self, state: DecodeState) -> None:
         pass
 
     def propose(self, state: DecodeState) -> Proposal:
-        if self.tree.max_depth == 0:  # a calibrated tree may say heads do not pay here
-            return Proposal(tree=self.tree, tokens=state.root.view(1), is_chain=True)
-        top = self.heads.topk(state.hidden, self.width, num_heads=self.tree.max_depth)  # [D, width]
-        tokens = torch.cat([state.root.view(1), top.reshape(-1)[self.candidate_index]])
-        return Proposal(tree=self.tree, tokens=tokens, is_chain=self.is_chain)
+        tree, candidate_index, is_chain = self._layout(state.max_depth(self.tree.max_depth))
+        if tree.max_depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
+            return Proposal(tree=tree, tokens=state.root.view(1), is_chain=True)
+        top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
+        tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
+        return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
@@ -158,8 +142,9 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
         n, total = len(self.cached), len(state.tokens)
-        # The draft writes positions n .. total + k - 2; stay inside its context window.
-        k = self.k if self.window is None else min(self.k, self.window - total + 1)
+        # The draft writes positions n .. total + k - 2; stay inside its context window, and
+        # draft no more than the token budget can still emit.
+        k = state.max_depth(self.k if self.window is None else min(self.k, self.window - total + 1))
         if k < 1:
             self.drafted = 0
             self.pending = None
@@ -250,7 +235,7 @@ class PromptLookup:
             if end is not None:
                 # Copy what followed. A match that runs into the suffix itself (a repeating
                 # span, period total - end) is continued periodically rather than cut short.
-                for i in range(self.k):
+                for i in range(state.max_depth(self.k)):
                     j = end + i
                     follow.append(tokens[j] if j < total else follow[j - total])
                 break
@@ -261,54 +246,109 @@ class PromptLookup:
         pass
 
 
-class Hybrid:
-    """Medusa heads and prompt lookup verified together in one target pass.
+@functools.lru_cache(maxsize=512)
+def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor]:
+    """The tree of ``base`` plus a ``k``-token chain beside it, and where the base's nodes
+    (root first) and the chain's nodes go in it. The chain hangs off the root at rank
+    ``branch`` = one past the base's largest rank at depth 1, so it never collides."""
+    branch = max((p[0] for p in base), default=-1) + 1
+    chain_paths = [(branch,) + (0,) * d for d in range(k)]
+    tree = compile_tree(list(base) + chain_paths)
+    index = {path: i + 1 for i, path in enumerate(tree.paths)}
+    base_nodes = torch.tensor([0] + [index[path] for path in base], dtype=torch.long)
+    chain_nodes = torch.tensor([index[path] for path in chain_paths], dtype=torch.long)
+    return tree, base_nodes, chain_nodes
 
-    The heads' static tree and, when the n-gram index finds a match, the lookup chain hang
-    side by side off the root; verification keeps the longest accepted path of either. The
-    two are complementary: the heads guess short continuations anywhere, the lookup copies
-    long spans where the answer repeats the prompt or itself. Where the target's pass costs
-    about the same for a few more nodes (GPUs), the chain is nearly free. The chain's nodes
-    use rank ``width`` at depth 1 (``width`` = one past the heads' largest rank there), so
-    they never collide with the heads' paths; a combined layout is compiled once per chain
-    length. Neither part samples, so lossless verification treats every node as a point mass.
+
+class Hybrid:
+    """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup,
+    verified together in one target pass.
+
+    The heads' tree and, when the n-gram index finds a match, the lookup chain hang side by
+    side off the root; verification keeps the longest accepted path of either. The two are
+    complementary: the heads guess short continuations anywhere, the lookup copies long
+    spans where the answer repeats the prompt or itself. Where the target's pass costs about
+    the same for a few more nodes (GPUs), the chain is nearly free. A combined layout is
+    compiled once per (heads' tree, chain length). Neither part samples, so lossless
+    verification treats every node as a point mass.
     """
 
-    def __init__(self, medusa: MedusaProposer, lookup: PromptLookup, device: torch.device) -> None:
-        self.medusa, self.lookup, self.device = medusa, lookup, device
-        self.base = list(medusa.tree.paths)
-        self.branch = max((p[0] for p in self.base), default=-1) + 1
-        self.layouts: dict[int, tuple[TreeBuffers, torch.Tensor, torch.Tensor]] = {}
-
-    def _layout(self, k: int) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor]:
-        """The tree for a ``k``-token chain, and where the heads' and the chain's nodes go in it."""
-        if k not in self.layouts:
-            chain_paths = [(self.branch,) + (0,) * d for d in range(k)]
-            tree = compile_tree(self.base + chain_paths)
-            index = {path: i + 1 for i, path in enumerate(tree.paths)}
-            heads_nodes = torch.tensor([0] + [index[path] for path in self.medusa.tree.paths], dtype=torch.long)
-            chain_nodes = torch.tensor([index[path] for path in chain_paths], dtype=torch.long)
-            self.layouts[k] = (tree.to(self.device), heads_nodes.to(self.device), chain_nodes.to(self.device))
-        return self.layouts[k]
+    def __init__(self, heads: Proposer, lookup: PromptLookup, device: torch.device) -> None:
+        self.heads, self.lookup, self.device = heads, lookup, device
 
     def begin(self, state: DecodeState) -> None:
-        self.medusa.begin(state)
+        self.heads.begin(state)
         self.lookup.begin(state)
 
     def propose(self, state: DecodeState) -> Proposal:
         copied = self.lookup.propose(state)
         k = copied.tokens.numel() - 1
-        if not self.base:  # a calibrated tree may be empty: then this is plain lookup
+        guessed = self.heads.propose(state)
+        if not guessed.tree.paths:  # a calibrated tree may be empty: then this is plain lookup
             return copied
-        guessed = self.medusa.propose(state)
         if k == 0:
             return guessed
-        tree, heads_nodes, chain_nodes = self._layout(k)
+        tree, base_nodes, chain_nodes = _hybrid_layout(guessed.tree.paths, k)
+        tree = tree.to(self.device)
         tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
-        tokens[heads_nodes] = guessed.tokens.long()
-        tokens[chain_nodes] = copied.tokens[1:].long()
+        tokens[base_nodes.to(self.device)] = guessed.tokens.long()
+        tokens[chain_nodes.to(self.device)] = copied.tokens[1:].long()
         return Proposal(tree=tree, tokens=tokens)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        self.medusa.update(state, outcome)
+        self.heads.update(state, outcome)
         self.lookup.update(state, outcome)
+
+
+MODES = ("baseline", "medusa", "eagle", "draft", "lookup", "hybrid")
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """The per-mode settings, in one place: the engine, ``medusa.load``, the bench and the
+    chat take their defaults from here."""
+
+    draft_tokens: int = 4  # mode "draft": tokens drafted per step
+    adaptive_draft: bool = False  # grow/shrink draft_tokens per step by acceptance
+    # > 0: end a draft chain after a token the draft gave less probability (0.4: transformers' default)
+    draft_confidence: float = 0.4
+    lookup_tokens: int = 8  # modes "lookup"/"hybrid": tokens copied after a match
+    lookup_ngram: int = 3  # longest n-gram looked up
+
+
+def make_proposer(
+    mode: str,
+    device: torch.device,
+    config: ProposerConfig,
+    heads: MedusaHeads | None = None,
+    paths: list[tuple[int, ...]] | None = None,
+    draft: PreTrainedModel | None = None,
+) -> Proposer:
+    """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid)."""
+    if mode == "baseline":
+        return Autoregressive(device)
+    if mode in ("medusa", "eagle", "hybrid"):
+        if heads is None:
+            raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
+        kind = heads.config.kind
+        if mode != "hybrid" and kind != mode:
+            raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {kind} heads: "
+                              f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
+        if kind == "eagle":
+            from medusa.decoding.eagle import EagleProposer
+
+            guessed: Proposer = EagleProposer(heads, device)
+        else:
+            guessed = MedusaProposer(heads, paths or [], device)
+        if mode != "hybrid":
+            return guessed
+        return Hybrid(guessed, PromptLookup(device, num_tokens=config.lookup_tokens, max_ngram=config.lookup_ngram),
+                      device)
+    if mode == "draft":
+        if draft is None:
+            raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
+        return DraftModel(draft, device, num_tokens=config.draft_tokens, adaptive=config.adaptive_draft,
+                          max_tokens=max(16, config.draft_tokens), confidence=config.draft_confidence)
+    if mode == "lookup":
+        return PromptLookup(device, num_tokens=config.lookup_tokens, max_ngram=config.lookup_ngram)
+    raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")

@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -39,65 +37,53 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from medusa.config import arg, to_dict
-from medusa.data import DataSplits, Example, build_datasets
-from medusa.draft import DEFAULT_DRAFT_LAYERS, default_draft_dir, shallow_draft
+from medusa.config import (
+    CacheFields,
+    DataFields,
+    EvalFields,
+    OptimFields,
+    TargetFields,
+    arg,
+    override,
+    to_dict,
+)
+from medusa.decoding.hf import lm_logits
 from medusa.errors import MedusaError
-from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
-from medusa.losses import frequent_tokens, soft_cross_entropy
-from medusa.target import load_target
-from medusa.training import Schedule, collate, run_target
+from medusa.models.checkpoint import atomic_folder
+from medusa.models.draft import DEFAULT_DRAFT_LAYERS, default_draft_dir, shallow_draft
+from medusa.models.target import load_target
+from medusa.training.data import DataSplits, Example, build_datasets
+from medusa.training.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
+from medusa.training.loop import Schedule, collate, run_target
+from medusa.training.losses import frequent_tokens, soft_cross_entropy
 
-log = logging.getLogger("medusa.draft_training")
+log = logging.getLogger("medusa.training.draft")
 
 RECORD = "draft_training.json"
 
 
 @dataclass
-class DraftTrainConfig:
+class DraftTrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
     """Distil a draft model for draft-model speculative decoding (KL to the target's next-token distribution)."""
 
-    # -- target and draft --
-    model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded "
-                                  "SmolLM2-135M-Instruct)")
-    dtype: str | None = arg(None, "target dtype: float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
-    trust_remote_code: bool = arg(False, "allow model code from the Hub")
+    # Shared fields (target, data, feature cache, optimisation, evaluation: medusa/config.py)
+    # with the defaults that suit a draft.
+    max_samples: int | None = override(DataFields, "max_samples", 4000)
+    max_length: int = override(DataFields, "max_length", 256)
+    train_vocab: int = override(CacheFields, "train_vocab", 8192)
+    lr: float = override(OptimFields, "lr", 3e-4)
+    eval_every: int = override(EvalFields, "eval_every", 100)
+    eval_batches: int = override(EvalFields, "eval_batches", 10)
+    # -- draft --
     init: str | None = arg(None, "start from this draft folder (empty: the target's first draft_layers layers)")
     draft_layers: int = arg(DEFAULT_DRAFT_LAYERS, "decoder layers of the shallow draft (when init is empty)")
     train_embeddings: bool = arg(False, "also train the embeddings and output projection (tied in small models)")
-    # -- data --
-    data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
-    data_split: str = arg("train", "split of Hub datasets")
-    max_samples: int | None = arg(4000, "conversations taken from each source (shuffled with data_seed)")
-    max_length: int = arg(256, "tokens per sequence (longer ones are truncated)")
-    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
-    data_seed: int = arg(0, "seed of the data shuffle and held-out split")
+    # -- data, objective --
     assistant_only: bool = arg(False, "distil only on assistant tokens (default: every token of the conversation)")
     temperature: float = arg(1.0, "softmax temperature of both distributions in the KL")
-    cache_dir: str | None = arg(None, "feature cache of the target's outputs (built there when missing; the same data "
-                                      "settings share it with train_heads.py). The target then never runs while "
-                                      "training and the KL is to the target's cached top-k")
-    train_vocab: int = arg(8192, "with a cache: the draft's softmax covers only the N most frequent tokens of the "
-                                 "data (0: the whole vocabulary); makes CPU training several times cheaper")
-    cache_topk: int = arg(32, "teacher top-k stored when the cache is built (train_heads.py's teacher_topk, "
-                              "to share it)")
-    # -- optimisation --
-    batch_size: int = arg(4, "sequences per micro-batch per process")
-    grad_accum: int = arg(1, "micro-batches per optimizer step")
-    lr: float = arg(3e-4, "peak learning rate")
-    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
-    warmup_steps: int = arg(20, "linear warmup steps")
-    min_lr_ratio: float = arg(0.1, "final learning rate of the cosine schedule, as a fraction of lr")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
-    num_epochs: float = arg(1.0, "passes over the training data (when max_steps <= 0)")
-    max_steps: int = arg(-1, "optimizer steps; > 0 overrides num_epochs")
+    # -- schedule (cosine), output --
     max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
                                   "what there is (0: no limit)")
-    seed: int = arg(42, "seed of data order")
-    # -- evaluation, logging, output --
-    eval_every: int = arg(100, "evaluate on held-out data every N steps (0: only at the start and the end)")
-    eval_batches: int = arg(10, "micro-batches per evaluation (0: all held-out data)")
-    log_every: int = arg(10, "log metrics every N steps")
     output_dir: str | None = arg(None, "where the draft folder is written (empty: for the embedded target, the cache "
                                        "folder medusa.load(draft='default') reads; otherwise out/draft)")
 
@@ -176,12 +162,8 @@ def final_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def project(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``[n, H]`` -> logits ``[n, V]`` through the model's vocabulary projection (and soft cap)."""
-    logits = model.get_output_embeddings()(hidden.to(model.get_output_embeddings().weight.dtype))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float()
+    """``[n, H]`` -> fp32 logits ``[n, V]``, exactly as the model computes them."""
+    return lm_logits(model, hidden).float()
 
 
 def teacher_logits(target: nn.Module, batch: Batch) -> torch.Tensor:
@@ -251,12 +233,12 @@ def open_caches(cfg: DraftTrainConfig, target: nn.Module, splits: DataSplits, ac
 
     caches: dict[str, FeatureCache] = {}
     vocab, hidden_size = target.get_output_embeddings().weight.shape
-    topk = min(cfg.cache_topk, vocab)  # as train_heads.py caps it, so the fingerprints agree
+    topk = min(cfg.teacher_topk, vocab)  # as train_heads.py caps it, so the fingerprints agree
     for split, examples in (("train", splits.train), ("eval", splits.eval)):
         if not examples:
             continue
         folder = Path(cfg.cache_dir) / split
-        fp = fingerprint(cfg.model or "embedded", examples, topk)
+        fp = fingerprint(target, examples, topk)
         if not is_complete(folder, fp):
             world = accelerator.num_processes
             bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
@@ -412,16 +394,8 @@ def train_draft(cfg: DraftTrainConfig) -> Path:
 def save_draft(draft: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, record: dict) -> None:
     """A normal model folder (safetensors, config, tokenizer) plus the run record, written
     to a sibling folder and swapped in, so a reader never sees half a model."""
-    tmp = out.with_name(f".{out.name}-writing")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
     draft.eval().requires_grad_(False)
-    draft.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    old = out.with_name(f".{out.name}-old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_folder(out) as tmp:
+        draft.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")

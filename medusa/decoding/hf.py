@@ -22,8 +22,10 @@ tensors (and a captured graph's addresses) never change.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+
+from medusa.errors import MedusaError
 
 
 class BufferedLayer(DynamicLayer):
@@ -68,17 +70,21 @@ class BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def new_cache() -> DynamicCache:
+def new_cache(buffered: bool = True) -> DynamicCache:
+    """A dynamic cache of full-length layers: ``BufferedLayer`` for decoding; plain
+    concatenating layers (``buffered=False``) where gradients flow through the cache
+    (training), since a buffer written in place would overwrite saved activations."""
     # Built without the model config on purpose: every layer is then a plain full-length
     # layer we can compact and crop freely; sliding windows are applied by the masks.
     cache = DynamicCache()
-    cache.layer_class_to_replicate = BufferedLayer
+    if buffered:
+        cache.layer_class_to_replicate = BufferedLayer
     return cache
 
 
 def new_static_cache(model: PreTrainedModel, capacity: int) -> Cache:
     """A cache of ``capacity`` slots per layer at fixed addresses (see the module docstring)."""
-    layers = model.config.get_text_config().num_hidden_layers
+    layers = text_config(model).num_hidden_layers
     return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(layers)])
 
 
@@ -133,6 +139,26 @@ def crop(cache: Cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+def copy_prefix(cache: Cache, length: int, model: PreTrainedModel) -> Cache:
+    """A new cache of the same kind holding a copy of the first ``length`` positions of
+    ``cache`` (which stays untouched): a branch from a state whose cache another generation
+    has taken since. Copies ``length`` entries per layer, nothing more."""
+    static = is_static(cache)
+    new = new_static_cache(model, capacity(cache)) if static else new_cache()
+    with torch.inference_mode():
+        for i, old in enumerate(_layers(cache)):
+            keys, values = old.keys[..., :length, :], old.values[..., :length, :]  # [B, H_kv, length, D]
+            if not static:
+                new.update(keys.clone(), values.clone(), i)
+                continue
+            layer = new.layers[i]
+            layer.lazy_initialization(old.keys, old.values)
+            layer.keys[..., :length, :] = keys
+            layer.values[..., :length, :] = values
+            layer.cumulative_length.fill_(length)
+    return new
+
+
 def keep_nodes(cache: Cache, start: int, nodes: torch.Tensor, contiguous: bool) -> None:
     """After a tree pass appended ``N`` entries at ``start``, keep only ``nodes`` of them.
 
@@ -150,12 +176,90 @@ def keep_nodes(cache: Cache, start: int, nodes: torch.Tensor, contiguous: bool) 
     crop(cache, start + m)
 
 
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
+    """The config of the language model: composite models (Gemma-3 4B and up, loaded by
+    ``AutoModelForCausalLM`` as ``...ForConditionalGeneration``) keep the sliding window,
+    layer types, context length and logit post-processing in a nested text config."""
+    return model.config.get_text_config()
+
+
 def _sliding_window(model: PreTrainedModel) -> int | None:
-    return getattr(model.config, "sliding_window", None)
+    return getattr(text_config(model), "sliding_window", None)
 
 
 def _layer_types(model: PreTrainedModel) -> list[str] | None:
-    return getattr(model.config, "layer_types", None)
+    return getattr(text_config(model), "layer_types", None)
+
+
+# Layers whose state is not a per-position KV cache (Mamba, linear attention, short
+# convolutions) cannot score a tree: sibling branches would all update one recurrent state.
+_RECURRENT_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
+    "nemotron_h", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe", "lfm2_vl", "qwen3_next", "minimax",
+    "plamo2",
+})
+_RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "hybrid", "conv", "recurrent"})
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+
+
+def check_architecture(model: PreTrainedModel) -> None:
+    """Refuse recurrent or linear-attention layers (Mamba, Jamba, Qwen3-Next, LFM2, ...) and
+    attention kinds the tree mask does not model (e.g. Llama-4's chunked attention): from the
+    config alone, so :func:`medusa.models.target.load_target` refuses before running anything."""
+    config = text_config(model)
+    name = type(model).__name__
+    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
+    other = sorted(kinds - _ATTENTION_LAYER_TYPES)
+    if config.model_type in _RECURRENT_MODEL_TYPES or set(other) & _RECURRENT_LAYER_TYPES:
+        raise MedusaError(f"{name} has {', '.join(other) or 'recurrent'} layers, whose state is not a per-position KV "
+                          "cache, so a tree of candidates cannot be verified in one pass: use an attention-only model")
+    if other:
+        raise MedusaError(f"{name} has {', '.join(other)} layers, an attention pattern the tree mask does not model: "
+                          "use a model with full or sliding-window attention")
+
+
+def check_target(model: PreTrainedModel) -> None:
+    """Refuse, with a one-line MedusaError, a model whose output tree decoding would get wrong:
+    see :func:`check_architecture`, or logits post-processed in a way :func:`lm_logits` does
+    not reproduce (checked on a 4-token input against the model's own forward)."""
+    check_architecture(model)
+    name = type(model).__name__
+    device = model.get_output_embeddings().weight.device
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % model.get_output_embeddings().weight.shape[0]
+    with torch.inference_mode():
+        own = model(input_ids=ids, use_cache=False).logits[0].float()  # [4, V]
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # [4, H]
+        ours = lm_logits(model, hidden).float()
+    if own.shape != ours.shape or not torch.allclose(own, ours, atol=1e-3 * (1 + float(own.abs().max())), rtol=1e-3):
+        raise MedusaError(f"{name} post-processes its logits in a way medusa does not know (not the lm_head of the final "
+                          "hidden state with Gemma's softcap, Cohere's logit_scale or Granite's logits_scaling): "
+                          "it is not supported")
+
+
+def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits ``[..., V]`` from its final (normed) hidden states ``[..., H]``,
+    computed exactly as the model's own forward does: the ``lm_head`` then the head's
+    post-processing (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's tanh
+    softcap). In the ``lm_head``'s dtype. Every caller (decoding, training, draft heads)
+    uses this one function.
+
+    The settings are read where transformers' own classes read them: the top-level config,
+    the text config for the scales of composite models (Granite vision); the softcap from the
+    top level only, as composite Gemma-3 (``Gemma3ForConditionalGeneration``) applies none.
+    :func:`check_target` verifies the result against the model's forward."""
+    top, text = model.config, text_config(model)
+    head = model.get_output_embeddings()
+    logits = head(hidden.to(head.weight.dtype))
+    scale = getattr(top, "logit_scale", None) or getattr(text, "logit_scale", None)  # Cohere: multiplied
+    if scale is not None:
+        logits = logits * scale
+    divisor = getattr(top, "logits_scaling", None) or getattr(text, "logits_scaling", None)  # Granite: divided
+    if divisor is not None:
+        logits = logits / divisor
+    cap = getattr(top, "final_logit_softcapping", None)  # Gemma 2/3 text models
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def tree_attention_mask(
@@ -231,11 +335,7 @@ def forward(
                attention_mask=attention_mask, use_cache=True)
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
-    logits = model.get_output_embeddings()(rows)  # [r, V]
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float(), hidden
+    return lm_logits(model, rows).float(), hidden  # logits [r, V]
 
 
 def compiled_forward(device: torch.device, compile: bool | str = True):

@@ -19,6 +19,7 @@ exactly on the tokens of assistant turns (their text and end-of-turn marker).
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import random
@@ -148,13 +149,15 @@ def _next_element(text: str, start: int) -> int:
 
 
 def read_json_file(path: str | Path, stats: DataStats, limit: int | None = None) -> Iterator[Any]:
-    """Records of a ``.jsonl`` (one per line) or ``.json`` (an array, salvaged if cut off) file."""
+    """Records of a ``.jsonl`` (one per line; ``.jsonl.gz`` gzipped) or ``.json`` (an array,
+    salvaged if cut off) file."""
     path = Path(path)
     if not path.is_file():
         raise MedusaError(f"data file not found: {path}")
-    if path.suffix == ".jsonl":
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
         kept = 0
-        with path.open(encoding="utf-8", errors="replace") as fh:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if not line.strip():
                     continue
@@ -245,7 +248,7 @@ def read_source(source: str, stats: DataStats, split: str = "train", limit: int 
         yield from read_json_file(sharegpt_path(), stats, limit)
         return
     path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl") or path.exists():
+    if path.name.endswith((".json", ".jsonl", ".jsonl.gz")) or path.exists():
         yield from read_json_file(path, stats, limit)
         return
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):

@@ -26,6 +26,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,98 +35,30 @@ import numpy as np
 import torch
 from torch import nn
 
-from medusa.config import arg, to_dict
-from medusa.data import DataSplits, Example, build_datasets
+from medusa.config import TrainConfig, to_dict
+from medusa.decoding.hf import lm_logits
 from medusa.errors import MedusaError
-from medusa.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
-from medusa.heads import MedusaHeads, base_model_name, init_heads_for, load_heads, save_heads
-from medusa.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
-from medusa.target import DEFAULT_MODEL_ID, load_target
+from medusa.models.checkpoint import atomic_file
+from medusa.models.eagle import init_eagle_for
+from medusa.models.heads import (
+    CALIBRATION_NAME,
+    MedusaHeads,
+    base_model_name,
+    heads_from_state,
+    init_heads_for,
+    load_heads,
+    save_heads,
+)
+from medusa.models.target import DEFAULT_MODEL_ID, load_target
+from medusa.training.data import DataSplits, Example, build_datasets
+from medusa.training.eagle import eagle_loss, sequence_batch, sequences
+from medusa.training.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
+from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 
-log = logging.getLogger("medusa.training")
+log = logging.getLogger("medusa.training.loop")
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-
-
-@dataclass
-class TrainConfig:
-    """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) on a Hugging Face causal LM."""
-
-    # -- target and heads --
-    model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded SmolLM2-135M-Instruct)")
-    dtype: str | None = arg(None, "target dtype: float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
-    trust_remote_code: bool = arg(False, "allow model code from the Hub")
-    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
-    num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead)")
-    num_layers: int = arg(1, "residual blocks per head")
-    projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
-                          choices=("shared", "per_head"))
-    init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
-                                       "their num_heads/num_layers/projection replace the settings above")
-    # -- data --
-    data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
-    data_split: str = arg("train", "split of Hub datasets")
-    max_samples: int | None = arg(None, "conversations taken from each source (shuffled with data_seed)")
-    max_length: int = arg(512, "tokens per sequence (longer ones are truncated)")
-    pack: bool = arg(False, "pack sequences into max_length chunks instead of padding")
-    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
-    data_seed: int = arg(0, "seed of the data shuffle and held-out split")
-    # -- objective --
-    distill: float = arg(1.0, "weight of self-distillation KL vs ground-truth CE: 1 = KL only, 0 = CE only")
-    teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher")
-    head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")
-    head_weights: list[float] | None = arg(None, "explicit per-head loss weights (comma separated)")
-    train_vocab: int = arg(0, "softmax of the heads over only the N most frequent tokens of the data (0: full "
-                              "vocabulary); makes CPU training several times cheaper")
-    # -- Medusa-2 --
-    lora: bool = arg(False, "Medusa-2: also train the target through LoRA adapters")
-    lora_r: int = arg(16, "LoRA rank")
-    lora_alpha: int = arg(32, "LoRA alpha")
-    lora_dropout: float = arg(0.05, "LoRA dropout")
-    lora_target_modules: list[str] = arg(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
-    lm_loss_weight: float = arg(1.0, "Medusa-2: weight of the KL keeping the tuned target close to the original")
-    # -- feature cache (Medusa-1) --
-    cache_dir: str | None = arg(None, "cache the target's hidden states + top-k logits here; epochs then skip the target")
-    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache")
-    positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process")
-    # -- optimisation --
-    batch_size: int = arg(4, "sequences per micro-batch per process (without a cache)")
-    grad_accum: int = arg(1, "micro-batches per optimizer step")
-    lr: float = arg(1e-3, "peak learning rate")
-    lora_lr: float | None = arg(None, "learning rate of LoRA parameters (default: lr / 10)")
-    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
-    warmup_steps: int = arg(20, "linear warmup steps")
-    schedule: str = arg("cosine", "learning-rate schedule after warmup", choices=("cosine", "linear", "constant"))
-    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of lr (cosine, linear)")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
-    num_epochs: float = arg(1.0, "passes over the training data (when max_steps <= 0)")
-    max_steps: int = arg(-1, "optimizer steps; > 0 overrides num_epochs")
-    seed: int = arg(42, "seed of initialisation, data order and dropout")
-    # -- evaluation, logging, checkpoints --
-    eval_every: int = arg(200, "evaluate on held-out data every N steps (0: only at the end)")
-    eval_batches: int = arg(20, "micro-batches per evaluation (0: all held-out data)")
-    log_every: int = arg(10, "log metrics every N steps")
-    output_dir: str = arg("out/heads", "where the trained heads folder is written")
-    save_every: int = arg(500, "checkpoint every N steps (0: never)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)")
-    resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
-    wandb: bool = arg(True, "log to Weights & Biases (offline without a login; WANDB_MODE=disabled turns it off)")
-    wandb_project: str = arg("medusa", "wandb project")
-    run_name: str | None = arg(None, "run name for logs")
-    push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "
-                                   "(token: `hf auth login` or HF_TOKEN, checked before training starts)")
-    hub_model_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
-
-    def __post_init__(self) -> None:
-        if self.push_to_hub and not self.hub_model_id:
-            raise MedusaError("push_to_hub needs hub_model_id: set it to the Hub repository USER/NAME")
-        if self.lora and self.cache_dir:
-            raise MedusaError("a feature cache needs a frozen target, but lora trains it: drop cache_dir or lora")
-        if not 0 <= self.distill <= 1:
-            raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
-        if self.max_steps <= 0 and self.num_epochs <= 0:
-            raise MedusaError("set max_steps or num_epochs to a positive number")
 
 
 # -- what gets trained ---------------------------------------------------------------------------
@@ -156,6 +89,8 @@ class HeadsTrainer(nn.Module):
         # A vocabulary subset only makes training cheaper: evaluation scores the full
         # vocabulary, as decoding does.
         vocab = self.vocab if self.training else None
+        if "eagle" in batch:  # whole cached sequences, unrolled by the eagle head
+            return eagle_loss(self.heads, batch["eagle"], self.weights, vocab, self.cfg.feature_weight)
         if "hidden" in batch:  # from the feature cache
             return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill, vocab)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]  # [B, T] each
@@ -191,11 +126,7 @@ def run_target(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> tuple
     """``[B, T]`` -> final normed hidden states ``[B, T, H]`` and logits ``[B, T, V]``."""
     out = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False)
     hidden = out.last_hidden_state
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return hidden, logits
+    return hidden, lm_logits(model, hidden)
 
 
 # -- data order -----------------------------------------------------------------------------------
@@ -244,7 +175,10 @@ class Batches:
     def __init__(self, examples: list[Example], cache: FeatureCache | None, cfg: TrainConfig, world: int,
                  device: torch.device) -> None:
         self.examples, self.cache, self.cfg, self.device = examples, cache, cfg, device
-        if cache is not None:
+        if cache is not None and cfg.kind == "eagle":
+            self.items = sequences(cache)  # [S, 2] sequence bounds
+            per = cfg.batch_size
+        elif cache is not None:
             self.items = cache.positions(cfg.num_heads)
             per = cfg.positions_per_batch
         else:
@@ -253,6 +187,8 @@ class Batches:
         self.schedule = Schedule(len(self.items), per, world, cfg.grad_accum, cfg.seed)
 
     def get(self, idx: np.ndarray) -> dict[str, Any]:
+        if self.cache is not None and self.cfg.kind == "eagle":
+            return {"eagle": sequence_batch(self.cache, self.items[idx], self.device)}
         if self.cache is not None:
             hidden, targets = self.cache.batch(self.items[idx], self.cfg.num_heads, self.device)
             return {"hidden": hidden, "targets": targets}
@@ -352,6 +288,9 @@ def save_checkpoint(accelerator: Any, module: nn.Module, opt: torch.optim.Optimi
         if accelerator.num_processes > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
         accelerator.save_state(shared[0])
+        # Every rank writes its own files (ZeRO shards, its RNG state) and save_state does not
+        # wait for the others: rename the folder only once all of them are done.
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         assert tmp is not None
         unwrapped = accelerator.unwrap_model(module)
@@ -363,9 +302,8 @@ def save_checkpoint(accelerator: Any, module: nn.Module, opt: torch.optim.Optimi
         (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": to_dict(cfg)}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
+        with atomic_file(root / LATEST) as pointer:
+            pointer.write_text(final.name)
         done = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in done[: max(0, len(done) - cfg.keep_checkpoints)]:
             shutil.rmtree(old, ignore_errors=True)
@@ -392,18 +330,16 @@ def load_checkpoint(accelerator: Any, module: nn.Module, opt: torch.optim.Optimi
 
 # -- logging ------------------------------------------------------------------------------------
 
-def start_wandb(cfg: TrainConfig, out: Path) -> Any:
-    """A wandb run, or None. Offline when there is no login; WANDB_MODE wins when set."""
-    if not cfg.wandb or os.environ.get("WANDB_MODE") == "disabled":
-        return None
-    import wandb
+def wandb_enabled(cfg: TrainConfig) -> bool:
+    return cfg.wandb and os.environ.get("WANDB_MODE") != "disabled"
 
-    mode = os.environ.get("WANDB_MODE")
-    if mode is None:
-        netrc = Path.home() / ".netrc"
-        logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
-        mode = "online" if logged_in else "offline"
-    return wandb.init(project=cfg.wandb_project, name=cfg.run_name, config=to_dict(cfg), dir=str(out), mode=mode)
+
+def start_wandb(accelerator: Any, cfg: TrainConfig, out: Path) -> None:
+    """wandb through accelerate's tracker (the main process logs). Offline unless WANDB_MODE
+    says otherwise: no login is guessed and no credential file is read."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    accelerator.init_trackers(cfg.wandb_project, config=to_dict(cfg),
+                              init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out), "mode": mode}})
 
 
 def summarise(counts: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -425,7 +361,8 @@ def train(cfg: TrainConfig) -> Path:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_only_multiprocess())
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_only_multiprocess(),
+                              log_with="wandb" if wandb_enabled(cfg) else None)
     align_cpu_deepspeed(accelerator)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     main = accelerator.is_main_process
@@ -438,7 +375,9 @@ def train(cfg: TrainConfig) -> Path:
         log.info("accelerate: %d process(es), %s, %s", world, accelerator.distributed_type.name, device)
 
     # Target and data. Every process tokenises the same data the same way (deterministic).
-    target, tokenizer = load_target(cfg.model, device=device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    with whole_weights(accelerator):
+        target, tokenizer = load_target(cfg.model, device=device, dtype=cfg.dtype,
+                                        trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
@@ -451,7 +390,14 @@ def train(cfg: TrainConfig) -> Path:
     set_seed(cfg.seed)
     if cfg.init_heads:
         heads = load_heads(cfg.init_heads, target, device=device, dtype=torch.float32)
-        heads.trees = {}  # calibrated for the old weights: recalibrate after training
+        if heads.config.kind != cfg.kind:
+            raise MedusaError(f"init_heads {cfg.init_heads} holds {heads.config.kind} heads but kind is {cfg.kind}: "
+                              "set kind to match")
+        # calibrated for the old weights: recalibrate after training
+        if cfg.kind == "eagle":
+            heads.dynamic = {}
+        else:
+            heads.trees = {}
         heads.config.base_model = base_model_name(target)
         heads.set_draft_vocab(None)
         cfg.num_heads, cfg.num_layers, cfg.projection = (heads.config.num_heads, heads.config.num_layers,
@@ -459,6 +405,8 @@ def train(cfg: TrainConfig) -> Path:
         if main:
             log.info("heads: starting from %s (%d heads x %d layers, %s projection)", cfg.init_heads,
                      heads.config.num_heads, heads.config.num_layers, heads.config.projection)
+    elif cfg.kind == "eagle":
+        heads = init_eagle_for(target, cfg.num_heads, base_model_name(target)).float()
     else:
         heads = init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
     if cfg.lora:
@@ -472,13 +420,12 @@ def train(cfg: TrainConfig) -> Path:
 
     caches = {"train": None, "eval": None}
     if cfg.cache_dir:
-        name = cfg.model or "embedded"
         for split, examples in (("train", splits.train), ("eval", splits.eval)):
             if not examples:
                 continue
             folder = Path(cfg.cache_dir) / split
             topk = min(cfg.teacher_topk, heads.config.vocab_size)
-            fp = fingerprint(name, examples, topk)
+            fp = fingerprint(target, examples, topk)
             if not is_complete(folder, fp):
                 bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
                            disable=not main)
@@ -520,7 +467,8 @@ def train(cfg: TrainConfig) -> Path:
             log.info("resumed from %s at step %d", ckpt, step)
     last_good = latest_checkpoint(out)
 
-    run = start_wandb(cfg, out) if main else None
+    if wandb_enabled(cfg):
+        start_wandb(accelerator, cfg, out)
     history = (out / "metrics.jsonl").open("a") if main else None
 
     def record(kind: str, values: dict[str, Any]) -> None:
@@ -529,8 +477,7 @@ def train(cfg: TrainConfig) -> Path:
         log.info(json.dumps(line))
         history.write(json.dumps(line) + "\n")
         history.flush()
-        if run is not None:
-            run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+        accelerator.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)  # no-op without trackers
 
     eval_metrics: dict[str, float] = {}
     if eval_data is not None and cfg.eval_every and step == 0:
@@ -586,8 +533,8 @@ def train(cfg: TrainConfig) -> Path:
     final = finish(accelerator, module, tokenizer, cfg, out, step, eval_metrics, time.time() - t0)
     if history is not None:
         history.close()
-    if run is not None:
-        run.finish()
+    for tracker in accelerator.trackers:  # not end_training(): the process group stays for the caller
+        tracker.finish()
     return final
 
 
@@ -599,6 +546,29 @@ def cpu_only_multiprocess() -> bool:
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     has_accel = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
     return launched and not deepspeed and not has_accel
+
+
+@contextmanager
+def whole_weights(accelerator: Any) -> Iterator[None]:
+    """Load the target unpartitioned, also under ZeRO-3.
+
+    accelerate registers its DeepSpeed config with transformers, whose ``from_pretrained``
+    then partitions a ZeRO-3 model at load time (``zero.Init``): its weights read as empty
+    ``[0]`` tensors outside DeepSpeed's hooks. A frozen Medusa-1 target runs outside the
+    DeepSpeed engine (feature cache, teacher), so it must be whole; a Medusa-2 target is
+    partitioned by ``accelerator.prepare`` instead (each process holds one full copy until then).
+    """
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type.name == "DEEPSPEED" else None
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # registered again for everything after loading
 
 
 def align_cpu_deepspeed(accelerator: Any) -> None:
@@ -653,15 +623,17 @@ def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig
     """Write the heads (and a Medusa-2 target) into ``output_dir``."""
     accelerator.wait_for_everyone()
     unwrapped: HeadsTrainer = accelerator.unwrap_model(module)
+    heads, target = unwrapped.heads, unwrapped._target()
     if accelerator.distributed_type.name == "DEEPSPEED":
-        # ZeRO-3 shards parameters: gather a full copy on every rank.
+        # ZeRO-3 partitions the module's parameters over the processes: gather them (a
+        # collective; rank 0 receives the full state) and rebuild heads and target on CPU.
         full = accelerator.get_state_dict(module)
         if accelerator.is_main_process:
-            unwrapped.load_state_dict({k: v for k, v in full.items() if k.startswith("heads.")}, strict=False)
+            with whole_weights(accelerator):  # zero.Init would wait for the other ranks' collectives
+                heads, target = rebuild_on_cpu(full, unwrapped, cfg)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return out
-    heads = unwrapped.heads
     per_head = {f"head{k + 1}": {"top1": round(eval_metrics.get(f"head{k + 1}/top1", float("nan")), 4),
                                  "top5": round(eval_metrics.get(f"head{k + 1}/top5", float("nan")), 4)}
                 for k in range(cfg.num_heads)}
@@ -674,7 +646,7 @@ def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig
         "train_seconds": round(seconds, 1),
     }
     if cfg.lora:
-        merged = unwrapped.target.merge_and_unload()
+        merged = target.merge_and_unload()
         merged.config.name_or_path = str(out / "target")
         target_dir = out / "target"
         merged.save_pretrained(target_dir, safe_serialization=True)
@@ -687,12 +659,36 @@ def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig
     return out
 
 
+def rebuild_on_cpu(state: dict[str, torch.Tensor], unwrapped: HeadsTrainer,
+                   cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
+    """Heads (and the LoRA-adapted target, merged later) rebuilt unpartitioned on CPU from
+    the gathered state dict of a DeepSpeed run: ``heads.*`` and ``target.*`` keys."""
+    target = unwrapped._target()
+    if cfg.lora:
+        dtype = next(unwrapped.target.parameters()).dtype  # partitioned parameters keep their dtype
+        base, _ = load_target(cfg.model, device="cpu", dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        target = attach_lora(base, cfg)
+        tuned = {k[len("target."):]: v.cpu() for k, v in state.items() if k.startswith("target.")}
+        result = target.load_state_dict(tuned, strict=False)
+        lost = [k for k in result.missing_keys if "lora_" in k]
+        if lost or result.unexpected_keys:
+            raise MedusaError(f"the gathered LoRA target does not match the model rebuilt for saving (missing {lost[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}): report this with the launch command")
+        target.eval()
+    heads_state = {k[len("heads."):]: v.cpu().float() for k, v in state.items() if k.startswith("heads.")}
+    heads = heads_from_state(unwrapped.heads.config, heads_state, target, device="cpu", dtype=torch.float32)
+    return heads, target
+
+
 def write_heads(heads: MedusaHeads, out: Path) -> None:
     """Place ``config.json`` + ``model.safetensors`` in ``out`` without touching its other
     contents (checkpoints, logs): saved to a sibling, then each file renamed in."""
     tmp = out.with_name(f".{out.name}-heads")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads.float(), tmp)
+    # Trees calibrated for the previous weights would be applied to the new ones: dropped
+    # first, so no crash can leave them next to new weights (recalibrate after training).
+    (out / CALIBRATION_NAME).unlink(missing_ok=True)
     os.replace(tmp / "model.safetensors", out / "model.safetensors")
     os.replace(tmp / "config.json", out / "config.json")
     shutil.rmtree(tmp, ignore_errors=True)

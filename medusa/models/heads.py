@@ -14,9 +14,7 @@ Checkpoints are a folder with ``config.json`` and ``model.safetensors``; nothing
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa.errors import MedusaError
-from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
+from medusa.models.checkpoint import atomic_folder
+from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -34,6 +33,9 @@ WEIGHTS_NAME = "model.safetensors"
 CALIBRATION_NAME = "calibration.json"
 MODEL_TYPE = "medusa_heads"
 PROJECTIONS = ("shared", "per_head")
+# "medusa": independent heads, one per future token (this module); "eagle": one
+# autoregressive decoder layer over the target's features (medusa.models.eagle).
+KINDS = ("medusa", "eagle")
 
 
 @dataclass
@@ -46,10 +48,13 @@ class HeadsConfig:
     num_layers: int = 1
     projection: str = "shared"
     base_model: str | None = None
+    kind: str = "medusa"  # folders written before kinds existed are Medusa heads
     # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise MedusaError(f"unknown heads kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if self.projection not in PROJECTIONS:
             raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
         if self.num_heads < 1 or self.num_layers < 0:
@@ -168,12 +173,31 @@ class MedusaHeads(nn.Module):
         """``[..., H] -> [K, ..., H]``: each head's residual-block output."""
         return torch.stack([blocks(hidden) for blocks in self.blocks])
 
+    def logits(self, hidden: torch.Tensor, heads: Sequence[int] | None = None,
+               vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., H] -> [n, ..., V]`` logits of the listed ``heads`` (default: all), in the
+        projection's dtype; ``[n, ..., S]`` over the token ids ``vocab`` ``[S]`` when given
+        (the draft vocabulary's rows are cached, any other subset is gathered per call).
+        Every caller (drafting, training losses, calibration) computes head logits here."""
+        idx = list(range(self.num_heads)) if heads is None else list(heads)
+        feats = torch.stack([self.blocks[i](hidden) for i in idx])  # [n, ..., H]
+        if vocab is not None:
+            if vocab is self.draft_vocab:
+                rows = self._draft_weights()  # [1 or K, S, H]
+                weights = [rows[0 if self.proj is None else i] for i in idx]
+            else:
+                weights = [self.projection_weight(0 if self.proj is None else i)[vocab] for i in idx]  # n x [S, H]
+            return torch.stack([f.to(w.dtype) @ w.T for f, w in zip(feats, weights)])
+        if self.proj is not None:
+            return torch.stack([self.proj[i](f) for i, f in zip(idx, feats)])
+        # The shared projection is the target's (maybe bf16) lm_head: cast the small side. It
+        # is called as a module so that sharded (ZeRO-3) weights are gathered for it.
+        dtype = self.projection_weight(0).dtype  # raises the one-line error for unbound heads
+        return self._lm_head[0](feats.to(dtype))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [K, ..., V]`` logits of every head."""
-        feats = self.features(hidden)
-        if self.proj is not None:
-            return torch.stack([proj(f) for proj, f in zip(self.proj, feats)])
-        return feats @ self.projection_weight(0).T
+        return self.logits(hidden)
 
     @torch.no_grad()
     def topk(self, hidden: torch.Tensor, k: int | list[int], num_heads: int | None = None) -> torch.Tensor:
@@ -183,18 +207,10 @@ class MedusaHeads(nn.Module):
         needs as many from deep heads as from the first); ``num_heads`` limits how many
         heads are evaluated at all.
         """
-        n = num_heads or self.num_heads
         kmax = max(k) if isinstance(k, list) else k
-        feats = torch.stack([self.blocks[i](hidden) for i in range(n)])  # [n, H]
-        if self.draft_vocab is not None:
-            w = self._draft_weights()  # [1 or K, S, H]
-            logits = feats @ w[0].T if self.proj is None else torch.bmm(w[:n], feats[:, :, None])[..., 0]  # [n, S]
-            return self.draft_vocab[logits.topk(kmax, dim=-1).indices]
-        if self.proj is None:
-            logits = feats @ self.projection_weight(0).T  # [n, V]
-        else:
-            logits = torch.stack([self.proj[i](feats[i]) for i in range(n)])
-        return logits.topk(kmax, dim=-1).indices
+        logits = self.logits(hidden, range(num_heads or self.num_heads), self.draft_vocab)  # [n, V or S]
+        top = logits.topk(kmax, dim=-1).indices
+        return top if self.draft_vocab is None else self.draft_vocab[top]
 
     # -- persistence --------------------------------------------------------------------
     def save(self, folder: str | Path) -> Path:
@@ -222,28 +238,13 @@ def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, pr
 
 
 def save_heads(heads: MedusaHeads, folder: str | Path) -> Path:
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    """Weights + config into ``folder``, atomically; other files it had (model card, eval
+    records) are kept."""
+    with atomic_folder(folder, keep_other_files=True) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
-        # Keep any other files a folder already had (model card, eval records).
-        if folder.is_dir():
-            for extra in folder.iterdir():
-                if extra.name not in (CONFIG_NAME, WEIGHTS_NAME) and extra.is_file():
-                    shutil.copy2(extra, tmp / extra.name)
-            old = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(folder, old)
-            os.rename(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return Path(folder)
 
 
 def read_heads_config(folder: str | Path) -> HeadsConfig:
@@ -257,41 +258,73 @@ def read_heads_config(folder: str | Path) -> HeadsConfig:
 
 
 def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> MedusaHeads:
-    """Load heads from a folder and, when ``model`` is given, check and bind them to it."""
+               dtype: torch.dtype | None = None) -> nn.Module:
+    """Load heads of either kind from a folder and, when ``model`` is given, check and bind them to it."""
     folder = Path(folder)
     config = read_heads_config(folder)
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
-        raise MedusaError(f"{folder} has no {WEIGHTS_NAME}")
+        raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
+    return apply_calibration(heads_from_state(config, load_file(weights), model, device, dtype, where=weights), folder)
+
+
+def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model: nn.Module | None = None,
+                     device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                     where: str | Path = "the heads") -> nn.Module:
+    """Heads of ``config.kind`` from a state dict, checked (names and shapes, one-line errors)
+    and, when ``model`` is given, bound to it: the one place every loader builds heads."""
     lm_head = model.get_output_embeddings() if model is not None else None
     if lm_head is not None:
         vocab, hidden = lm_head.weight.shape
         if (hidden, vocab) != (config.hidden_size, config.vocab_size):
             raise MedusaError(
-                f"heads in {folder} were made for hidden size {config.hidden_size} and vocab {config.vocab_size} "
+                f"heads in {where} were made for hidden size {config.hidden_size} and vocab {config.vocab_size} "
                 f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
                 "use heads trained for this model"
             )
-    heads = MedusaHeads(config)
-    state = load_file(weights)
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise MedusaError(f"{weights} does not match its config: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    if config.kind == "eagle":
+        if model is None:
+            raise MedusaError(f"{where} holds eagle heads, which are built on their target: pass the target model")
+        from medusa.models.eagle import EagleHeads
+
+        heads: nn.Module = EagleHeads(config, model)
+        check_state(config, heads.state_dict(), state, where)
+    else:
+        with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections
+            check_state(config, MedusaHeads(config).state_dict(), state, where)
+        heads = MedusaHeads(config)
     if lm_head is not None:
-        heads.bind(lm_head)
+        if config.kind == "medusa":
+            heads.bind(lm_head)
         device = device or lm_head.weight.device
         dtype = dtype or lm_head.weight.dtype
-    apply_calibration(heads, folder)
+    heads.load_state_dict(state, strict=True)
     return heads.to(device=device, dtype=dtype)
 
 
-def apply_calibration(heads: MedusaHeads, folder: str | Path) -> MedusaHeads:
+def check_state(config: HeadsConfig, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                where: str | Path) -> None:
+    """Raise unless ``state`` has exactly the tensors (names and shapes) of ``expected``."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise MedusaError(f"{where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    wrong = [k for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]
+    if wrong:
+        k = wrong[0]
+        raise MedusaError(f"{where}: {k} has shape {tuple(state[k].shape)}, its {config.kind} config implies "
+                          f"{tuple(expected[k].shape)}")
+
+
+def apply_calibration(heads: nn.Module, folder: str | Path) -> nn.Module:
     """Take the calibrated trees and draft vocabulary of a heads folder, if it has them."""
     calibration = Path(folder) / CALIBRATION_NAME
     if calibration.is_file():
         record = json.loads(calibration.read_text())
-        heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
+        if hasattr(heads, "trees"):
+            heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
+        if hasattr(heads, "dynamic"):
+            heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
         if record.get("draft_vocab"):
             heads.set_draft_vocab(record["draft_vocab"])
     return heads

@@ -18,22 +18,38 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
-from medusa.data import Example
-from medusa.losses import HeadTargets
+from medusa.models.checkpoint import atomic_file
+from medusa.training.data import Example
+from medusa.training.losses import HeadTargets
 
 META = "meta.json"
 
 
-def fingerprint(model_name: str, examples: list[Example], topk: int) -> str:
-    h = hashlib.sha256(f"{model_name}|{topk}|{len(examples)}".encode())
+def weights_identity(model: nn.Module) -> str:
+    """A short hash of the model's weights: names, shapes, dtypes and a strided sample of
+    ~4k values of every tensor. Retraining or re-saving other weights under the same name
+    changes it; it costs one pass over a few thousand values per tensor, not the whole model."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy()
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module, examples: list[Example], topk: int) -> str:
+    """Keyed on the weights' identity, not the model's name: a re-saved model with the same
+    name must not reuse features of its old weights."""
+    h = hashlib.sha256(f"{weights_identity(model)}|{topk}|{len(examples)}".encode())
     for ex in examples:
         h.update(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
         h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
@@ -157,8 +173,7 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
     del arrays
     barrier()
     if rank == 0:
-        tmp = folder / f".{META}.tmp"
-        tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
-                                   "hidden_size": hidden_size}) + "\n")
-        os.replace(tmp, folder / META)
+        with atomic_file(folder / META) as tmp:
+            tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
+                                       "hidden_size": hidden_size}) + "\n")
     barrier()

@@ -13,24 +13,29 @@ FasterDecoding/Medusa (Medusa-1) saves ``config.json`` with ``medusa_num_heads``
     {head}.{layer}.linear.weight / .bias          the residual blocks
     {head}.{num_layers}.weight                    each head's own vocabulary projection
 
-vLLM's Medusa drafter (``model_type: medusa``) reads ``model.safetensors`` with
+vLLM's Medusa drafter (``model_type: medusa``, ``vllm/model_executor/models/medusa.py``)
+reads ``model.safetensors`` with
 
     blocks.{head}.layers.{layer}.weight / .bias   (biases only when ``medusa_fc_bias`` is true)
-    lm_heads.{head}.weight                        one projection per head
+    lm_heads.{head}.weight                        one projection per head, or
+    lm_head.weight                                one projection all heads use
+                                                  (config ``original_lm_head: true``)
 
-Both foreign layouts need a projection per head, so shared-projection heads are exported
-with a copy of the target's ``lm_head`` for every head. vLLM can also draft from a subset
-of the vocabulary: a ``token_map`` tensor of token ids, ``truncated_vocab_size`` rows per
-projection; the draft vocabulary of a calibrated heads folder maps onto it.
+vLLM never reads the target's own ``lm_head`` for Medusa, so shared-projection heads carry
+one copy of it, which all heads use (``original_lm_head``): the float32 export of the shipped
+SmolLM2-135M heads is 113 MiB instead of 437 MiB with a copy per head. FasterDecoding's
+layout has no such switch: it gets a copy per head. vLLM can also draft from a subset of
+the vocabulary: a ``token_map`` tensor of token ids, ``truncated_vocab_size`` rows per
+projection; the draft vocabulary of a calibrated heads folder maps onto it (and shrinks the
+projection to those rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +43,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa.errors import MedusaError
-from medusa.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from medusa.models.checkpoint import atomic_folder
+from medusa.models.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
 
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 FD_PICKLE = "medusa_lm_head.pt"
 LAYOUTS = ("vllm", "fasterdecoding")
 _EXPORT_FILES = {CONFIG_NAME, WEIGHTS_NAME, FD_WEIGHTS}
+
+# Why a kind of heads cannot be written in the foreign layouts (one line, for the error).
+UNEXPORTABLE = {
+    "eagle": "vLLM's EAGLE drafters (llama_eagle.py, llama_eagle3.py) compute a different function "
+             "(no input norm on the first layer and no final norm; or separately normed token and feature "
+             "inputs with a feature residual), so these weights cannot reproduce the head's drafts there; serve them with this project's engine (mode eagle)",
+}
 
 _FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _FD_PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
@@ -137,7 +150,7 @@ def read_fasterdecoding(folder: str | Path) -> tuple[HeadsConfig, dict[str, torc
 def target_for(config: HeadsConfig, model: str | None = None) -> str | None:
     """The ``load_target`` argument for the heads' target: ``model`` if given, else the
     base model they record; ``None`` (the embedded default) for heads made for it."""
-    from medusa.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
+    from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 
     if model is not None:
         return model
@@ -149,7 +162,7 @@ def target_for(config: HeadsConfig, model: str | None = None) -> str | None:
 
 def target_lm_head(config: HeadsConfig, model: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The ``[V, H]`` vocabulary projection of the heads' target, loaded on the CPU."""
-    from medusa.target import load_target
+    from medusa.models.target import load_target
 
     lm, _ = load_target(target_for(config, model), device="cpu", dtype=dtype)
     return lm.get_output_embeddings().weight.detach()
@@ -162,7 +175,7 @@ def projection_weights(config: HeadsConfig, state: dict[str, torch.Tensor],
         return [state[f"proj.{k}.weight"] for k in range(config.num_heads)]
     if lm_head is None:
         raise MedusaError(
-            "these heads share the target's lm_head, which the export must copy per head: "
+            "these heads share the target's lm_head, which the export must copy: "
             "pass the target model (--model) they were trained for"
         )
     if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
@@ -186,6 +199,8 @@ def vllm_config(config: HeadsConfig, dtype: torch.dtype | None = None, draft_voc
         "num_hidden_layers": config.num_layers,
         "truncated_vocab_size": draft_vocab_size or config.vocab_size,
         "medusa_fc_bias": True,  # our residual blocks have biases; vLLM drops them unless told
+        # One projection for every head, stored once as lm_head.weight (shared heads).
+        "original_lm_head": config.projection == "shared",
     }
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -203,8 +218,13 @@ def vllm_state(config: HeadsConfig, state: dict[str, torch.Tensor], lm_head: tor
         for j in range(config.num_layers):
             out[f"blocks.{k}.layers.{j}.weight"] = state[f"blocks.{k}.{j}.linear.weight"]
             out[f"blocks.{k}.layers.{j}.bias"] = state[f"blocks.{k}.{j}.linear.bias"]
-    for k, w in enumerate(projection_weights(config, state, lm_head)):
-        out[f"lm_heads.{k}.weight"] = w if token_map is None else w[token_map]  # [V or S, H]
+    if config.projection == "shared":
+        # vLLM's original_lm_head: one [V or S, H] projection for all heads.
+        w = projection_weights(dataclasses.replace(config, num_heads=1), state, lm_head)[0]
+        out["lm_head.weight"] = w if token_map is None else w[token_map]
+    else:
+        for k, w in enumerate(projection_weights(config, state, lm_head)):
+            out[f"lm_heads.{k}.weight"] = w if token_map is None else w[token_map]  # [V or S, H]
     if token_map is not None:
         out["token_map"] = token_map
     return out
@@ -244,6 +264,8 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if config.kind != "medusa":
+        raise MedusaError(f"{config.kind} heads have no {layout} export: {UNEXPORTABLE.get(config.kind, 'only Medusa heads export')}")
     token_map = None
     if draft_vocab is not None:
         if layout != "vllm":
@@ -258,7 +280,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
                for k, v in tensors.items()}
     if layout == "vllm":
-        weights_dtype = tensors["lm_heads.0.weight"].dtype
+        weights_dtype = tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
         cfg = vllm_config(config, weights_dtype, None if token_map is None else token_map.numel())
     else:
         cfg = fasterdecoding_config(config)
@@ -269,14 +291,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         foreign = [p.name for p in out.iterdir() if p.name not in _EXPORT_FILES] if out.is_dir() else [out.name]
         if foreign:
             raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new --out folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         save_file(tensors, tmp / name, metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

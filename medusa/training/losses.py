@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from medusa.errors import MedusaError
-from medusa.heads import MedusaHeads
+from medusa.models.heads import MedusaHeads
 
 IGNORE = -100
 
@@ -79,20 +79,6 @@ def shift_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
                        None if t_logp is None else flat(t_logp))
 
 
-def head_logits(heads: MedusaHeads, k: int, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n, H] -> [n, V]`` float32 logits of head ``k`` (``[n, S]`` over the ids ``vocab [S]`` if given)."""
-    feats = heads.blocks[k](hidden)  # [n, H]
-    if vocab is not None:
-        weight = heads.projection_weight(k)[vocab]  # [S, H]
-        return (feats.to(weight.dtype) @ weight.T).float()
-    if heads.proj is not None:
-        return heads.proj[k](feats).float()
-    # The shared projection is the target's (maybe bf16) lm_head: cast the small side.
-    # It is called as a module so that sharded (ZeRO-3) weights are gathered for it.
-    lm_head = heads._lm_head[0]
-    return lm_head(feats.to(heads.projection_weight(k).dtype)).float()
-
-
 def frequent_tokens(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
     """The ``size`` most frequent ids of ``token_ids`` (ties and unseen ids by id), sorted."""
     counts = torch.bincount(token_ids.reshape(-1).long(), minlength=vocab_size)
@@ -139,7 +125,7 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, w
         rows = targets.valid[k].nonzero().squeeze(-1)  # [n]
         if rows.numel() == 0:
             continue
-        logp = torch.log_softmax(head_logits(heads, k, hidden[rows], vocab), dim=-1)  # [n, V or S]
+        logp = torch.log_softmax(heads.logits(hidden[rows], [k], vocab)[0].float(), dim=-1)  # [n, V or S]
         per_row = torch.zeros(rows.numel(), device=device)
         labels = targets.labels[k, rows]
         if index is not None:

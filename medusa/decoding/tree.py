@@ -132,7 +132,7 @@ def chain(length: int) -> list[Path_]:
 
 def load_tree(spec: str | Path | Sequence[Sequence[int]]) -> list[Path_]:
     """A tree from a list of paths, a JSON file (a list, or ``{"paths": [...]}``), or a
-    name of a tree shipped in ``configs/trees`` (e.g. ``"cpu"``)."""
+    name of a tree shipped in ``medusa/assets/trees`` (e.g. ``"cpu"``)."""
     if not isinstance(spec, (str, Path)):
         return _normalise(spec)
     path = Path(spec)
@@ -145,7 +145,7 @@ def load_tree(spec: str | Path | Sequence[Sequence[int]]) -> list[Path_]:
     return _normalise(data["paths"] if isinstance(data, dict) else data)
 
 
-TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+TREES_DIR = Path(__file__).resolve().parent.parent / "assets" / "trees"
 
 
 def best_tree(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path_]:

@@ -1,0 +1,83 @@
+"""vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram`` and ``vllm-heads``.
+
+Each mode decodes through one long-lived vLLM worker (``medusa.hub.vllm_client``), started
+by the bench's warm-up and reused for every prompt, so the model load stays out of the
+timing. Prompts are the bench's own token ids, one at a time (batch size 1), greedy, with
+the same max tokens; the worker times ``LLM.generate`` alone.
+
+- ``vllm``: plain decoding.
+- ``vllm-ngram``: vLLM's prompt lookup with the bench's ``--lookup-tokens`` and ``--lookup-ngram``.
+- ``vllm-heads``: the bench's Medusa heads (``--heads``, default the shipped ones), exported
+  with ``scripts/export_heads.py``'s code (full vocabulary): vLLM drafts each head's top-1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from medusa.errors import MedusaError
+
+WORKERS: dict[str, Any] = {}  # mode -> VLLMWorker, for the whole run
+_EXPORTS: list[tempfile.TemporaryDirectory] = []
+
+
+def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    if name == "vllm":
+        return None
+    if name == "vllm-ngram":
+        return {"method": "ngram", "num_speculative_tokens": args.lookup_tokens,
+                "prompt_lookup_max": args.lookup_ngram, "prompt_lookup_min": 1}
+    from medusa.api import SHIPPED_HEADS
+    from medusa.hub.vllm_client import export_for_vllm
+
+    heads = args.heads or (SHIPPED_HEADS if args.model is None else None)
+    if heads is None or heads == "init":
+        raise MedusaError("mode vllm-heads needs trained heads: pass --heads FOLDER")
+    tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-heads-")
+    _EXPORTS.append(tmp)
+    folder, num_heads = export_for_vllm(heads, args.model, Path(tmp.name) / "heads")
+    return {"method": "medusa", "model": str(folder), "num_speculative_tokens": num_heads}
+
+
+def worker(name: str, args: argparse.Namespace):
+    """The mode's worker, started on first use (the bench's warm-up)."""
+    if name not in WORKERS:
+        from medusa.hub.vllm_client import VLLMWorker
+        from medusa.models.target import default_model_dir
+
+        if args.dtype not in (None, "float32", "fp32"):
+            raise MedusaError(f"the vllm modes decode in float32 here; drop --dtype {args.dtype} or the vllm modes")
+        model = args.model or str(default_model_dir())
+        WORKERS[name] = VLLMWorker(model, speculative_config(name, args))
+    return WORKERS[name]
+
+
+def close_all() -> None:
+    for w in WORKERS.values():
+        w.close()
+    WORKERS.clear()
+    for tmp in _EXPORTS:
+        tmp.cleanup()
+    _EXPORTS.clear()
+
+
+def register(mode: Callable, run_type: type) -> None:
+    """Register the three modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
+
+    def runner(name: str):
+        def run(engine, ids: list[int], args: argparse.Namespace):
+            out = worker(name, args).generate(ids, args.max_new_tokens)
+            spec = out["spec"]
+            # Every target pass emits its accepted draft tokens plus one.
+            steps = len(out["tokens"]) - spec["accepted_tokens"]
+            return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=steps)
+        return run
+
+    for name in ("vllm", "vllm-ngram", "vllm-heads"):
+        mode(name)(runner(name))
+    atexit.register(close_all)

@@ -1,0 +1,165 @@
+"""The dtype per device, chosen by measurement (never by CPU or GPU name) and cached.
+
+bfloat16 halves the bytes a pass reads, but only some devices compute it fast: GPUs and CPUs
+with AMX run bf16 matmuls natively; an AVX2-only CPU emulates them and runs float32 faster.
+So the pick times the target's pass over 1 and 16 new tokens (``measure_cost``, the numbers
+tree calibration uses) in float32 and in bfloat16 *with exact attention* (the bf16 mode that
+keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when it is clearly
+faster **and** exact here: exact attention makes attention batch-invariant, but whether the
+linear layers are depends on the device's kernels (bit-identical for 1 to 64 rows on one CPU,
+not from 24 rows up on another), so :func:`invariance_probe` checks it on the model itself.
+The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
+GPU name), the torch version and the model's shape, so it is measured once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa.decoding.calibrate import measure_cost
+from medusa.decoding.exact import set_exact
+
+SIZES = (1, 16)  # a plain decoding step and a typical tree
+MARGIN = 0.9  # bf16 must cost under 90% of fp32: timings on a shared machine are noisy
+PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
+PROBE_PREFIX = 16
+KEY_VERSION = "v2"  # v2: the pick also checks batch invariance (entries without it are re-measured)
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "float32" or "bfloat16"
+    reason: str  # one line for the chat banner and the bench
+    cost_ms: dict[str, dict[int, float]]  # dtype -> {new tokens: ms per pass}
+    differing_rows: int | None = None  # the bfloat16 invariance probe (None: not run)
+
+
+def device_key(device: torch.device) -> str:
+    """What decides the fast dtype: the GPU's name and capability, or the CPU's vector and
+    matrix extensions; plus the torch version (kernels change between releases)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    else:
+        flags: set[str] = set()
+        cpuinfo = Path("/proc/cpuinfo")
+        if cpuinfo.exists():
+            line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
+            flags = set(line.split(":", 1)[-1].split())
+        found = [f for f in _CPU_FLAGS if f in flags] or [platform.machine()]
+        name = f"cpu {torch.backends.cpu.get_cpu_capability()} {'+'.join(found)}"
+    return f"{name} | torch {torch.__version__}"
+
+
+def model_key(model: PreTrainedModel) -> str:
+    config = model.config.get_text_config()
+    return f"{config.model_type} h{config.hidden_size} l{config.num_hidden_layers} v{config.vocab_size}"
+
+
+def decide(cost_ms: dict[str, dict[int, float]], differing_rows: int | None = 0) -> tuple[str, str]:
+    """``(dtype, reason)`` from measured pass costs: bfloat16 only if it is under ``MARGIN``
+    of float32 summed over a one-token pass and a 16-node tree, and the invariance probe found
+    no row of a many-token pass differing from its one-token pass (``differing_rows`` 0;
+    None: not probed, as when bfloat16 is not faster anyway)."""
+    fp32 = sum(cost_ms["float32"].values())
+    if "bfloat16" not in cost_ms:
+        return "float32", "float32: this device has no bfloat16 support"
+    bf16 = sum(cost_ms["bfloat16"].values())
+    detail = " vs ".join(f"{d} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for d, c in cost_ms.items())
+    if bf16 >= MARGIN * fp32:
+        return "float32", f"float32: bfloat16 is not faster here by measurement, {detail}"
+    if differing_rows:
+        return "float32", (f"float32: bfloat16 is faster here ({detail}) but not exact: {differing_rows} of "
+                           f"{PROBE_ROWS} rows of a {PROBE_ROWS}-token pass differ from their one-token passes "
+                           "(this device's kernels depend on the row count), so speculation could change outputs")
+    return "bfloat16", f"bfloat16 (exact attention): faster here by measurement and batch-invariant, {detail}"
+
+
+@torch.inference_mode()
+def invariance_probe(model: PreTrainedModel, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX) -> int:
+    """How many of ``rows`` tokens get other logits (bitwise) in one ``rows``-token pass than in
+    one-token passes after the same prefix: 0 means verification cannot change a greedy token.
+    Run on ``model`` as it will decode (dtype, attention); the tokens are fixed, not random."""
+    from medusa.decoding import hf as kv
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.get_output_embeddings().weight.device
+    ids = (torch.arange(prefix + rows, device=device) * 7919 + 13) % max(vocab - 1, 1) + 1
+
+    def prefilled():
+        cache = kv.new_cache()
+        kv.forward(model, ids[None, :prefix], torch.arange(prefix, device=device)[None], cache, None)
+        return cache
+
+    many, _ = kv.forward(model, ids[None, prefix:], torch.arange(prefix, prefix + rows, device=device)[None],
+                         prefilled(), None)
+    cache, differing = prefilled(), 0
+    for i in range(rows):
+        one, _ = kv.forward(model, ids[None, prefix + i:prefix + i + 1], torch.tensor([[prefix + i]], device=device),
+                            cache, None)
+        differing += not torch.equal(one[0], many[i])
+    return differing
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.is_bf16_supported()
+
+
+def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 3,
+                   ) -> tuple[dict[str, dict[int, float]], int | None]:
+    """Pass cost by new-token count for ``model`` (float32) and a bfloat16 copy of it with
+    exact attention, and the copy's :func:`invariance_probe` when bfloat16 is the faster (else
+    None). ``model`` is left as it was."""
+    device = model.get_output_embeddings().weight.device
+    costs = {"float32": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
+    differing = None
+    if _bf16_supported(device):
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        set_exact(half, True)
+        costs["bfloat16"] = measure_cost(half, list(SIZES), prefix=prefix, reps=reps)
+        if sum(costs["bfloat16"].values()) < MARGIN * sum(costs["float32"].values()):
+            differing = invariance_probe(half)
+        del half
+    return costs, differing
+
+
+def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
+    """The dtype to run ``model`` (loaded in float32) in on its device: cached, else measured."""
+    device = model.get_output_embeddings().weight.device
+    key = f"{device_key(device)} | {model_key(model)} | {KEY_VERSION}"
+    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    if key in table:
+        entry = table[key]
+        costs = {d: {int(n): ms for n, ms in c.items()} for d, c in entry["cost_ms"].items()}
+        return DtypeChoice(entry["dtype"], entry["reason"] + " (cached)", costs, entry.get("differing_rows"))
+    costs, differing = measure_dtypes(model)
+    dtype, reason = decide(costs, differing)
+    choice = DtypeChoice(dtype, reason, costs, differing)
+    table[key] = asdict(choice)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(cache_file)  # atomic: two processes never leave half a file
+    return choice
+
+
+def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice | None:
+    """For a model loaded in float32 with no dtype asked for: convert it to the picked dtype
+    (in place) and record the choice as ``model.dtype_choice`` for banners. Models loaded in
+    another dtype (a bf16 checkpoint on a GPU) are left alone: None."""
+    if model.dtype != torch.float32:
+        return None
+    choice = pick_dtype(model, cache_file)
+    if choice.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    model.dtype_choice = choice
+    return choice

@@ -1,0 +1,228 @@
+"""Drafting with EAGLE heads: a dynamic tree per step (EAGLE-2), verified by the same engine.
+
+Each step the head grows a draft tree by confidence. Depth 1 is the ``topk`` best tokens of
+the head's prediction from the last accepted position. At every further depth the ``topk``
+nodes of the newest depth with the highest cumulative draft log-probability are expanded
+(one head pass over them, each attending to the accepted context and its own ancestors),
+each into its ``topk`` best children. Finally the ``nodes`` best nodes of the whole draft by
+cumulative log-probability (prefix-closed: a child never scores above its parent) become
+the tree the target verifies, as ordinary :class:`~medusa.decoding.tree.TreeBuffers`.
+
+The head's own KV cache holds one pair per accepted position; drafted pairs are dropped
+after each proposal, and ``update`` appends the pairs of what the target accepted, with
+the target's true features (``StepOutcome.hidden``). Candidates are deterministic (top-k),
+so they carry no ``q``: lossless sampling treats each as a point mass.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from medusa.decoding import hf as kv
+from medusa.decoding.state import DecodeState, Proposal, StepOutcome
+from medusa.decoding.tree import TreeBuffers, compile_tree
+from medusa.models.eagle import EagleHeads, additive_mask
+
+Path_ = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """Size of the per-step draft tree: ``nodes`` verified (root excluded), grown to
+    ``depth`` levels expanding ``topk`` nodes per level into ``topk`` children each."""
+
+    nodes: int = 8
+    depth: int = 5
+    topk: int = 4
+
+    @classmethod
+    def for_device(cls, calibrated: dict[str, dict[str, int]], device: torch.device) -> DynamicTree:
+        """The calibrated size for this device type, else a default by device kind (a pass
+        over many tokens costs about one pass on a GPU, about twice that on a CPU)."""
+        if device.type in calibrated:
+            return cls(**calibrated[device.type])
+        return cls(nodes=48, depth=6, topk=8) if device.type == "cuda" else cls()
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled(paths: tuple[Path_, ...]) -> TreeBuffers:
+    return compile_tree(paths)
+
+
+def select(paths: list[Path_], scores: list[float], nodes: int) -> list[int]:
+    """Indices of the ``nodes`` best draft nodes by cumulative log-probability, prefix-closed.
+
+    ``paths[i]`` is node ``i``'s path of child ranks; a node whose parent is not kept is
+    skipped (with exact ties a child could otherwise outrank its parent)."""
+    order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i]), paths[i]))
+    kept: list[int] = []
+    have: set[Path_] = set()
+    for i in order:
+        if len(kept) == nodes:
+            break
+        if len(paths[i]) == 1 or paths[i][:-1] in have:
+            kept.append(i)
+            have.add(paths[i])
+    return kept
+
+
+class EagleProposer:
+    """EAGLE heads proposing a dynamic tree each step (see the module docstring)."""
+
+    def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None) -> None:
+        self.heads = heads
+        self.device = device
+        self.size = size or DynamicTree.for_device(heads.dynamic, device)
+        self.cache = kv.new_cache()
+        self.length = 0  # pairs in the head's cache: positions 0..length-1 (or from `start`)
+        self.start = 0  # position of the first pair the head has seen
+        self.last: torch.Tensor | None = None  # [H] the head's prediction of the root's feature
+        self.ranked: list[Path_] = []  # the last proposal's nodes, best first
+
+    # -- the head's cache of accepted pairs ---------------------------------------------
+    def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
+        """Append pairs ``(features[i], tokens[i])`` at positions ``first + i``."""
+        n = len(tokens)
+        past = self.length - self.start
+        visible = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        out = self.heads(features, torch.tensor(tokens, device=self.device),
+                         torch.arange(first, first + n, device=self.device), self.cache,
+                         additive_mask(visible, self.heads.fc.weight.dtype))
+        self.length = first + n
+        self.last = out[-1]
+
+    def begin(self, state: DecodeState) -> None:
+        # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
+        # the root). A reused state prefilled only its new tokens: the head sees those.
+        hidden = state.prefill_hidden
+        first = state.length - hidden.shape[0]
+        self.cache = kv.new_cache()
+        self.start = self.length = first
+        self._feed(hidden, state.tokens[first + 1: state.length + 1], first)
+
+    # -- drafting -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> Proposal:
+        size = self.size
+        depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
+        if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
+            self.ranked = []
+            return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
+        vocab = self.heads.draft_vocab
+        root = state.length  # the root's position; draft tokens follow it
+        paths: list[Path_] = []
+        tokens: list[torch.Tensor] = []
+        scores: list[torch.Tensor] = []
+        logp = torch.log_softmax(self.heads.logits(self.last, vocab).float(), dim=-1)  # [V or S]
+        top = logp.topk(size.topk)
+        ids = top.indices if vocab is None else vocab[top.indices]
+        frontier = [((r,), ids[r], top.values[r], self.last) for r in range(size.topk)]
+        slots: dict[Path_, int] = {}  # path -> its pair's index among the drafted pairs
+        for d in range(1, depth + 1):
+            paths += [f[0] for f in frontier]
+            tokens += [f[1] for f in frontier]
+            scores += [f[2] for f in frontier]
+            if d == depth:
+                break
+            # expand the best `topk` nodes of the newest level
+            best = torch.stack([f[2] for f in frontier]).topk(min(size.topk, len(frontier))).indices.tolist()
+            grow = [frontier[i] for i in best]
+            feats = torch.stack([f[3] for f in grow])  # [g, H] the features that produced them
+            toks = torch.stack([f[1] for f in grow]).view(-1)
+            drafted = len(slots)
+            visible = torch.zeros(len(grow), root - self.start + drafted + len(grow), dtype=torch.bool,
+                                  device=self.device)
+            visible[:, : root - self.start] = True
+            for g, f in enumerate(grow):
+                for k in range(1, len(f[0])):  # its ancestors' pairs
+                    visible[g, root - self.start + slots[f[0][:k]]] = True
+                visible[g, root - self.start + drafted + g] = True
+                slots[f[0]] = drafted + g
+            out = self.heads(feats, toks, torch.full((len(grow),), root + d - 1, device=self.device), self.cache,
+                             additive_mask(visible, self.heads.fc.weight.dtype))  # [g, H]
+            logp = torch.log_softmax(self.heads.logits(out, vocab).float(), dim=-1)  # [g, V or S]
+            top = logp.topk(size.topk, dim=-1)
+            child = top.indices if vocab is None else vocab[top.indices]
+            cum = top.values + torch.stack([f[2] for f in grow])[:, None]  # [g, topk]
+            frontier = [(f[0] + (r,), child[g, r], cum[g, r], out[g]) for g, f in enumerate(grow)
+                        for r in range(size.topk)]
+        kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
+        score_list = torch.stack(scores).tolist()  # the drafting's one host sync
+        keep = select(paths, score_list, min(size.nodes, len(paths)))
+        self.ranked = [paths[i] for i in keep]  # best first (calibration reads it)
+        tree = _compiled(tuple(sorted(self.ranked, key=lambda p: (len(p), p)))).to(self.device)
+        index = {p: i for i, p in enumerate(paths)}
+        order = torch.tensor([index[p] for p in tree.paths], device=self.device)
+        drafted_tokens = torch.stack(tokens).view(-1)[order]
+        return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted_tokens]))
+
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
+        nodes = torch.tensor(outcome.nodes, device=self.device)
+        self._feed(outcome.hidden[nodes], outcome.tokens, outcome.start)
+
+
+@torch.inference_mode()
+def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int], list[int]]],
+                       size: DynamicTree) -> tuple[list[float], float]:
+    """Teacher-forced along the target's own answers (``(prompt, answer)`` token lists): for
+    every ``N`` in ``1..size.nodes``, the mean draft tokens accepted per step when the target
+    verifies the ``N`` best nodes (one drafting per position serves every ``N``: the best-N
+    sets are nested); and the mean milliseconds the drafting of a step takes."""
+    import time
+
+    device = heads.fc.weight.device
+    proposer = EagleProposer(heads, device, size)
+    totals = [0] * (size.nodes + 1)
+    steps, seconds = 0, 0.0
+    for prompt, answer in sequences:
+        ids = prompt + answer
+        seq = torch.tensor(ids, device=device)
+        hidden = model.get_decoder()(input_ids=seq[None]).last_hidden_state[0]  # [T, H]
+        p = len(prompt)
+        state = DecodeState(cache=None, tokens=ids[: p + 1], length=p, root=seq[p], hidden=hidden[p - 1],
+                            logits=None, prefill_hidden=hidden[:p])
+        proposer.begin(state)
+        for t in range(p, len(ids) - 1):
+            t0 = time.perf_counter()
+            proposal = proposer.propose(state)
+            seconds += time.perf_counter() - t0
+            tokens = dict(zip(proposal.tree.paths, proposal.tokens[1:].tolist()))
+            right: set[Path_] = set()
+            best = 0
+            for n, path in enumerate(proposer.ranked, start=1):
+                d = len(path)
+                if (d == 1 or path[:-1] in right) and t + d < len(ids) and tokens[path] == ids[t + d]:
+                    right.add(path)
+                    best = max(best, d)
+                totals[n] += best
+            for n in range(len(proposer.ranked) + 1, size.nodes + 1):
+                totals[n] += best
+            steps += 1
+            # advance by the one true token, as a step that accepted nothing would
+            outcome = StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t)
+            state.length, state.root = t + 1, seq[t + 1]
+            state.tokens.append(ids[t + 1])
+            proposer.update(state, outcome)
+    return [totals[n] / max(steps, 1) for n in range(1, size.nodes + 1)], seconds / max(steps, 1) * 1e3
+
+
+def choose_dynamic(curves: dict[tuple[int, int], tuple[list[float], float]], cost_ms: dict[int, float],
+                   ) -> tuple[DynamicTree, float, float]:
+    """The tree size with the most expected tokens per second, from acceptance curves
+    ``{(depth, topk): (accepted[N - 1] for N = 1.., drafting ms per step)}`` and the target's
+    pass cost ``T(n)``; ``nodes=0`` (plain decoding) when no size beats it. Returns the size,
+    its expected tokens per pass and its tokens per second."""
+    from medusa.decoding.calibrate import interpolate
+
+    best = (DynamicTree(nodes=0, depth=1, topk=1), 1.0, 1e3 / cost_ms[1])
+    for (depth, topk), (accepted, draft_ms) in sorted(curves.items()):
+        for n, acc in enumerate(accepted, start=1):
+            tps = (1.0 + acc) / (interpolate(cost_ms, n + 1) + draft_ms) * 1e3
+            if tps > best[2]:
+                best = (DynamicTree(nodes=n, depth=depth, topk=topk), 1.0 + acc, tps)
+    return best

@@ -1,0 +1,119 @@
+"""What the decode loop and the proposers pass each other: the state, a proposal, a step's outcome.
+
+Kept apart from :mod:`medusa.decoding.engine` and :mod:`medusa.decoding.proposers` so that
+neither imports the other for its types.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import Cache
+
+from medusa.decoding.sampling import SamplingConfig
+from medusa.decoding.tree import TreeBuffers
+
+
+class CacheShare:
+    """The states that hold one KV cache, and which of them owns it.
+
+    Reusing a state (``state=`` of a later generation) continues in its cache. The owner
+    (the state of the generation that last took the cache) hands it over without a copy:
+    the next generation crops it to the common prefix and writes after it, so every holder
+    now trusts only that prefix (its ``valid`` drops to it). A state that is not the owner
+    (its cache was taken since) gets a copy of the prefix it still trusts, so branching
+    twice from one state is correct and the chat's turn after turn never copies.
+    """
+
+    def __init__(self) -> None:
+        self.owner: weakref.ref | None = None
+        self.holders: list[weakref.ref] = []  # weak: old turns' states may be dropped freely
+
+    def owned_by(self, state: DecodeState) -> bool:
+        return self.owner is not None and self.owner() is state
+
+    def take(self, state: DecodeState, start: int) -> None:
+        """``state``'s generation keeps the first ``start`` positions and writes after them."""
+        alive = [ref for ref in self.holders if ref() is not None]
+        for ref in alive:
+            holder = ref()
+            holder.valid = min(holder.valid, start)
+        self.holders = alive + [weakref.ref(state)]
+        self.owner = weakref.ref(state)
+
+
+@dataclass
+class DecodeState:
+    """Everything the loop carries between steps.
+
+    ``tokens[:length]`` are in ``cache``; ``tokens[-1]`` is the ``root``: the last token
+    emitted, whose KV entry the next pass writes. ``hidden`` ``[H]`` and ``logits`` ``[V]``
+    are the target's final hidden state and logits at position ``length - 1`` (the
+    position that produced the root). ``sampling`` and ``generator`` are the generation's
+    sampling rule and random stream (proposers that sample draw from the same stream).
+    ``prefill_hidden`` ``[n, H]`` are the final hidden states of the positions the prefill
+    ran (the last ``n`` before ``length``), for proposers that read the target's features.
+
+    ``budget`` is how many tokens the generation may still emit before the length limit or
+    the context window (whichever is closer), set before each ``propose``: a step emits at
+    most its tree's depth plus one, so proposers draft no deeper than :meth:`max_depth`.
+    ``valid`` is how many leading positions of ``cache`` still hold this state's tokens
+    (``length`` when its generation ends; less once a later generation reusing the cache
+    cropped it), ``share`` records who holds the cache (see :class:`CacheShare`).
+    """
+
+    cache: Cache
+    tokens: list[int]
+    length: int
+    root: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generator: torch.Generator | None = None
+    prefill_hidden: torch.Tensor | None = None
+    budget: int | None = None
+    valid: int = 0
+    share: CacheShare | None = None
+
+    def max_depth(self, depth: int) -> int:
+        """``depth`` capped to what the budget can still emit (``budget - 1`` drafted tokens)."""
+        return depth if self.budget is None else max(0, min(depth, self.budget - 1))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verified step accepted: tree ``nodes`` kept (root first), the new
+    ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before."""
+
+    nodes: list[int]
+    tokens: list[int]
+    hidden: torch.Tensor
+    start: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A tree of candidates: ``tokens`` ``[N]`` laid out as ``tree`` (root first).
+
+    ``q`` ``[N, V]``, when given, is the distribution each node's token was drawn from
+    (row 0, the root, is unused); rules that sample need it, greedy ones do not.
+    ``is_chain`` lets the engine use plain causal attention instead of a tree mask.
+    """
+
+    tree: TreeBuffers
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    is_chain: bool = False
+
+
+class Proposer(Protocol):
+    def begin(self, state: DecodeState) -> None:
+        """Called after the prompt is prefilled, before the first ``propose``."""
+
+    def propose(self, state: DecodeState) -> Proposal: ...
+
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        """Called after each verified step with what was accepted."""

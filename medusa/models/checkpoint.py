@@ -1,0 +1,55 @@
+"""Atomic writes of model folders and small files: the one helper every writer uses
+(heads, the embedded target, draft models, vLLM exports, training records, feature caches).
+
+A reader never sees half a folder: everything is written into a hidden sibling folder first
+and swapped in only when the writer's block ends without an error. A failed writer leaves
+the previous folder as it was and no temporary folder behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_folder(folder: str | Path, keep_other_files: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``folder`` to write into; on success it replaces
+    ``folder`` (the old one is renamed aside, then deleted).
+
+    ``keep_other_files``: plain files of the old folder that the block did not write (a model
+    card, eval records) are carried over into the new one.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        yield tmp
+        if keep_other_files and folder.is_dir():
+            for extra in folder.iterdir():
+                if extra.is_file() and not (tmp / extra.name).exists():
+                    shutil.copy2(extra, tmp / extra.name)
+        old = folder.with_name(f".{folder.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; on success it replaces ``path`` in one rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

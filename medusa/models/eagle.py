@@ -1,0 +1,156 @@
+"""EAGLE-style autoregressive draft heads: one decoder layer that reads its own drafts.
+
+Medusa heads guess token ``t + k`` from one hidden state, each without knowing what the
+heads before it guessed. An EAGLE head drafts sequentially on the target's features: a
+*pair* at position ``p`` is the target's final (normed) hidden state ``f_p`` together with
+the token ``x_{p+1}`` that followed it; the head fuses the two (``fc``: ``[2H] -> [H]``),
+runs **one decoder layer** over them with its own KV cache, and predicts ``f_{p+1}``
+(through the target's frozen final norm), whose projection by the target's frozen
+``lm_head`` scores the token ``x_{p+2}``. To draft deeper it feeds its own predicted
+feature together with the token it drafted.
+
+The decoder layer is transformers' own class for the target's architecture, built from a
+copy of the target's config with one (full-attention) layer: no modeling code is forked.
+The target's embeddings, final norm, rotary embedding and ``lm_head`` are held by
+reference, outside the module's parameters: they are neither trained, saved nor moved.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from medusa.errors import MedusaError
+from medusa.models.heads import HeadsConfig
+
+
+def _layer_config(target: PreTrainedModel):
+    """The target's text config, cut to one full-attention layer."""
+    cfg = copy.deepcopy(target.config.get_text_config())
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"]
+    cfg.use_cache = True
+    return cfg
+
+
+class EagleHeads(nn.Module):
+    """An autoregressive draft head over a target's features (see the module docstring).
+
+    ``config.num_heads`` is how many draft steps the head was trained to unroll.
+    """
+
+    kind = "eagle"
+
+    def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
+        super().__init__()
+        if config.kind != "eagle":
+            raise MedusaError(f"EagleHeads need a config of kind 'eagle', got {config.kind!r}")
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)  # [f_p ; embed(x_{p+1})] -> H
+        decoder = target.get_decoder()
+        self.layer = type(decoder.layers[0])(_layer_config(target), layer_idx=0)
+        self._target: tuple[PreTrainedModel, ...] = ()
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_weight: torch.Tensor | None = None
+        # Calibrated dynamic-tree sizes by device type: {"cpu": {"nodes": N, "depth": D, "topk": k}}.
+        self.dynamic: dict[str, dict[str, int]] = {}
+        self.bind(target)
+
+    # -- wiring -------------------------------------------------------------------------
+    def bind(self, target: PreTrainedModel) -> EagleHeads:
+        weight = target.get_output_embeddings().weight
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise MedusaError(
+                f"eagle heads expect a target with vocab {self.config.vocab_size} x hidden {self.config.hidden_size}, "
+                f"but its lm_head is {tuple(weight.shape)[0]} x {tuple(weight.shape)[1]}: use heads trained for this model"
+            )
+        self._target = (target,)
+        decoder = target.get_decoder()
+        rope = decoder.rotary_emb
+        self._rope_by_type = "layer_type" in inspect.signature(rope.forward).parameters  # Gemma 3: one per layer type
+        return self
+
+    @property
+    def target(self) -> PreTrainedModel:
+        return self._target[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def init_from_target(self) -> EagleHeads:
+        """Start the draft layer as a copy of the target's last decoder layer (same shapes),
+        and the fusion as "take the feature": a warm start that trains faster on little data."""
+        last = self.target.get_decoder().layers[-1]
+        self.layer.load_state_dict(last.state_dict())
+        h = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :h].copy_(torch.eye(h))
+            self.fc.weight[:, h:].normal_(std=0.02)
+        return self
+
+    def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
+        """Score drafts over these token ids only (see ``MedusaHeads.set_draft_vocab``)."""
+        if ids is None:
+            self.draft_vocab, self._draft_weight = None, None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise MedusaError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}): regenerate it for this model")
+        self.draft_vocab, self._draft_weight = ids, None
+
+    # -- compute ------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache,
+                mask: torch.Tensor) -> torch.Tensor:
+        """One pass over ``T`` pairs: ``features`` ``[T, H]`` (``f_p``), ``tokens`` ``[T]``
+        (``x_{p+1}``), ``positions`` ``[T]`` (``p``), appended to ``cache``; ``mask`` is the
+        additive ``[1, 1, T, past + T]`` attention mask. Returns predicted ``f_{p+1}`` ``[T, H]``."""
+        target = self.target
+        emb = target.get_input_embeddings()(tokens).to(self.fc.weight.dtype)  # [T, H]
+        x = self.fc(torch.cat([features.to(emb.dtype), emb], dim=-1))[None]  # [1, T, H]
+        pos = positions[None]
+        rope = target.get_decoder().rotary_emb
+        cos_sin = rope(x, pos, "full_attention") if self._rope_by_type else rope(x, pos)
+        out = self.layer(x, attention_mask=mask.to(x.dtype), position_ids=pos, past_key_values=cache, use_cache=True,
+                         position_embeddings=cos_sin)
+        out = out[0] if isinstance(out, tuple) else out
+        return target.get_decoder().norm(out)[0]  # [T, H]: in the target's feature space
+
+    def logits(self, features: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., H] -> [..., V]`` (``[..., S]`` over the ids ``vocab``; the draft vocabulary's
+        rows are cached) through the target's frozen ``lm_head``."""
+        lm_head = self.target.get_output_embeddings()
+        if vocab is None:
+            return lm_head(features.to(lm_head.weight.dtype))
+        if vocab is self.draft_vocab:
+            w = self._draft_weight
+            if w is None or w.device != lm_head.weight.device or w.dtype != lm_head.weight.dtype:
+                self.draft_vocab = vocab = vocab.to(lm_head.weight.device)
+                w = self._draft_weight = lm_head.weight[vocab].contiguous()  # [S, H]
+        else:
+            w = lm_head.weight[vocab]
+        return features.to(w.dtype) @ w.T
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, K]`` bool (True: attend) -> ``[1, 1, T, K]`` additive mask (0 or dtype-min)."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def init_eagle_for(target: PreTrainedModel, num_steps: int = 4, base_model: str | None = None) -> EagleHeads:
+    """Fresh eagle heads sized for ``target``, warm-started from its last layer."""
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_steps, num_layers=1, kind="eagle",
+                         base_model=base_model)
+    heads = EagleHeads(config, target).init_from_target()
+    w = target.get_output_embeddings().weight
+    return heads.to(device=w.device, dtype=w.dtype)

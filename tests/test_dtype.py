@@ -1,0 +1,107 @@
+"""The dtype per device: measured once (float32 vs bfloat16 with exact attention), cached per
+device, torch version and model shape, and applied by medusa.load(dtype=None)."""
+
+import json
+
+import torch
+from tiny import tiny_model
+
+from medusa.decoding.device import (
+    KEY_VERSION,
+    SIZES,
+    adopt_picked_dtype,
+    decide,
+    device_key,
+    invariance_probe,
+    model_key,
+    pick_dtype,
+)
+
+
+def test_decide_keeps_bfloat16_only_when_clearly_faster():
+    amx = {"float32": {1: 38.7, 16: 77.7}, "bfloat16": {1: 36.1, 16: 43.0}}  # the AMX Xeon's numbers
+    avx2 = {"float32": {1: 61.0, 16: 111.0}, "bfloat16": {1: 400.0, 16: 900.0}}  # emulated bf16
+    close = {"float32": {1: 50.0, 16: 50.0}, "bfloat16": {1: 47.0, 16: 47.0}}  # within the noise margin
+    assert decide(amx)[0] == "bfloat16"
+    assert decide(avx2)[0] == "float32"
+    assert decide(close)[0] == "float32"
+    assert decide({"float32": {1: 1.0, 16: 2.0}})[0] == "float32"
+    assert "T(16)=43.0" in decide(amx)[1]
+    # faster but not batch-invariant on this device: float32, and the reason says why
+    dtype, reason = decide(amx, differing_rows=5)
+    assert dtype == "float32" and "5 of 64 rows" in reason and "not exact" in reason
+
+
+def test_invariance_probe_compares_a_many_token_pass_with_one_token_passes():
+    model = tiny_model("llama")
+    assert invariance_probe(model, rows=1) == 0  # a one-row pass is a one-token pass
+    n = invariance_probe(model, rows=12)
+    assert 0 <= n <= 12
+    # a model whose rows see each other (no causal mask inside the pass) cannot be invariant
+    from medusa.decoding import hf as kv
+
+    real_forward = kv.forward
+
+    def leaky(model, ids, pos, cache, mask, logits_rows=None):
+        logits, hidden = real_forward(model, ids, pos, cache, mask, logits_rows)
+        return logits + logits.mean(0, keepdim=True), hidden  # every row depends on the others
+
+    kv.forward = leaky
+    try:
+        assert invariance_probe(model, rows=12) == 12
+    finally:
+        kv.forward = real_forward
+
+
+def test_device_key_names_the_device_and_torch():
+    key = device_key(torch.device("cpu"))
+    assert key.startswith("cpu ") and torch.__version__ in key
+
+
+def test_pick_is_measured_once_and_cached(tmp_path):
+    cache = tmp_path / "dtype.json"
+    model = tiny_model("llama")
+    first = pick_dtype(model, cache)
+    assert first.dtype in ("float32", "bfloat16")
+    assert set(first.cost_ms) == {"float32", "bfloat16"} and set(first.cost_ms["float32"]) == set(SIZES)
+    assert all(ms > 0 for c in first.cost_ms.values() for ms in c.values())
+    table = json.loads(cache.read_text())
+    (key,) = table
+    assert model_key(model) in key and device_key(torch.device("cpu")) in key
+    # a cached entry is used as is: an edited entry wins over a new measurement
+    table[key]["dtype"] = "bfloat16" if first.dtype == "float32" else "float32"
+    cache.write_text(json.dumps(table))
+    again = pick_dtype(model, cache)
+    assert again.dtype == table[key]["dtype"] and again.reason.endswith("(cached)")
+    assert model.dtype == torch.float32  # measuring left the model as it was
+
+
+def test_adopt_converts_the_model_to_the_cached_choice(tmp_path):
+    cache = tmp_path / "dtype.json"
+    model = tiny_model("qwen2")
+    key = f"{device_key(torch.device('cpu'))} | {model_key(model)} | {KEY_VERSION}"
+    cache.write_text(json.dumps({key: {"dtype": "bfloat16", "reason": "bfloat16: test", "cost_ms": {}}}))
+    choice = adopt_picked_dtype(model, cache)
+    assert choice is not None and choice.dtype == "bfloat16"
+    assert model.dtype == torch.bfloat16 and model.dtype_choice is choice
+    assert adopt_picked_dtype(model, cache) is None  # not float32 any more: left alone
+
+
+def test_calibrated_trees_are_kept_per_device_and_dtype():
+    from medusa.decoding.calibrate import tree_key
+    from medusa.decoding.engine import Engine
+    from medusa.models.heads import init_heads_for
+
+    assert tree_key("cpu", torch.float32) == "cpu"  # calibration.json files from before keep working
+    assert tree_key("cuda", torch.bfloat16) == "cuda-bfloat16"
+    model = tiny_model("llama")
+    heads = init_heads_for(model, num_heads=2)
+    heads.trees = {"cpu": [(0,)], "cpu-bfloat16": [(0,), (1,), (0, 0)]}
+    assert Engine(model, heads=heads).tree_paths() == [(0,)]
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert Engine(half, heads=init_heads_for(half, num_heads=2)).tree_paths() != [(0,), (1,), (0, 0)]
+    bf16_heads = init_heads_for(half, num_heads=2)
+    bf16_heads.trees = dict(heads.trees)
+    assert Engine(half, heads=bf16_heads).tree_paths() == [(0,), (1,), (0, 0)]
+    del bf16_heads.trees["cpu-bfloat16"]
+    assert Engine(half, heads=bf16_heads).tree_paths() == [(0,)]  # no bf16 tree: the device's

@@ -1,0 +1,193 @@
+"""EAGLE heads: exact greedy decoding with dynamic trees, the tree selection, folders of both kinds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import ARCHS, hf_greedy, tiny_model
+
+import medusa
+from medusa.decoding.eagle import DynamicTree, EagleProposer, select
+from medusa.decoding.engine import Engine
+from medusa.decoding.tree import compile_tree
+from medusa.errors import MedusaError
+from medusa.models.eagle import EagleHeads, init_eagle_for
+from medusa.models.heads import init_heads_for, load_heads, save_heads
+
+PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
+
+
+def noisy_eagle(model, seed: int = 1, scale: float = 0.05) -> EagleHeads:
+    """Eagle heads warm-started from the target's last layer, then moved by noise: right on
+    some steps of the tiny model's repetitive text, wrong on others."""
+    heads = init_eagle_for(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return heads
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle_and_eagle_hybrid_greedy_equal_target_greedy(arch):
+    model = tiny_model(arch)
+    n = 48
+    ref = hf_greedy(model, PROMPT, n)
+    eng = Engine(model, heads=noisy_eagle(model))
+    for mode in ("eagle", "hybrid"):
+        res = eng.generate(PROMPT, max_new_tokens=n, mode=mode)
+        assert res.tokens == ref, mode
+    # the drafts are neither always right nor always wrong on this model
+    res = eng.generate(PROMPT, max_new_tokens=n, mode="eagle")
+    assert max(res.stats.accepted) > 1 and min(res.stats.accepted) == 1, res.stats.accepted
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eagle_heads_forced_right_accept_the_full_depth(arch):
+    # A final norm of zero makes every feature zero: the target's greedy answer is token 0
+    # throughout, and the head, scoring through the same norm, drafts it at every depth.
+    model = tiny_model(arch)
+    with torch.no_grad():
+        model.get_decoder().norm.weight.fill_(-1.0 if arch == "gemma3" else 0.0)  # Gemma's norm scales by 1 + w
+    n, depth = 30, 5
+    ref = hf_greedy(model, PROMPT, n)
+    assert set(ref) == {0}
+    heads = noisy_eagle(model)
+    eng = Engine(model, heads=heads)
+    proposer = EagleProposer(heads, torch.device("cpu"), DynamicTree(nodes=depth, depth=depth, topk=1))
+    res = eng.generate(PROMPT, max_new_tokens=n, mode=proposer)
+    assert res.tokens == ref
+    assert all(a == depth + 1 for a in res.stats.accepted[:-1]), res.stats.accepted
+
+
+def test_dynamic_tree_selection_golden():
+    # depth 1: a (-0.1), b (-1.0); under a: aa (-0.3), ab (-2.0); under b: ba (-1.2)
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    scores = [-0.1, -1.0, -0.3, -2.0, -1.2]
+    assert select(paths, scores, 3) == [0, 2, 1]  # a, aa, b
+    assert select(paths, scores, 4) == [0, 2, 1, 4]  # then ba (-1.2) before ab (-2.0)
+    # a child tied with its parent never comes before it; a child without its parent is skipped
+    assert select([(0,), (0, 0)], [-0.5, -0.5], 2) == [0, 1]
+    assert select([(0, 0), (1,)], [-0.1, -0.2], 2) == [1]
+    tree = compile_tree([paths[i] for i in select(paths, scores, 4)])
+    assert tree.paths == ((0,), (1,), (0, 0), (1, 0))
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 2]
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2]
+
+
+def test_dynamic_tree_tokens_follow_the_head_by_cumulative_probability():
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    eng = Engine(model, heads=heads)
+    proposer = EagleProposer(heads, torch.device("cpu"), DynamicTree(nodes=6, depth=3, topk=2))
+    state = eng._prefill(PROMPT, None, medusa.GenerationStats(), medusa.SamplingConfig(), 8)
+    state.tokens.append(int(state.root))
+    proposer.begin(state)
+    proposal = proposer.propose(state)
+    assert proposal.tree.num_nodes == 7 and proposal.tokens[0] == state.root
+    # depth-1 nodes are the head's top-2 from its prediction of the root's feature
+    logits = heads.logits(proposer.last)
+    top2 = logits.topk(2).indices.tolist()
+    depth1 = [int(t) for t, d in zip(proposal.tokens, proposal.tree.depth) if d == 1]
+    assert depth1 == top2[: len(depth1)] and len(depth1) >= 1
+    # drafting left no drafted pairs in the head's cache
+    assert proposer.cache.get_seq_length() == state.length
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", ["eagle", "hybrid"])
+def test_eagle_sampling_keeps_the_target_distribution(mode):
+    # The exact-law chi-square check of test_sampling.py, with eagle heads drafting.
+    from test_sampling import ALPHA, K, V, chi_square_pvalue, target_law
+    from test_sampling import PROMPT as SAMPLING_PROMPT
+
+    model = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    eng = Engine(model, heads=noisy_eagle(model, scale=0.02))
+    samples, drafted_hits, m = [], 0, 300
+    for seed in range(m):
+        res = eng.generate(SAMPLING_PROMPT, max_new_tokens=K, mode=mode, sampling=sampling.override(seed=seed))
+        samples.append(tuple(res.tokens))
+        drafted_hits += bool(res.stats.accepted) and res.stats.accepted[0] > 1
+    assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA
+    assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path
+
+
+def test_eagle_folder_round_trip_and_kind_errors(tmp_path):
+    model = tiny_model("qwen2")
+    heads = noisy_eagle(model)
+    folder = save_heads(heads, tmp_path / "eagle")
+    back = load_heads(folder, model)
+    assert isinstance(back, EagleHeads) and back.config.kind == "eagle"
+    for (name, a), b in zip(heads.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+    eng = Engine(model, heads=back)
+    assert eng.generate(PROMPT, max_new_tokens=20, mode="eagle").tokens == hf_greedy(model, PROMPT, 20)
+    with pytest.raises(MedusaError, match="needs medusa heads, but the loaded heads are eagle"):
+        eng.generate(PROMPT, max_new_tokens=4, mode="medusa")
+    with pytest.raises(MedusaError, match="needs eagle heads, but the loaded heads are medusa"):
+        Engine(model, heads=init_heads_for(model)).generate(PROMPT, max_new_tokens=4, mode="eagle")
+    with pytest.raises(MedusaError, match="built on their target"):
+        load_heads(folder)
+    with pytest.raises(MedusaError, match="hidden size"):
+        load_heads(folder, tiny_model("qwen2", hidden_size=32, num_attention_heads=2))
+
+
+def test_choose_dynamic_weighs_acceptance_against_pass_cost():
+    from medusa.decoding.eagle import choose_dynamic
+
+    cost = {1: 10.0, 2: 10.0, 4: 20.0}  # a 2-token pass costs a 1-token pass; 4 tokens twice that
+    curves = {(3, 2): ([0.6, 0.8, 0.9], 1.0)}  # accepted drafts with N = 1, 2, 3 nodes; 1 ms drafting
+    size, expected, tps = choose_dynamic(curves, cost)
+    # N=1: 1.6 / 11 ms; N=2: 1.8 / (15 + 1) ms; N=3: 1.9 / 21 ms -> N=1 wins
+    assert (size.nodes, size.depth, size.topk) == (1, 3, 2)
+    assert expected == pytest.approx(1.6) and tps == pytest.approx(1.6 / 11 * 1e3)
+    # drafts that never hit: plain decoding (no drafting) wins
+    size, expected, _ = choose_dynamic({(3, 2): ([0.0, 0.0], 1.0)}, cost)
+    assert size.nodes == 0 and expected == 1.0
+
+
+def test_acceptance_by_size_counts_the_longest_right_path():
+    from medusa.decoding.eagle import acceptance_by_size
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_decoder().norm.weight.fill_(0.0)  # greedy answer: token 0 throughout, drafted right
+    prompt = PROMPT
+    answer = hf_greedy(model, prompt, 10)
+    heads = noisy_eagle(model)
+    acc, draft_ms = acceptance_by_size(heads, model, [(prompt, answer)], DynamicTree(nodes=3, depth=3, topk=1))
+    # at answer position i (0..8) the 3-node chain can be right for min(N, 9 - i) tokens
+    expected = [sum(min(n, 9 - i) for i in range(9)) / 9 for n in (1, 2, 3)]
+    assert acc == pytest.approx(expected) and draft_ms > 0
+    # the tree must be verifiable and the proposal unchanged by calibration: decoding still exact
+    eng = Engine(model, heads=heads)
+    assert eng.generate(prompt, max_new_tokens=10, mode="eagle").tokens == answer
+
+
+def test_a_zero_node_tree_decodes_plainly():
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    proposer = EagleProposer(heads, torch.device("cpu"), DynamicTree(nodes=0, depth=1, topk=1))
+    res = Engine(model, heads=heads).generate(PROMPT, max_new_tokens=12, mode=proposer)
+    assert res.tokens == hf_greedy(model, PROMPT, 12) and set(res.stats.accepted) == {1}
+
+
+def test_the_token_budget_caps_the_draft_depth():
+    from medusa.decoding.state import DecodeState
+
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    proposer = EagleProposer(heads, torch.device("cpu"), DynamicTree(nodes=4, depth=4, topk=1))  # a 4-chain
+    seq = torch.tensor(PROMPT)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=seq[None]).last_hidden_state[0]  # [T, H]
+    p = len(PROMPT) - 1
+    state = DecodeState(cache=None, tokens=PROMPT, length=p, root=seq[p], hidden=hidden[p - 1], logits=None,
+                        prefill_hidden=hidden[:p])
+    proposer.begin(state)
+    assert proposer.propose(state).tree.max_depth == 4  # no budget: the full depth
+    for budget, depth in ((3, 2), (2, 1), (1, 0)):  # a step emits at most depth + 1 tokens
+        state.budget = budget
+        proposal = proposer.propose(state)
+        assert proposal.tree.max_depth == depth and proposal.tokens.numel() == proposal.tree.num_nodes

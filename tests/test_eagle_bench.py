@@ -1,0 +1,35 @@
+"""The bench runs Medusa and EAGLE heads side by side on one loaded target."""
+
+import json
+
+from train_fixtures import tiny_target
+from transformers import AutoModelForCausalLM
+
+from infer import bench
+from medusa.models.eagle import init_eagle_for
+from medusa.models.heads import init_heads_for, save_heads
+
+
+def test_bench_runs_medusa_and_eagle_heads_in_one_run(tmp_path, capsys):
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    eagle = save_heads(init_eagle_for(model), tmp_path / "eagle")
+    out = tmp_path / "bench.json"
+    args = ["--model", str(folder), "--heads", "init", "--eagle-heads", str(eagle), "--limit", "2",
+            "--max-new-tokens", "10", "--modes", "hf,medusa,eagle,eagle-hybrid", "--json", str(out)]
+    assert bench.main(args) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"hf", "medusa", "eagle", "eagle-hybrid"}
+    ref = [p["tokens"] for p in modes["hf"]["per_prompt"]]
+    for name in ("medusa", "eagle", "eagle-hybrid"):
+        assert modes[name]["identical"] == 2 and [p["tokens"] for p in modes[name]["per_prompt"]] == ref, name
+
+
+def test_bench_eagle_modes_refuse_medusa_heads_as_eagle_heads(tmp_path, capsys):
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    medusa_heads = save_heads(init_heads_for(model), tmp_path / "medusa")
+    args = ["--model", str(folder), "--eagle-heads", str(medusa_heads), "--limit", "1", "--modes", "hf,eagle"]
+    assert bench.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --eagle-heads") and "holds medusa heads" in err

