@@ -89,3 +89,19 @@ def test_ttt_unrolls_the_configured_number_of_steps():
     assert counts["n"].tolist() == [8, 7, 6]  # step j scores rows whose chain starts inside the sequence
     loss.backward()
     assert heads.fc.weight.grad is not None and torch.isfinite(loss)
+
+
+def test_eagle_init_choice_is_honoured():
+    model = tiny_model("llama")
+    last = model.get_decoder().layers[-1].state_dict()
+    warm = init_eagle_for(model, num_steps=2).float()  # the default: last_layer
+    assert all(torch.equal(warm.layer.state_dict()[k], v) for k, v in last.items())
+    h = warm.config.hidden_size
+    assert torch.equal(warm.fc.weight[:, :h], torch.eye(h))  # "take the feature"
+    torch.manual_seed(0)
+    cold = init_eagle_for(model, num_steps=2, init="random").float()
+    assert not torch.equal(cold.layer.self_attn.q_proj.weight, last["self_attn.q_proj.weight"])
+    assert not torch.equal(cold.fc.weight[:, :h], torch.eye(h))
+    assert 0.005 < cold.fc.weight.std().item() < 0.05  # small random
+    with pytest.raises(medusa.MedusaError, match="eagle init"):
+        init_eagle_for(model, init="bogus")

@@ -85,9 +85,18 @@ class EagleHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    def init_random(self, std: float = 0.02) -> EagleHeads:
+        """Start the draft layer at its class's own default initialisation (what constructing
+        it gives) and the fusion ``fc`` small and random (normal, ``std``)."""
+        with torch.no_grad():
+            self.fc.weight.normal_(std=std)
+        return self
+
     def init_from_target(self) -> EagleHeads:
         """Start the draft layer as a copy of the target's last decoder layer (same shapes),
-        and the fusion as "take the feature": a warm start that trains faster on little data."""
+        and the fusion as "take the feature". It first predicts ``x_{p+1}`` again (held-out KL
+        ~23 at step 0) but still trains faster than :meth:`init_random` on the embedded model
+        (README "EAGLE heads": after 50 steps held-out depth-1 top-1 0.072 against 0.033)."""
         last = self.target.get_decoder().layers[-1]
         self.layer.load_state_dict(last.state_dict())
         h = self.config.hidden_size
@@ -95,6 +104,20 @@ class EagleHeads(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, :h].copy_(torch.eye(h))
             self.fc.weight[:, h:].normal_(std=0.02)
+        return self
+
+    def init_from_target_with_token(self) -> EagleHeads:
+        """As :meth:`init_from_target`, but ``fc`` adds the token's embedding scaled to the
+        feature's size (``||final norm weight|| / mean ||embedding row||``) instead of a small
+        random share: the normed feature is ~15x the embedding on SmolLM2, which otherwise
+        hides the token ``x_{p+1}`` (the one thing the head knows beyond a Medusa head)."""
+        self.init_from_target()
+        decoder = self.target.get_decoder()
+        emb = self.target.get_input_embeddings().weight.detach().float()
+        scale = decoder.norm.weight.detach().float().norm() / emb.norm(dim=-1).mean()
+        h = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight[:, h:].copy_(torch.eye(h) * scale)
         return self
 
     def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
@@ -146,11 +169,21 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
-def init_eagle_for(target: PreTrainedModel, num_steps: int = 4, base_model: str | None = None) -> EagleHeads:
-    """Fresh eagle heads sized for ``target``, warm-started from its last layer."""
+EAGLE_INITS = ("random", "last_layer", "last_layer_token")
+
+
+def init_eagle_for(target: PreTrainedModel, num_steps: int = 4, base_model: str | None = None,
+                   init: str = "last_layer") -> EagleHeads:
+    """Fresh eagle heads sized for ``target``: ``init="random"`` (the layer's default
+    initialisation, ``fc`` small random) or ``"last_layer"`` (a copy of the target's last
+    decoder layer, ``fc`` = take the feature; see :meth:`EagleHeads.init_from_target`)."""
+    if init not in EAGLE_INITS:
+        raise MedusaError(f"eagle init must be one of {', '.join(EAGLE_INITS)}, got {init!r}")
     vocab, hidden = target.get_output_embeddings().weight.shape
     config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_steps, num_layers=1, kind="eagle",
                          base_model=base_model)
-    heads = EagleHeads(config, target).init_from_target()
+    heads = EagleHeads(config, target)
+    heads = {"random": heads.init_random, "last_layer": heads.init_from_target,
+             "last_layer_token": heads.init_from_target_with_token}[init]()
     w = target.get_output_embeddings().weight
     return heads.to(device=w.device, dtype=w.dtype)
