@@ -103,5 +103,10 @@ def test_eagle_init_choice_is_honoured():
     assert not torch.equal(cold.layer.self_attn.q_proj.weight, last["self_attn.q_proj.weight"])
     assert not torch.equal(cold.fc.weight[:, :h], torch.eye(h))
     assert 0.005 < cold.fc.weight.std().item() < 0.05  # small random
+    tok = init_eagle_for(model, num_steps=2, init="last_layer_token").float()
+    assert all(torch.equal(tok.layer.state_dict()[k], v) for k, v in last.items())
+    assert torch.equal(tok.fc.weight[:, :h], torch.eye(h))
+    scale = tok.fc.weight[0, h].item()  # the token's embedding, scaled to the feature's size
+    assert scale > 0 and torch.allclose(tok.fc.weight[:, h:], torch.eye(h) * scale)
     with pytest.raises(medusa.MedusaError, match="eagle init"):
         init_eagle_for(model, init="bogus")
