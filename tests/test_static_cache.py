@@ -96,3 +96,33 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend):
     again = eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="medusa")  # the compiled graph, reused
     assert first.tokens == ref
     assert again.tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
+
+
+def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
+    # Modes whose proposals vary in size (lookup's chain, hybrid's tree + chain, trees cut by
+    # the token budget) run padded to PASS_BUCKETS: outputs unchanged, few distinct graphs.
+    from medusa.decoding.engine import PASS_BUCKETS, pad_pass, pass_bucket
+
+    assert [pass_bucket(n) for n in (1, 3, 5, 13, 17, 33, 600)] == [1, 4, 8, 16, 24, 48, 600]
+    tokens, depth = torch.tensor([4, 5, 6]), torch.tensor([0, 1, 1])
+    ancestor = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    t, d, a = pad_pass(tokens, depth, ancestor, 4)
+    assert t.tolist() == [4, 5, 6, 0] and d.tolist() == [0, 1, 1, 0]
+    assert a[:3, :3].equal(ancestor) and a[3].tolist() == [False, False, False, True] and not a[:3, 3].any()
+
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    sizes = []
+    compiled = eng._pass
+
+    def recording(model, ids, *args):
+        sizes.append(ids.shape[1])
+        return compiled(model, ids, *args)
+
+    eng._pass = recording
+    for prompt, n in ((PROMPT, 30), (PROMPT[:-1] + [7, 7, 7, 9], 21), ([3, 4, 5] * 4, 17)):
+        ref = hf_greedy(model, prompt, n)
+        for mode in ("lookup", "hybrid", "medusa"):
+            assert eng.generate(prompt, max_new_tokens=n, mode=mode).tokens == ref, mode
+    assert set(sizes) <= set(PASS_BUCKETS) and len(set(sizes)) <= 6, sorted(set(sizes))

@@ -6,6 +6,7 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -121,6 +122,29 @@ def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int
     return ids
 
 
+# Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
+# 1.5x the rows), so one process compiles a handful of graphs whatever the proposals are.
+PASS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def pass_bucket(n: int) -> int:
+    """The compiled pass size for ``n`` rows (``n`` itself past the largest bucket)."""
+    return next((b for b in PASS_BUCKETS if b >= n), n)
+
+
+def pad_pass(tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor, size: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a pass of ``n`` rows to ``size``: padding rows hold token 0 at the root's position and
+    see the prefix and themselves only, so no real row sees them; their logits are dropped and
+    their cache entries cut with the rejected nodes."""
+    n = tokens.shape[0]
+    if size == n:
+        return tokens, depth, ancestor
+    grown = torch.eye(size, dtype=torch.bool, device=ancestor.device)
+    grown[:n, :n] = ancestor
+    return (torch.cat([tokens, tokens.new_zeros(size - n)]), torch.cat([depth, depth.new_zeros(size - n)]), grown)
+
+
 class Engine:
     """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
 
@@ -159,12 +183,19 @@ class Engine:
         # A static cache (fixed shapes and addresses) and, with compile, the verification pass
         # compiled: CUDA graphs on CUDA ("reduce-overhead"), inductor kernels elsewhere. A
         # string names another torch.compile backend (e.g. "aot_eager" to debug tracing).
-        # Each tree size is compiled once, so compile suits the fixed tree of mode "medusa".
+        # Each pass size compiles once: compiled passes are padded to a few bucket sizes
+        # (PASS_BUCKETS), so proposals of any size (hybrid, lookup, draft, eagle, budget-cut
+        # trees) reuse a handful of graphs; the prefill stays eager.
         self.static_cache = bool(static_cache or compile)
         self._pass = kv.forward
         self._clone_outputs = False
         self._compiled = bool(compile)
         if compile:
+            from medusa.models.target import cache_root
+
+            # inductor's compiled kernels persist beside the cached models (not in /tmp), so a
+            # second process reuses them instead of compiling again
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
             self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
 
@@ -275,16 +306,19 @@ class Engine:
     def step(self, state: DecodeState, proposal: Proposal) -> StepOutcome:
         """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted."""
         tree, start = proposal.tree, state.length
-        positions = (start + tree.depth)[None]
+        n = proposal.tokens.shape[0]
+        tokens, depth, ancestor = proposal.tokens, tree.depth, tree.ancestor
+        if self._compiled:
+            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(n))
+        positions = (start + depth)[None]
         if self.static_cache:
-            n = proposal.tokens.shape[0]
-            kv.reserve(state.cache, start + n)
-            mask = kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth, self.model.dtype,
-                                          kv.capacity(state.cache))
+            kv.reserve(state.cache, start + tokens.shape[0])
+            mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(state.cache))
         else:
             mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,
                                                                          self.model.dtype)
-        logits, hidden = self._pass(self.model, proposal.tokens[None], positions, state.cache, mask)
+        logits, hidden = self._pass(self.model, tokens[None], positions, state.cache, mask)
+        logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified
         if self._clone_outputs:
             logits, hidden = logits.clone(), hidden.clone()
         acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
@@ -340,10 +374,9 @@ class Engine:
             if self.max_positions is not None and state.length + 1 > self.max_positions:
                 reason = "context"  # the root's KV entry has no slot left
                 break
-            if not self._compiled:  # compiled passes would compile each cut tree's new size: no cut
-                state.budget = max_new_tokens - len(emitted)
-                if self.max_positions is not None:
-                    state.budget = min(state.budget, self.max_positions - state.length)
+            state.budget = max_new_tokens - len(emitted)  # (compiled passes pad a cut tree to its bucket)
+            if self.max_positions is not None:
+                state.budget = min(state.budget, self.max_positions - state.length)
             proposal = proposer.propose(state)
             if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
                 proposal = fallback.propose(state)  # a proposer that ignored the budget
