@@ -410,6 +410,9 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     model = args.model or "SmolLM2-135M-Instruct (embedded)"
     lines = [(f"model   {model} · {params:.1f}M parameters · {engine.device} {str(lm.dtype).removeprefix('torch.')} "
              f"· context {window} tokens")]
+    choice = getattr(lm, "dtype_choice", None)  # dtype=None: picked by measurement (medusa/decoding/device.py)
+    if choice is not None:
+        lines.append(f"dtype   {choice.reason}")
     if engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"

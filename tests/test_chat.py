@@ -82,6 +82,7 @@ def decode(engine, ids: list[int]) -> str:
 
 def test_two_turns_reuse_the_cache_and_mode_switches(engine, tmp_path):
     child = spawn(["--heads", "init", "--max-new-tokens", "12"], tmp_path)
+    child.expect(r"dtype   (float32|bfloat16)\b.*(faster|not exact)")  # which dtype and why (measured)
     child.expect_exact("heads   init")
     child.expect_exact("mode    hybrid")
     child.expect_exact(PROMPT)
