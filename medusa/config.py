@@ -222,6 +222,8 @@ class DataFields:
     max_length: int = arg(512, "tokens per sequence (longer ones are truncated)")
     eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
     data_seed: int = arg(0, "seed of the data shuffle and held-out split")
+    pack: bool = arg(False, "pack sequences into max_length chunks instead of padding")
+    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
 
 
 @dataclasses.dataclass
@@ -232,6 +234,7 @@ class CacheFields:
     teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher (and in the cache)")
     train_vocab: int = arg(0, "softmax over only the N most frequent tokens of the data while training (0: full "
                               "vocabulary); makes CPU training several times cheaper")
+    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache")
 
 
 @dataclasses.dataclass
@@ -240,6 +243,9 @@ class OptimFields:
     grad_accum: int = arg(1, "micro-batches per optimizer step")
     lr: float = arg(1e-3, "peak learning rate")
     weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
+    adam_beta2: float = arg(0.999, "AdamW beta2 (beta1 is 0.9)")
+    schedule: str = arg("cosine", "learning-rate schedule after warmup (transformers.get_scheduler)",
+                        choices=("cosine", "linear", "constant"))
     warmup_steps: int = arg(20, "linear warmup steps")
     min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of lr (cosine, linear)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
@@ -250,18 +256,30 @@ class OptimFields:
 
 @dataclasses.dataclass
 class EvalFields:
-    eval_every: int = arg(200, "evaluate on held-out data every N steps (0: only at the end; a draft also "
-                                          "at the start)")
+    eval_every: int = arg(200, "evaluate on held-out data every N steps, and always before the first step and "
+                               "after the last (0: only then)")
     eval_batches: int = arg(20, "micro-batches per evaluation (0: all held-out data)")
     log_every: int = arg(10, "log metrics every N steps")
 
 
 @dataclasses.dataclass
-class TrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
+class RunFields:
+    save_every: int = arg(500, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)")
+    resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
+    max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
+                                  "what there is (0: no limit)")
+    wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "
+                                "WANDB_MODE=disabled turns it off)")
+    wandb_project: str = arg("medusa", "wandb project")
+    run_name: str | None = arg(None, "run name for logs")
+
+
+@dataclasses.dataclass
+class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
     """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) on a Hugging Face causal LM."""
 
-    # -- target and heads --
-    chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
+    # -- heads --
     kind: str = arg("medusa", "heads kind: medusa (independent heads) or eagle (one autoregressive decoder layer "
                               "over the target's features; needs cache_dir)", choices=("medusa", "eagle"))
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
@@ -271,8 +289,7 @@ class TrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields
                           choices=("shared", "per_head"))
     init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
                                        "their num_heads/num_layers/projection replace the settings above")
-    # -- data and objective --
-    pack: bool = arg(False, "pack sequences into max_length chunks instead of padding")
+    # -- objective --
     distill: float = arg(1.0, "weight of self-distillation KL vs ground-truth CE: 1 = KL only, 0 = CE only")
     head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")
     head_weights: list[float] | None = arg(None, "explicit per-head loss weights (comma separated)")
@@ -285,22 +302,16 @@ class TrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields
     lora_target_modules: list[str] = arg(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
     lm_loss_weight: float = arg(1.0, "Medusa-2: weight of the KL keeping the tuned target close to the original")
     lora_lr: float | None = arg(None, "learning rate of LoRA parameters (default: lr / 10)")
-    # -- feature cache (Medusa-1), schedule --
-    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache")
+    # -- feature cache (Medusa-1) --
     positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process")
-    schedule: str = arg("cosine", "learning-rate schedule after warmup", choices=("cosine", "linear", "constant"))
-    # -- output, checkpoints, logging --
+    # -- output (checkpoints, logging: RunFields) --
     output_dir: str = arg("out/heads", "where the trained heads folder is written")
-    save_every: int = arg(500, "checkpoint every N steps (0: never)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)")
-    resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
-    wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "
-                                "WANDB_MODE=disabled turns it off)")
-    wandb_project: str = arg("medusa", "wandb project")
-    run_name: str | None = arg(None, "run name for logs")
     push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "
                                    "(token: `hf auth login` or HF_TOKEN, checked before training starts)")
     hub_model_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
+
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
 
     def __post_init__(self) -> None:
         if self.push_to_hub and not self.hub_model_id:

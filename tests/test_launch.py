@@ -18,8 +18,10 @@ from train_fixtures import tiny_target, write_counting_data
 import medusa
 from medusa.models.heads import load_heads, read_heads_config
 from medusa.models.target import load_target
+from medusa.training.batches import collate
 from medusa.training.data import build_datasets
-from medusa.training.loop import HeadsTrainer, TrainConfig, collate, summarise
+from medusa.training.heads import HeadsTrainer, summarise
+from medusa.training.loop import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")

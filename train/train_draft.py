@@ -6,8 +6,9 @@
 With no arguments the draft of the embedded SmolLM2-135M-Instruct is built from its first
 layers, distilled on ShareGPT and saved where ``medusa.load(draft="default")`` finds it
 (``~/.cache/medusa/models/SmolLM2-135M-Instruct-draft``). Every field, its default and its
-meaning: ``python -m train.train_draft --help``. The loop lives in
-``medusa/draft_training.py``; this file only parses the config and reports errors.
+meaning: ``python -m train.train_draft --help``. The loop (the one heads use too) lives in
+``medusa/training/loop.py``, what is particular to a draft in ``medusa/training/draft.py``; this
+file only parses the config and reports errors.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import logging
 
 from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.errors import require_extra
-from medusa.training.draft import DraftTrainConfig, train_draft
+from medusa.training.draft import DraftTrainConfig
+from medusa.training.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
     with log_above_progress_bars():
         cfg = parse_config(DraftTrainConfig, argv)
-        folder = train_draft(cfg)
+        folder = train(cfg)
     logging.getLogger("medusa.training.draft").info("draft written to %s", folder)
     return 0
 

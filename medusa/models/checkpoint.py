@@ -17,12 +17,14 @@ from pathlib import Path
 
 
 @contextmanager
-def atomic_folder(folder: str | Path, keep_other_files: bool = False) -> Iterator[Path]:
+def atomic_folder(folder: str | Path, keep_other_files: bool = False,
+                  keep_folders: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``folder`` to write into; on success it replaces
     ``folder`` (the old one is renamed aside, then deleted).
 
     ``keep_other_files``: plain files of the old folder that the block did not write (a model
-    card, eval records) are carried over into the new one.
+    card, eval records) are carried over into the new one. ``keep_folders``: these subfolders
+    of the old folder (training checkpoints) are moved into the new one, after the swap.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -38,6 +40,9 @@ def atomic_folder(folder: str | Path, keep_other_files: bool = False) -> Iterato
         if folder.exists():
             os.rename(folder, old)
         os.rename(tmp, folder)
+        for name in keep_folders:
+            if (old / name).is_dir() and not (folder / name).exists():
+                os.rename(old / name, folder / name)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,9 +1,8 @@
-"""Distilling a draft model: one explicit loop, the draft learns the target's next-token law.
+"""Distilling a draft model: what the one loop (``loop.py``) trains for a ``DraftTrainConfig``.
 
-Read top to bottom: config -> target, data -> draft (the target's first layers, or a
-folder) -> optional feature cache -> optimizer -> loop (loss on every position, clip,
-step, log, eval) -> a normal Hugging Face model folder. ``accelerate`` provides device
-and DDP.
+The draft starts as the target's first layers (or a folder) and learns the target's
+next-token law; the output is a normal Hugging Face model folder. The loop brings
+checkpoints, ``resume``, held-out evaluation, metrics and wandb, as for heads.
 
 The loss compares the draft to the target's own distribution, not to the data's tokens:
 the draft is judged by how often it guesses what the target would say, so that is what it
@@ -25,9 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +38,7 @@ from medusa.config import (
     DataFields,
     EvalFields,
     OptimFields,
+    RunFields,
     TargetFields,
     arg,
     override,
@@ -52,9 +49,10 @@ from medusa.errors import MedusaError
 from medusa.models.checkpoint import atomic_folder
 from medusa.models.draft import DEFAULT_DRAFT_LAYERS, default_draft_dir, shallow_draft
 from medusa.models.target import load_target
-from medusa.training.data import DataSplits, Example, build_datasets
-from medusa.training.feature_cache import FeatureCache, build_cache, fingerprint, is_complete
-from medusa.training.loop import Schedule, collate, run_target
+from medusa.training.batches import Batches, collate
+from medusa.training.checkpoints import CHECKPOINTS
+from medusa.training.data import DataSplits, Example
+from medusa.training.feature_cache import FeatureCache, open_caches
 from medusa.training.losses import frequent_tokens, soft_cross_entropy
 
 log = logging.getLogger("medusa.training.draft")
@@ -63,15 +61,16 @@ RECORD = "draft_training.json"
 
 
 @dataclass
-class DraftTrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
+class DraftTrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
     """Distil a draft model for draft-model speculative decoding (KL to the target's next-token distribution)."""
 
-    # Shared fields (target, data, feature cache, optimisation, evaluation: medusa/config.py)
-    # with the defaults that suit a draft.
+    # Shared fields (target, data, feature cache, optimisation, evaluation, checkpoints and
+    # logging: medusa/config.py) with the defaults that suit a draft.
     max_samples: int | None = override(DataFields, "max_samples", 4000)
     max_length: int = override(DataFields, "max_length", 256)
     train_vocab: int = override(CacheFields, "train_vocab", 8192)
     lr: float = override(OptimFields, "lr", 3e-4)
+    adam_beta2: float = override(OptimFields, "adam_beta2", 0.95)
     eval_every: int = override(EvalFields, "eval_every", 100)
     eval_batches: int = override(EvalFields, "eval_batches", 10)
     # -- draft --
@@ -81,9 +80,7 @@ class DraftTrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetF
     # -- data, objective --
     assistant_only: bool = arg(False, "distil only on assistant tokens (default: every token of the conversation)")
     temperature: float = arg(1.0, "softmax temperature of both distributions in the KL")
-    # -- schedule (cosine), output --
-    max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
-                                  "what there is (0: no limit)")
+    # -- output --
     output_dir: str | None = arg(None, "where the draft folder is written (empty: for the embedded target, the cache "
                                        "folder medusa.load(draft='default') reads; otherwise out/draft)")
 
@@ -101,6 +98,8 @@ class DraftTrainConfig(EvalFields, OptimFields, CacheFields, DataFields, TargetF
             return Path(self.output_dir)
         return default_draft_dir() if self.model is None else Path("out/draft")
 
+
+# -- batches and losses ------------------------------------------------------------------------------
 
 @dataclass
 class Batch:
@@ -131,9 +130,8 @@ def cache_spans(cache: FeatureCache) -> np.ndarray:
     return np.stack([np.concatenate([[0], ends[:-1]]), ends], axis=1)
 
 
-def cache_batch(cache: FeatureCache, spans: np.ndarray, idx: np.ndarray, device: torch.device,
-                assistant_only: bool) -> Batch:
-    chosen = spans[idx]  # [B, 2]
+def cache_batch(cache: FeatureCache, chosen: np.ndarray, device: torch.device, assistant_only: bool) -> Batch:
+    """The cached sequences ``chosen`` ``[B, 2]`` (start, end) as a batch."""
     width = int((chosen[:, 1] - chosen[:, 0]).max())
     ids = torch.zeros((len(chosen), width), dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -206,196 +204,135 @@ def topk_distill_loss(model: nn.Module, hidden: torch.Tensor, teacher_ids: torch
     return (kl * inside.any(-1)).sum() / inside.any(-1).sum().clamp(min=1)
 
 
-def evaluate(draft: nn.Module, target: nn.Module, batches: Iterable[Batch], temperature: float) -> dict[str, float]:
-    """Held-out KL to the target and argmax agreement with it."""
-    draft.eval()
-    kl_sum, agree, rows_seen = 0.0, 0, 0
-    with torch.no_grad():
-        for batch in batches:
-            teacher = teacher_logits(target, batch)
-            student = project(draft, final_hidden(draft, batch))
-            kl, hits = distill_loss(student, teacher, temperature)
-            kl_sum += float(kl) * len(teacher)
-            agree += int(hits)
-            rows_seen += len(teacher)
-    draft.train()
-    return {"kl": kl_sum / max(rows_seen, 1), "agreement": agree / max(rows_seen, 1), "positions": rows_seen}
+# -- what gets trained ------------------------------------------------------------------------------
 
+class DraftTrainer(nn.Module):
+    """The module handed to ``accelerator.prepare``: the draft, with the frozen target held
+    by reference (neither wrapped, sharded nor saved). Its forward takes a :class:`Batch` and
+    returns ``(loss, counts)``: ``rows``, the summed ``kl`` and, when the full distributions
+    are compared, argmax agreements ``agree``.
 
-def open_caches(cfg: DraftTrainConfig, target: nn.Module, splits: DataSplits, accelerator: Any,
-                progress: bool) -> dict[str, FeatureCache]:
-    """The feature caches of both splits, built by running the target once where missing.
-
-    The fingerprint is the one ``train/train_heads.py`` computes, so the same data settings
-    and ``cache_dir`` share one cache between heads and draft.
+    Training from a feature cache takes the KL to the target's cached top-k over the
+    ``vocab`` subset; evaluation always compares full distributions, as decoding does.
     """
-    from tqdm.auto import tqdm
 
-    caches: dict[str, FeatureCache] = {}
-    vocab, hidden_size = target.get_output_embeddings().weight.shape
-    topk = min(cfg.teacher_topk, vocab)  # as train_heads.py caps it, so the fingerprints agree
-    for split, examples in (("train", splits.train), ("eval", splits.eval)):
+    def __init__(self, draft: nn.Module, target: nn.Module, cfg: DraftTrainConfig,
+                 vocab: torch.Tensor | None = None, index: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.draft, self.cfg, self.vocab, self.index = draft, cfg, vocab, index
+        self._frozen = (target,)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        student = final_hidden(self.draft, batch)  # [n, H]
+        rows = torch.tensor(float(len(student)), device=student.device)
+        if self.training and batch.teacher_ids is not None:
+            loss = topk_distill_loss(self.draft, student, batch.teacher_ids, batch.teacher_logp, self.vocab, self.index)
+            return loss, {"rows": rows, "kl": loss.detach() * rows}
+        loss, agree = distill_loss(project(self.draft, student), teacher_logits(self._frozen[0], batch),
+                                   self.cfg.temperature)
+        return loss, {"rows": rows, "kl": loss.detach() * rows, "agree": agree.float()}
+
+
+class DraftTask:
+    """A draft model for a target: the module, its batches, its metrics and its output folder."""
+
+    def __init__(self, cfg: DraftTrainConfig) -> None:
+        self.cfg = cfg
+
+    def build(self, accelerator: Any, target: nn.Module, splits: DataSplits) -> tuple[DraftTrainer, Batches, Batches | None]:
+        cfg, device = self.cfg, accelerator.device
+        draft = self.draft(target, accelerator)
+        vocab = index = None
+        if cfg.cache_dir:
+            # The target never runs while training: KL to its cached top-k, over a frequent-token subset.
+            caches = open_caches(cfg, target, splits, accelerator)
+            size = draft.get_output_embeddings().weight.shape[0]
+            if 0 < cfg.train_vocab < size:
+                vocab = frequent_tokens(torch.from_numpy(caches["train"].tokens.astype(np.int64)), cfg.train_vocab,
+                                        size).to(device)  # [S]
+                index = torch.full((size,), -1, dtype=torch.long, device=device)
+                index[vocab] = torch.arange(len(vocab), device=device)
+            train, held_out = (self.cached(caches.get(split), device) for split in ("train", "eval"))
+        else:
+            train, held_out = (self.sequences(examples, device) for examples in (splits.train, splits.eval))
+        return DraftTrainer(draft, target, cfg, vocab, index), train, held_out
+
+    def draft(self, target: nn.Module, accelerator: Any) -> nn.Module:
+        """The target's early exit (or the ``init`` folder) in fp32; the vocabulary projection
+        stays the target's unless ``train_embeddings``."""
+        cfg = self.cfg
+        if cfg.init:
+            draft, _ = load_target(cfg.init, device=accelerator.device, dtype=torch.float32,
+                                   trust_remote_code=cfg.trust_remote_code)
+        else:
+            draft = shallow_draft(target, cfg.draft_layers)
+        draft = draft.float().train()
+        draft.requires_grad_(True)
+        if not cfg.train_embeddings:
+            draft.get_input_embeddings().requires_grad_(False)
+            draft.get_output_embeddings().requires_grad_(False)
+        if accelerator.is_main_process:
+            trained = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+            log.info("draft: %d layers, %.1fM parameters (%.1fM trained)", draft.config.num_hidden_layers,
+                     sum(p.numel() for p in draft.parameters()) / 1e6, trained / 1e6)
+        return draft
+
+    def sequences(self, examples: list[Example], device: torch.device) -> Batches | None:
         if not examples:
-            continue
-        folder = Path(cfg.cache_dir) / split
-        fp = fingerprint(target, examples, topk)
-        if not is_complete(folder, fp):
-            world = accelerator.num_processes
-            bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
-                       disable=not progress)
-            build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
-                        accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
-                        progress=bar.update)
-            bar.close()
-        caches[split] = FeatureCache.open(folder)
-    return caches
+            return None
+        return Batches(np.arange(len(examples)), self.cfg.batch_size,
+                       lambda ix: sequence_batch(examples, ix, device, self.cfg.assistant_only))
+
+    def cached(self, cache: FeatureCache | None, device: torch.device) -> Batches | None:
+        if cache is None:
+            return None
+        return Batches(cache_spans(cache), self.cfg.batch_size,
+                       lambda chosen: cache_batch(cache, chosen, device, self.cfg.assistant_only))
+
+    def param_groups(self, module: DraftTrainer) -> list[dict[str, Any]]:
+        """Weight decay on matrices only."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.ndim >= 2], "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "lr": self.cfg.lr, "weight_decay": 0.0}]
+
+    def summarise(self, counts: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Summed counts -> mean KL to the target (``kl``), argmax ``agreement`` (the greedy
+        acceptance rate of a one-token draft) and the number of ``positions``."""
+        rows = float(counts["rows"].sum())
+        out = {"kl": float(counts["kl"].sum()) / max(rows, 1), "positions": int(rows)}
+        if "agree" in counts:
+            out["agreement"] = float(counts["agree"].sum()) / max(rows, 1)
+        return out
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"kl": f"{metrics['kl']:.3f}"}
+
+    def save(self, accelerator: Any, module: nn.Module, tokenizer: Any, step: int, total: int,
+             evals: list[dict[str, Any]], seconds: float) -> Path:
+        """The draft folder, with the run record: evaluations before (a run started at step 0),
+        every ``eval_every`` steps, and after."""
+        cfg, out = self.cfg, self.cfg.output_path()
+        state = accelerator.get_state_dict(module)  # a collective: gathers ZeRO-3 partitions
+        if accelerator.is_main_process:
+            strip = lambda e: {k: v for k, v in e.items() if k != "step"}  # noqa: E731
+            record = {"config": to_dict(cfg), "steps": step, "planned_steps": total, "train_seconds": round(seconds, 1),
+                      "eval_before": strip(evals[0]) if evals and evals[0]["step"] == 0 else {},
+                      "eval_after": strip(evals[-1]) if evals else {},
+                      "eval_history": [e for e in evals if cfg.eval_every > 0 and e["step"] > 0
+                                       and e["step"] % cfg.eval_every == 0]}
+            draft_state = {k[len("draft."):]: v for k, v in state.items() if k.startswith("draft.")}
+            save_draft(accelerator.unwrap_model(module).draft, tokenizer, out, record, draft_state)
+        accelerator.wait_for_everyone()
+        return out
 
 
-def train_draft(cfg: DraftTrainConfig) -> Path:
-    """Run the distillation as configured; returns the draft folder."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum)
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    main = accelerator.is_main_process
-    set_seed(cfg.seed)
-    t0 = time.time()
-
-    # The target is the frozen teacher; the draft starts as its early exit (or a folder).
-    target, tokenizer = load_target(cfg.model, device=device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if cfg.init:
-        draft, _ = load_target(cfg.init, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
-    else:
-        draft = shallow_draft(target, cfg.draft_layers)
-    draft = draft.float().train()
-    draft.requires_grad_(True)
-    if not cfg.train_embeddings:
-        draft.get_input_embeddings().requires_grad_(False)
-        draft.get_output_embeddings().requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    if main:
-        log.info("draft: %d layers, %.1fM parameters (%.1fM trained); accelerate: %d process(es) on %s",
-                 draft.config.num_hidden_layers, sum(p.numel() for p in draft.parameters()) / 1e6,
-                 sum(p.numel() for p in params) / 1e6, world, device)
-
-    splits: DataSplits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
-                                        seed=cfg.data_seed, split=cfg.data_split, progress=main)
-    if main:
-        log.info("data: %d train / %d held-out sequences (%s)", len(splits.train), len(splits.eval),
-                 splits.stats.summary())
-
-    # Batches come from the sequences (the target runs every step) or from a feature
-    # cache (the target never runs; KL to its cached top-k over a frequent-token subset).
-    vocab = index = None
-    if cfg.cache_dir:
-        caches = open_caches(cfg, target, splits, accelerator, main)
-        spans = {split: cache_spans(c) for split, c in caches.items()}
-        size = draft.get_output_embeddings().weight.shape[0]
-        if 0 < cfg.train_vocab < size:
-            vocab = frequent_tokens(torch.from_numpy(caches["train"].tokens.astype(np.int64)), cfg.train_vocab,
-                                    size).to(device)  # [S]
-            index = torch.full((size,), -1, dtype=torch.long, device=device)
-            index[vocab] = torch.arange(len(vocab), device=device)
-
-        def get_batch(split: str, idx: np.ndarray) -> Batch:
-            return cache_batch(caches[split], spans[split], idx, device, cfg.assistant_only)
-
-        sizes = {split: len(s) for split, s in spans.items()}
-    else:
-        examples = {"train": splits.train, "eval": splits.eval}
-
-        def get_batch(split: str, idx: np.ndarray) -> Batch:
-            return sequence_batch(examples[split], idx, device, cfg.assistant_only)
-
-        sizes = {split: len(e) for split, e in examples.items() if e}
-
-    def eval_batches() -> Iterator[Batch]:
-        n = sizes.get("eval", 0)
-        count = math.ceil(n / cfg.batch_size)
-        for b in range(min(count, cfg.eval_batches) if cfg.eval_batches > 0 else count):
-            yield get_batch("eval", np.arange(b * cfg.batch_size, min((b + 1) * cfg.batch_size, n)))
-
-    schedule = Schedule(sizes["train"], cfg.batch_size, world, cfg.grad_accum, cfg.seed)
-    total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.num_epochs * schedule.steps_per_epoch))
-
-    decay = [p for p in params if p.ndim >= 2]
-    rest = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    draft, opt = accelerator.prepare(draft, opt)
-    history: list[dict[str, float]] = []
-    has_eval = main and sizes.get("eval", 0) > 0
-    before = evaluate(accelerator.unwrap_model(draft), target, eval_batches(), cfg.temperature) if has_eval else {}
-    if before:
-        log.info("before: held-out KL %.3f, argmax agreement %.3f", before["kl"], before["agreement"])
-    bar = tqdm(total=total, desc="distil draft", disable=not main)
-    loss_name = "top-k KL" if cfg.cache_dir else "KL"
-    step, start = 0, time.time()
-    deadline = start + cfg.max_minutes * 60 if cfg.max_minutes > 0 else math.inf
-    while step < total and (step == 0 or time.time() < deadline):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss_sum, rows_seen = 0.0, 0
-        for micro in range(cfg.grad_accum):
-            batch = get_batch("train", schedule.micro_batch(step, micro, rank))
-            with accelerator.accumulate(draft):
-                student = final_hidden(draft, batch)  # [n, H]
-                if batch.teacher_ids is not None:
-                    loss = topk_distill_loss(accelerator.unwrap_model(draft), student, batch.teacher_ids,
-                                             batch.teacher_logp, vocab, index)
-                else:
-                    loss, _ = distill_loss(project(accelerator.unwrap_model(draft), student),
-                                           teacher_logits(target, batch), cfg.temperature)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            loss_sum += float(loss.detach()) * len(student)
-            rows_seen += len(student)
-        step += 1
-        bar.update(1)
-        if main and (step % cfg.log_every == 0 or step == 1):
-            bar.set_postfix(loss=f"{loss_sum / max(rows_seen, 1):.3f}")
-            log.info("step %d/%d: %s %.3f, lr %.2e, %.1f s/step", step, total, loss_name, loss_sum / max(rows_seen, 1),
-                     lr_at(step - 1), (time.time() - start) / step)
-        if has_eval and cfg.eval_every > 0 and step % cfg.eval_every == 0:
-            metrics = evaluate(accelerator.unwrap_model(draft), target, eval_batches(), cfg.temperature)
-            history.append({"step": step, **metrics})
-            log.info("step %d: held-out KL %.3f, argmax agreement %.3f", step, metrics["kl"], metrics["agreement"])
-    bar.close()
-    if step < total and main:
-        log.info("time limit of %g minutes reached after %d of %d steps", cfg.max_minutes, step, total)
-
-    accelerator.wait_for_everyone()
-    out = cfg.output_path()
-    if main:
-        unwrapped = accelerator.unwrap_model(draft)
-        after = evaluate(unwrapped, target, eval_batches(), cfg.temperature) if has_eval else {}
-        if after:
-            log.info("after %d steps: held-out KL %.3f, argmax agreement %.3f", step, after["kl"], after["agreement"])
-        record = {"config": to_dict(cfg), "steps": step, "planned_steps": total,
-                  "train_seconds": round(time.time() - t0, 1), "eval_before": before, "eval_after": after,
-                  "eval_history": history}
-        save_draft(unwrapped, tokenizer, out, record)
-    accelerator.wait_for_everyone()
-    return out
-
-
-def save_draft(draft: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, record: dict) -> None:
+def save_draft(draft: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, record: dict,
+               state: dict[str, torch.Tensor] | None = None) -> None:
     """A normal model folder (safetensors, config, tokenizer) plus the run record, written
-    to a sibling folder and swapped in, so a reader never sees half a model."""
+    to a sibling folder and swapped in, so a reader never sees half a model. The training
+    checkpoints and metrics in ``out`` are kept."""
     draft.eval().requires_grad_(False)
-    with atomic_folder(out) as tmp:
-        draft.save_pretrained(tmp, safe_serialization=True)
+    with atomic_folder(out, keep_other_files=True, keep_folders=(CHECKPOINTS,)) as tmp:
+        draft.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")

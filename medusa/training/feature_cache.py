@@ -21,13 +21,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from medusa.decoding.hf import lm_logits
 from medusa.models.checkpoint import atomic_file
-from medusa.training.data import Example
+from medusa.training.data import DataSplits, Example
 from medusa.training.losses import HeadTargets
 
 META = "meta.json"
@@ -177,3 +179,36 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
             tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
                                        "hidden_size": hidden_size}) + "\n")
     barrier()
+
+
+def run_target(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` -> final normed hidden states ``[B, T, H]`` and logits ``[B, T, V]``."""
+    out = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden, lm_logits(model, hidden)
+
+
+def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: Any) -> dict[str, FeatureCache]:
+    """The feature caches of both splits in ``cfg.cache_dir``, built by running the target
+    once where missing. Heads and draft training compute the same fingerprint, so the same
+    data settings and ``cache_dir`` share one cache."""
+    from tqdm.auto import tqdm
+
+    caches: dict[str, FeatureCache] = {}
+    vocab, hidden_size = target.get_output_embeddings().weight.shape
+    topk = min(cfg.teacher_topk, vocab)
+    world = accelerator.num_processes
+    for split, examples in (("train", splits.train), ("eval", splits.eval)):
+        if not examples:
+            continue
+        folder = Path(cfg.cache_dir) / split
+        fp = fingerprint(target, examples, topk)
+        if not is_complete(folder, fp):
+            bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
+                       disable=not accelerator.is_main_process)
+            build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
+                        accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
+                        cfg.cache_batch_tokens, bar.update)
+            bar.close()
+        caches[split] = FeatureCache.open(folder)
+    return caches
