@@ -105,3 +105,39 @@ def test_draft_yaml_loads_and_documents_its_command(path):
     cfg = parse_config(DraftTrainConfig, ["--config", str(path)])
     assert isinstance(cfg, DraftTrainConfig)
     assert f"python -m train.train_draft --config configs/draft/{path.name}" in path.read_text()
+
+
+def test_draft_training_resumes_to_the_uninterrupted_result(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from medusa.training.checkpoints import latest_checkpoint
+
+    target_dir = tiny_target(tmp_path / "target")
+    data = write_counting_data(tmp_path / "data.jsonl", 40)
+    args = ["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "6",
+            "--batch_size", "2", "--grad_accum", "2", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
+            "--eval_every", "0", "--save_every", "3", "--keep_checkpoints", "1", "--log_every", "1"]
+    full = tmp_path / "full"
+    assert main(args + ["--output_dir", str(full)]) == 0
+    ckpt = latest_checkpoint(full)
+    assert ckpt is not None and ckpt.name == "step-0000003"  # kept next to the draft written over it
+    saved = load_file(ckpt / "model.safetensors")
+    assert saved and not any("embed_tokens" in k or "lm_head" in k for k in saved)  # only what trains
+    # The interrupted run: all it has is the checkpoint written half way.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    (resumed / "checkpoints" / "latest").write_text(ckpt.name)
+    assert main(args + ["--output_dir", str(resumed), "--resume"]) == 0
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    full_rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [4, 5, 6]
+    assert train_rows == [r for r in full_rows if r["kind"] == "train" and r["step"] > 3]  # same losses, same lr
+    assert json.loads((resumed / RECORD).read_text())["steps"] == 6

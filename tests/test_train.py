@@ -191,3 +191,23 @@ def test_wandb_logs_offline_through_accelerate_without_a_login(setup, tmp_path, 
     train(config(setup, out, max_steps=2, wandb=True))
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))  # the run's offline log, nothing sent
+
+
+def test_checkpoints_hold_the_schedule_and_resume_continues_it(setup, tmp_path):
+    kw = dict(max_steps=6, save_every=3, warmup_steps=4, schedule="linear", min_lr_ratio=0.2)
+    full = tmp_path / "full"
+    train(config(setup, full, **kw))
+    ckpt = latest_checkpoint(full)
+    schedule = torch.load(ckpt / "custom_checkpoint_0.pkl", weights_only=False)  # accelerate's registered object
+    assert schedule["last_epoch"] == 3  # three optimizer steps taken
+    # a resumed run reads the schedule from the checkpoint (not replayed): same learning rates
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    (resumed / "checkpoints" / "latest").write_text(ckpt.name)
+    AcceleratorState._reset_state(True)
+    train(config(setup, resumed, resume=True, **kw))
+    lrs = {r["step"]: r["lr"] for r in history(full) if r["kind"] == "train"}
+    again = {r["step"]: r["lr"] for r in history(resumed) if r["kind"] == "train"}
+    assert again == {s: lrs[s] for s in (4, 5, 6)}
+    assert lrs[6] == pytest.approx(1e-2 * 0.2, rel=1e-3)  # linear decay to min_lr_ratio * lr at max_steps
