@@ -53,7 +53,7 @@ from medusa.training.batches import Batches, collate
 from medusa.training.checkpoints import CHECKPOINTS
 from medusa.training.data import DataSplits, Example
 from medusa.training.feature_cache import FeatureCache, open_caches
-from medusa.training.losses import frequent_tokens, soft_cross_entropy
+from medusa.training.losses import frequent_tokens, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 log = logging.getLogger("medusa.training.draft")
 
@@ -198,10 +198,9 @@ def topk_distill_loss(model: nn.Module, hidden: torch.Tensor, teacher_ids: torch
     if index is None:
         kl, _ = soft_cross_entropy(logq, teacher_ids, teacher_logp)
         return kl.mean()
-    ids = index[teacher_ids]  # [n, k]
-    inside = ids >= 0
-    kl, _ = soft_cross_entropy(logq, ids.clamp(min=0), teacher_logp.masked_fill(~inside, -1e4))
-    return (kl * inside.any(-1)).sum() / inside.any(-1).sum().clamp(min=1)
+    ids, logp, keep, _ = teacher_in_vocab(teacher_ids, teacher_logp, index)
+    kl, _ = soft_cross_entropy(logq, ids, logp)
+    return (kl * keep).sum() / keep.sum().clamp(min=1)
 
 
 # -- what gets trained ------------------------------------------------------------------------------
@@ -233,16 +232,15 @@ class DraftTrainer(nn.Module):
         return loss, {"rows": rows, "kl": loss.detach() * rows, "agree": agree.float()}
 
 
+@dataclass
 class DraftTask:
     """A draft model for a target: the module, its batches, its metrics and its output folder."""
 
-    def __init__(self, cfg: DraftTrainConfig) -> None:
-        self.cfg = cfg
+    cfg: DraftTrainConfig
 
     def build(self, accelerator: Any, target: nn.Module, splits: DataSplits) -> tuple[DraftTrainer, Batches, Batches | None]:
-        cfg, device = self.cfg, accelerator.device
         draft = self.draft(target, accelerator)
-        vocab = index = None
+        cfg, device, vocab, index = self.cfg, accelerator.device, None, None
         if cfg.cache_dir:
             # The target never runs while training: KL to its cached top-k, over a frequent-token subset.
             caches = open_caches(cfg, target, splits, accelerator)
@@ -250,8 +248,7 @@ class DraftTask:
             if 0 < cfg.train_vocab < size:
                 vocab = frequent_tokens(torch.from_numpy(caches["train"].tokens.astype(np.int64)), cfg.train_vocab,
                                         size).to(device)  # [S]
-                index = torch.full((size,), -1, dtype=torch.long, device=device)
-                index[vocab] = torch.arange(len(vocab), device=device)
+                index = vocab_index(vocab, size)
             train, held_out = (self.cached(caches.get(split), device) for split in ("train", "eval"))
         else:
             train, held_out = (self.sequences(examples, device) for examples in (splits.train, splits.eval))

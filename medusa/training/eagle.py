@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from medusa.models.eagle import EagleHeads, additive_mask
 from medusa.training.feature_cache import FeatureCache
-from medusa.training.losses import soft_cross_entropy
+from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 
 def sequences(cache: FeatureCache) -> np.ndarray:
@@ -70,25 +70,16 @@ def eagle_loss(heads: EagleHeads, batch: list[dict[str, torch.Tensor]], weights:
     steps = len(weights)
     device = heads.fc.weight.device
     counts = {name: torch.zeros(steps, device=device) for name in ("n", "top1", "top5", "loss")}
-    index = None
-    if vocab is not None:
-        index = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=device)
-        index[vocab] = torch.arange(len(vocab), device=device)
+    index = vocab_index(vocab, heads.config.vocab_size) if vocab is not None else None
     total = torch.zeros((), device=device)
     for seq in batch:
         f, x = seq["hidden"], seq["tokens"]  # [T, H], [T]
         n = f.shape[0] - 2  # pairs p = 0..T-3 have a next position p+1 and a label x_{p+2}
         label_ok = seq["loss_mask"][2:]  # [n]: x_{p+2} is an answer token
         t_ids, t_logp = seq["teacher_ids"][1:n + 1], seq["teacher_logp"][1:n + 1]  # [n, k] at p+1
-        if index is not None:
-            reference = index[t_ids[:, 0]]
-            t_ids = index[t_ids]
-            inside = t_ids >= 0
-            t_logp = t_logp.masked_fill(~inside, -1e4)
-            t_ids = t_ids.clamp(min=0)
-            label_ok = label_ok & inside.any(-1)
-        else:
-            reference = t_ids[:, 0]
+        t_ids, t_logp, keep, reference = teacher_in_vocab(t_ids, t_logp, index)
+        if keep is not None:
+            label_ok = label_ok & keep
         cache = new_cache(buffered=False)
         positions = torch.arange(n, device=device)
         feats = f[:n]
@@ -101,13 +92,7 @@ def eagle_loss(heads: EagleHeads, batch: list[dict[str, torch.Tensor]], weights:
                 reg = F.smooth_l1_loss(out[rows], f[1:n + 1][rows], reduction="none").mean(-1)  # [r]
                 per_row = kl + feature_weight * reg
                 total = total + weights[j] * per_row.mean() / len(batch)
-                with torch.no_grad():
-                    top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices
-                    hit = top5 == reference[rows][:, None]
-                    counts["n"][j] += rows.sum()
-                    counts["top1"][j] += hit[:, 0].sum()
-                    counts["top5"][j] += hit.any(-1).sum()
-                    counts["loss"][j] += per_row.detach().sum()
+                add_counts(counts, j, logp, reference[rows], per_row)
             # the next step's pair at p carries this step's prediction for p (row p - 1)
             feats = torch.cat([f[:1], out[:-1]])
     return total, counts

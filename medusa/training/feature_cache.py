@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,18 @@ def is_complete(folder: str | Path, fp: str) -> bool:
     return meta.is_file() and json.loads(meta.read_text()).get("fingerprint") == fp
 
 
+def length_groups(order: list[int], lengths: np.ndarray, batch_tokens: int) -> Iterator[list[int]]:
+    """Consecutive runs of ``order`` (sorted by length) whose padded size stays within
+    ``batch_tokens``: little padding, bounded memory."""
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * lengths[order[j]] <= batch_tokens:
+            j += 1
+        yield order[i:j]
+        i = j
+
+
 @torch.no_grad()
 def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                 examples: list[Example], hidden_size: int, topk: int, fp: str, rank: int = 0, world: int = 1,
@@ -144,14 +156,8 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
         np.save(folder / "offsets.npy", offsets)
     barrier()
     arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r+") for name in files}
-    mine = sorted(range(rank, len(examples), world), key=lambda i: lengths[i])
-    i = 0
-    while i < len(mine):
-        # Group similar lengths up to a token budget: little padding, bounded memory.
-        j = i + 1
-        while j < len(mine) and (j - i + 1) * lengths[mine[j]] <= batch_tokens:
-            j += 1
-        group = mine[i:j]
+    for group in length_groups(sorted(range(rank, len(examples), world), key=lambda i: lengths[i]), lengths,
+                               batch_tokens):
         width = int(lengths[group[-1]])
         ids = torch.zeros((len(group), width), dtype=torch.long)
         attn = torch.zeros((len(group), width), dtype=torch.long)
@@ -169,7 +175,6 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
             arrays["teacher_logp"][s: s + L] = top_logp[b, :L].cpu().numpy().astype(np.float16)
         if progress is not None:
             progress(int(lengths[group].sum()))
-        i = j
     for arr in arrays.values():
         arr.flush()
     del arrays

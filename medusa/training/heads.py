@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +109,11 @@ class HeadsTrainer(nn.Module):
         return loss, counts
 
 
+@dataclass
 class HeadsTask:
     """Heads on a target: the module, its batches, its metrics and its output folder."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
+    cfg: TrainConfig
 
     def build(self, accelerator: Any, target: nn.Module, splits: DataSplits) -> tuple[HeadsTrainer, Batches, Batches | None]:
         cfg, device = self.cfg, accelerator.device

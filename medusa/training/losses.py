@@ -96,6 +96,43 @@ def soft_cross_entropy(logp: torch.Tensor, teacher_ids: torch.Tensor, teacher_lo
     return (p * (log_p - q)).sum(-1), p
 
 
+def vocab_index(vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]``: each token id's place in the subset ``vocab`` ``[S]``, -1 outside it."""
+    index = torch.full((size,), -1, dtype=torch.long, device=vocab.device)
+    index[vocab] = torch.arange(len(vocab), device=vocab.device)
+    return index
+
+
+def teacher_in_vocab(ids: torch.Tensor, logp: torch.Tensor, index: torch.Tensor | None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A teacher's top-k ``[n, k]`` restricted to a vocabulary subset (``index`` None: all).
+
+    Returns ids as positions in the subset, log-probabilities with the ids outside it
+    dropped (a row with none left keeps a dummy entry of weight ~0 so the renormalisation
+    stays finite), which rows keep any (``[n]`` bool, None without a subset) and the
+    reference token ``[n]``: the teacher's argmax (-1, never hit, outside the subset).
+    """
+    if index is None:
+        return ids, logp, None, ids[:, 0]
+    reference = index[ids[:, 0]]
+    ids = index[ids]
+    inside = ids >= 0
+    return ids.clamp(min=0), logp.masked_fill(~inside, -1e4), inside.any(-1), reference
+
+
+@torch.no_grad()
+def add_counts(counts: dict[str, torch.Tensor], k: int, logp: torch.Tensor, reference: torch.Tensor,
+               per_row: torch.Tensor) -> None:
+    """Add head (or unroll step) ``k``'s rows to the summable counts: rows, top-1/top-5 hits
+    of ``reference`` under ``logp`` ``[n, V or S]``, summed loss."""
+    top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices  # [n, 5]
+    hit = top5 == reference[:, None]
+    counts["n"][k] += len(per_row)
+    counts["top1"][k] += hit[:, 0].sum()
+    counts["top5"][k] += hit.any(-1).sum()
+    counts["loss"][k] += per_row.detach().sum()
+
+
 def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, weights: list[float],
                distill: float = 1.0, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum over heads of ``(1 - distill) * CE + distill * KL``.
@@ -111,15 +148,10 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, w
     """
     K = heads.num_heads
     device = hidden.device
-    index = None
-    if vocab is not None:
-        # token id -> position in the subset, -1 outside it
-        index = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=device)
-        index[vocab] = torch.arange(len(vocab), device=device)
+    index = vocab_index(vocab, heads.config.vocab_size) if vocab is not None else None
     counts = {name: torch.zeros(K, device=device) for name in ("n", "top1", "top5", "loss")}
     total = hidden.new_zeros((), dtype=torch.float32)
-    use_teacher = distill > 0
-    if use_teacher and targets.teacher_ids is None:
+    if distill > 0 and targets.teacher_ids is None:
         raise MedusaError("self-distillation needs the target's distribution: set distill=0 or give teacher logits")
     for k in range(K):
         rows = targets.valid[k].nonzero().squeeze(-1)  # [n]
@@ -131,35 +163,16 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: HeadTargets, w
         if index is not None:
             labels = index[labels]  # -1: outside the subset, ignored by the CE
             labels = labels.masked_fill(labels < 0, IGNORE)
+        reference = labels
         if distill < 1:
             per_row = per_row + (1 - distill) * F.nll_loss(logp, labels, reduction="none", ignore_index=IGNORE)
-        if use_teacher:
-            ids = targets.teacher_ids[k, rows]  # [n, k]
-            t_logp = targets.teacher_logp[k, rows].float()
-            if index is not None:
-                reference = index[ids[:, 0]]
-                ids = index[ids]
-                inside = ids >= 0
-                # Drop teacher ids outside the subset; a row with none left keeps a dummy
-                # entry of weight ~0 so the renormalisation stays finite.
-                t_logp = t_logp.masked_fill(~inside, -1e4)
-                ids = ids.clamp(min=0)
-            else:
-                reference = ids[:, 0]
+        if distill > 0:
+            ids, t_logp, keep, reference = teacher_in_vocab(targets.teacher_ids[k, rows],
+                                                            targets.teacher_logp[k, rows].float(), index)
             kl, _ = soft_cross_entropy(logp, ids, t_logp)
-            if index is not None:
-                kl = kl * inside.any(-1)
-            per_row = per_row + distill * kl
-        else:
-            reference = labels
+            per_row = per_row + distill * (kl if keep is None else kl * keep)
         total = total + weights[k] * per_row.mean()
-        with torch.no_grad():
-            top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices  # [n, 5]
-            hit = top5 == reference[:, None]
-            counts["n"][k] = rows.numel()
-            counts["top1"][k] = hit[:, 0].sum()
-            counts["top5"][k] = hit.any(-1).sum()
-            counts["loss"][k] = per_row.detach().sum()
+        add_counts(counts, k, logp, reference, per_row)
     return total, counts
 
 
