@@ -1,7 +1,8 @@
 """Real `accelerate launch` runs of train/train_heads.py with 2 processes on CPU:
 DDP over gloo, DeepSpeed ZeRO-2 from the repo's accelerate config, and ZeRO-3 (Medusa-1 and
 Medusa-2 LoRA) with every parameter partitioned. Each trains a few steps on a tiny target and
-must save heads that load; the ZeRO-3 outputs must score exactly as the trained model did."""
+must save heads that load; the ZeRO-3 outputs must score exactly as the trained model did.
+train/train_draft.py runs the same loop under DDP."""
 
 import json
 import os
@@ -135,3 +136,24 @@ def test_deepspeed_zero3_medusa2_lora_partitioned(setup, tmp_path):
     tuned, original = load_file(out / "target" / "model.safetensors"), load_file(setup["model"] + "/model.safetensors")
     assert any(not torch.equal(original[k], tuned[k]) for k in original if "q_proj" in k)  # LoRA merged in
     assert_saved_equals_trained(setup, out, str(out / "target"))
+
+
+def test_draft_ddp_two_processes_checkpoints_and_loads(setup, tmp_path):
+    """The draft runs the same loop: 2 processes, a checkpoint, evaluation split over both."""
+    out = tmp_path / "draft"
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"), "--num_processes",
+           "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()),
+           str(ROOT / "train" / "train_draft.py"), "--model", setup["model"], "--data", setup["data"],
+           "--max_length", "40", "--draft_layers", "1", "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.2",
+           "--eval_every", "0", "--save_every", "2", "--output_dir", str(out), "--wandb", "false"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es), MULTI_CPU" in proc.stderr
+    record = json.loads((out / "draft_training.json").read_text())
+    assert record["steps"] == 3 and record["eval_before"]["positions"] == record["eval_after"]["positions"] > 0
+    assert (out / "checkpoints" / "latest").read_text() == "step-0000002"
+    assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("random_states_*")) == [
+        "random_states_0.pkl", "random_states_1.pkl"]  # every process's RNG state, written before the rename
+    engine = medusa.load(model=setup["model"], draft=str(out), device="cpu", draft_tokens=2)
+    assert engine.draft.config.num_hidden_layers == 1
