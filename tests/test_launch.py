@@ -6,6 +6,7 @@ train/train_draft.py runs the same loop under DDP."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,22 +139,37 @@ def test_deepspeed_zero3_medusa2_lora_partitioned(setup, tmp_path):
     assert_saved_equals_trained(setup, out, str(out / "target"))
 
 
-def test_draft_ddp_two_processes_checkpoints_and_loads(setup, tmp_path):
-    """The draft runs the same loop: 2 processes, a checkpoint, evaluation split over both."""
-    out = tmp_path / "draft"
+def launch_draft(setup, out, *extra):
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"), "--num_processes",
            "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()),
            str(ROOT / "train" / "train_draft.py"), "--model", setup["model"], "--data", setup["data"],
            "--max_length", "40", "--draft_layers", "1", "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.2",
-           "--eval_every", "0", "--save_every", "2", "--output_dir", str(out), "--wandb", "false"]
+           "--eval_every", "0", "--save_every", "2", "--lr", "0.01", "--output_dir", str(out), "--wandb", "false", *extra]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_draft_ddp_two_processes_checkpoints_resumes_and_loads(setup, tmp_path):
+    """The draft runs the same loop: 2 processes, a checkpoint, evaluation split over both,
+    and a resumed run (state loaded, batches skipped on both processes) ends where the
+    uninterrupted one did."""
+    out = tmp_path / "draft"
+    proc = launch_draft(setup, out)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     record = json.loads((out / "draft_training.json").read_text())
     assert record["steps"] == 3 and record["eval_before"]["positions"] == record["eval_after"]["positions"] > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-0000002"
-    assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("random_states_*")) == [
+    ckpt = out / "checkpoints" / "step-0000002"
+    assert sorted(p.name for p in ckpt.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]  # every process's RNG state, written before the rename
     engine = medusa.load(model=setup["model"], draft=str(out), device="cpu", draft_tokens=2)
     assert engine.draft.config.num_hidden_layers == 1
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    (resumed / "checkpoints" / "latest").write_text(ckpt.name)
+    launch_draft(setup, resumed, "--resume", "true")
+    a, b = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

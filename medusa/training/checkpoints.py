@@ -84,7 +84,9 @@ def load_checkpoint(accelerator: Any, module: nn.Module, path: Path) -> int:
         from safetensors import safe_open
 
         with safe_open(path / "model.safetensors", framework="pt") as saved:
-            missing = {n for n, p in module.named_parameters() if p.requires_grad} - set(saved.keys())
+            # save_state wrote the unwrapped module's names (no DDP "module." prefix)
+            trainable = {n for n, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad}
+            missing = trainable - set(saved.keys())
         if missing:
             raise MedusaError(f"checkpoint {path} does not match this run (missing {sorted(missing)[:3]}): "
                               "resume with the config that wrote it")
