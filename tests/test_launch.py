@@ -79,6 +79,23 @@ def test_deepspeed_zero2_two_processes(setup, tmp_path):
     assert any((out / "checkpoints" / "step-0000002").rglob("*optim_states*"))
 
 
+def test_deepspeed_zero2_resume_reaches_the_uninterrupted_result(setup, tmp_path):
+    """DeepSpeed's own checkpoint (every rank writes its shards) + the schedule + RNG states:
+    a run resumed from step 2 ends with the heads the uninterrupted run saved."""
+    config = ("--config_file", str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
+    full = tmp_path / "full"
+    launch(setup, full, *config)
+    ckpt = full / "checkpoints" / "step-0000002"
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    (resumed / "checkpoints" / "latest").write_text(ckpt.name)
+    proc = launch(setup, resumed, *config, extra=("--resume", "true"))
+    assert "resumed from" in proc.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
 def zero3_config(tmp_path: Path) -> Path:
     """The repo's ZeRO-3 setup with ``stage3_param_persistence_threshold: 0``, so that even
     the tiny model's parameters are partitioned (by default small ones stay whole)."""
