@@ -141,3 +141,18 @@ def test_draft_training_resumes_to_the_uninterrupted_result(tmp_path):
     assert [r["step"] for r in train_rows] == [4, 5, 6]
     assert train_rows == [r for r in full_rows if r["kind"] == "train" and r["step"] > 3]  # same losses, same lr
     assert json.loads((resumed / RECORD).read_text())["steps"] == 6
+
+
+def test_draft_logs_to_wandb_offline_and_keeps_the_log(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest disables wandb; this test runs it
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no credentials anywhere to find
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    target_dir = tiny_target(tmp_path / "target")
+    data = write_counting_data(tmp_path / "data.jsonl", 20)
+    out = tmp_path / "draft"
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "2",
+                 "--eval_fraction", "0.1", "--wandb", "true", "--output_dir", str(out)]) == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))  # kept when the draft folder was swapped in
+    assert (out / "model.safetensors").is_file() and (out / "metrics.jsonl").is_file()

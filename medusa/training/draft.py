@@ -327,9 +327,9 @@ def save_draft(draft: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, 
                state: dict[str, torch.Tensor] | None = None) -> None:
     """A normal model folder (safetensors, config, tokenizer) plus the run record, written
     to a sibling folder and swapped in, so a reader never sees half a model. The training
-    checkpoints and metrics in ``out`` are kept."""
+    checkpoints, metrics and wandb logs in ``out`` are kept."""
     draft.eval().requires_grad_(False)
-    with atomic_folder(out, keep_other_files=True, keep_folders=(CHECKPOINTS,)) as tmp:
+    with atomic_folder(out, keep_other_files=True, keep_folders=(CHECKPOINTS, "wandb")) as tmp:
         draft.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -98,13 +98,13 @@ def train(cfg: TrainConfig | DraftTrainConfig) -> Path:
     run = setup(cfg)
     try:
         loop(run)
-        return run.task.save(run.accelerator, run.module, run.tokenizer, run.step, run.total, run.evals,
-                             time.time() - run.t0)
-    finally:
+    finally:  # logs closed before the output is written (a draft's folder is swapped whole)
         if run.history is not None:
             run.history.close()
         for tracker in run.accelerator.trackers:  # not end_training(): the process group stays for the caller
             tracker.finish()
+    return run.task.save(run.accelerator, run.module, run.tokenizer, run.step, run.total, run.evals,
+                         time.time() - run.t0)
 
 
 # -- setup ----------------------------------------------------------------------------------------
