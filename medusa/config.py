@@ -115,6 +115,9 @@ def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
             logging.getLogger("medusa.config").warning("%s: %s is now called %s (read as %s=%s)", source, old, new,
                                                        new, data[old])
             data[new] = data.pop(old)
+    for old, why in REMOVED.items():
+        if old in data and old not in types_:
+            raise MedusaError(f"{source}: {old} was removed ({why}): delete it from the config")
     unknown = sorted(set(data) - set(types_))
     if unknown:
         raise MedusaError(f"{source}: unknown field(s) {', '.join(unknown)} for {cls.__name__}: see --help for the fields")
@@ -205,6 +208,9 @@ def override(group: type, name: str, default: Any) -> Any:
 
 # Old field names still read from YAML files, with a warning naming the new one.
 RENAMED = {"cache_topk": "teacher_topk"}
+# Old fields that are refused with the reason.
+REMOVED = {"pack": "packed sequences let attention cross conversations, so heads trained on features they never "
+                   "see at inference; every sequence is now its own row"}
 
 
 @dataclasses.dataclass
@@ -222,7 +228,6 @@ class DataFields:
     max_length: int = arg(512, "tokens per sequence (longer ones are truncated)")
     eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
     data_seed: int = arg(0, "seed of the data shuffle and held-out split")
-    pack: bool = arg(False, "pack sequences into max_length chunks instead of padding")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
 
 

@@ -12,7 +12,6 @@ from medusa.training.data import (
     build_datasets,
     load_conversations,
     normalize,
-    pack,
     read_json_file,
     salvage_json_array,
     sharegpt_path,
@@ -107,13 +106,13 @@ def test_embedded_tokenizer_masks_assistant_text():
     assert text.startswith("Blue is a colour.") and "Name a colour" not in text
 
 
-def test_pack_fills_chunks():
-    tok = make_tokenizer()
-    exs = [tokenize_conversation(tok, counting_conversation(i, 6)["messages"], 100) for i in range(5)]
-    packed = pack(exs, 16)
-    assert all(len(e) == 16 for e in packed[:-1])
-    assert sum(len(e) for e in packed) == sum(len(e) for e in exs)
+def test_packing_is_refused_with_the_reason(tmp_path):
+    # packed rows let attention cross conversations: an old config asking for it gets one line
+    from medusa.config import TrainConfig, from_dict
 
+    with pytest.raises(MedusaError, match="pack was removed .*cross conversations.*delete it") as err:
+        from_dict(TrainConfig, {"pack": True}, "old.yaml")
+    assert "\n" not in str(err.value)
 
 def test_build_datasets_splits_and_counts(tmp_path):
     path = tmp_path / "mix.jsonl"

@@ -113,7 +113,7 @@ def rescore(setup, out: Path, target_dir: str) -> dict[str, float]:
     cfg = TrainConfig(model=target_dir, data=[setup["data"]], max_length=40, num_heads=2, eval_fraction=0.1,
                       distill=0.0, wandb=False)
     target, tokenizer = load_target(target_dir, device="cpu")
-    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction, cfg.pack,
+    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
                             cfg.data_seed, cfg.data_split, progress=False)
     assert len(splits.eval) <= cfg.batch_size  # one micro-batch, as in the run
     module = HeadsTrainer(load_heads(out, target, device="cpu", dtype=torch.float32), target, cfg).eval()

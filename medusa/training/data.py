@@ -321,22 +321,6 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: Conversa
     return Example(ids, mask)
 
 
-def pack(examples: Iterable[Example], max_length: int) -> list[Example]:
-    """Concatenate examples and cut the stream into ``max_length`` chunks (no padding waste)."""
-    out: list[Example] = []
-    ids: list[int] = []
-    mask: list[int] = []
-    for ex in examples:
-        ids += ex.input_ids
-        mask += ex.loss_mask
-        while len(ids) >= max_length:
-            out.append(Example(ids[:max_length], mask[:max_length]))
-            ids, mask = ids[max_length:], mask[max_length:]
-    if ids and sum(mask):
-        out.append(Example(ids, mask))
-    return out
-
-
 @dataclass
 class DataSplits:
     train: list[Example]
@@ -345,9 +329,11 @@ class DataSplits:
 
 
 def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_length: int,
-                   max_samples: int | None = None, eval_fraction: float = 0.02, pack_sequences: bool = False,
+                   max_samples: int | None = None, eval_fraction: float = 0.02,
                    seed: int = 0, split: str = "train", progress: bool = False) -> DataSplits:
-    """Read, clean, tokenise and split every source; the held-out part is taken per source."""
+    """Read, clean, tokenise and split every source; the held-out part is taken per source.
+    Each conversation stays its own sequence (no packing: the heads train on features computed
+    as at inference, where attention never crosses into another conversation)."""
     if not sources:
         raise MedusaError("no data sources given: set data (e.g. 'sharegpt' or a .jsonl file)")
     stats = DataStats()
@@ -370,8 +356,6 @@ def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_l
             tokenised.append(ex)
         evals += tokenised[:n_eval]
         train += tokenised[n_eval:]
-    if pack_sequences:
-        train, evals = pack(train, max_length), pack(evals, max_length)
     if not train:
         raise MedusaError(f"no usable training conversations in {', '.join(sources)} ({stats.summary()})")
     return DataSplits(train, evals, stats)

@@ -155,7 +155,7 @@ def load_inputs(cfg: Any, accelerator: Any) -> tuple[nn.Module, Any, DataSplits]
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
-    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction, cfg.pack,
+    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
                             cfg.data_seed, cfg.data_split, progress=main)
     if main:
         log.info("data: %d train / %d held-out sequences (%s)", len(splits.train), len(splits.eval), splits.stats.summary())
