@@ -42,6 +42,15 @@ def test_eagle_and_eagle_hybrid_greedy_equal_target_greedy(arch):
     assert max(res.stats.accepted) > 1 and min(res.stats.accepted) == 1, res.stats.accepted
 
 
+def test_eagle_decodes_past_the_head_cache_first_buffer():
+    # The head's KV cache starts with 256 slots and regrows while drafting: a prompt of 250
+    # tokens crosses that mid-answer (it once failed with an in-place update of an inference tensor).
+    model = tiny_model("llama", max_position_embeddings=512)
+    prompt = (PROMPT * 21)[:250]
+    eng = Engine(model, heads=noisy_eagle(model))
+    assert eng.generate(prompt, max_new_tokens=40, mode="eagle").tokens == hf_greedy(model, prompt, 40)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_eagle_heads_forced_right_accept_the_full_depth(arch):
     # A final norm of zero makes every feature zero: the target's greedy answer is token 0

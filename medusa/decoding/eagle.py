@@ -95,6 +95,7 @@ class EagleProposer:
         self.length = first + n
         self.last = out[-1]
 
+    @torch.inference_mode()  # the head's cache buffers are inference tensors (propose may regrow them)
     def begin(self, state: DecodeState) -> None:
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
@@ -160,6 +161,7 @@ class EagleProposer:
         drafted_tokens = torch.stack(tokens).view(-1)[order]
         return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted_tokens]))
 
+    @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)
