@@ -290,6 +290,9 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
                             "unrolled in training (training-time test)")
     num_layers: int = arg(1, "residual blocks per head")
+    eagle_init: str = arg("last_layer", "eagle: how fresh heads start: last_layer (a copy of the target's last layer, "
+                                        "fc takes the feature), last_layer_token (and adds the token's embedding at the "
+                                        "feature's scale) or random", choices=("last_layer", "last_layer_token", "random"))
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
                           choices=("shared", "per_head"))
     init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "

@@ -110,3 +110,17 @@ def test_eagle_init_choice_is_honoured():
     assert scale > 0 and torch.allclose(tok.fc.weight[:, h:], torch.eye(h) * scale)
     with pytest.raises(medusa.MedusaError, match="eagle init"):
         init_eagle_for(model, init="bogus")
+
+
+def test_eagle_init_is_a_config_field_the_trainer_uses():
+    from medusa.config import TrainConfig, from_dict
+    from medusa.training.heads import HeadsTask
+
+    model = tiny_model("llama")
+    last = model.get_decoder().layers[-1].state_dict()["self_attn.q_proj.weight"]
+    for init, copies_last in (("last_layer_token", True), ("random", False)):
+        cfg = from_dict(TrainConfig, {"kind": "eagle", "num_heads": 2, "eagle_init": init, "cache_dir": "unused"})
+        heads = HeadsTask(cfg).heads(model, accelerator=None)
+        assert torch.equal(heads.layer.self_attn.q_proj.weight, last) == copies_last, init
+    with pytest.raises(medusa.MedusaError, match="eagle_init"):
+        from_dict(TrainConfig, {"eagle_init": "warm"})

@@ -136,7 +136,7 @@ class HeadsTask:
         cfg = self.cfg
         if not cfg.init_heads:
             if cfg.kind == "eagle":
-                return init_eagle_for(target, cfg.num_heads, base_model_name(target)).float()
+                return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init).float()
             return init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
         heads = load_heads(cfg.init_heads, target, device=accelerator.device, dtype=torch.float32)
         if heads.config.kind != cfg.kind:
