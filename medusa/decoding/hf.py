@@ -343,6 +343,11 @@ def compiled_forward(device: torch.device, compile: bool | str = True):
     graphs on CUDA, or another backend's name), for static caches. Shapes are static: each
     new-token count compiles once. On CUDA the outputs live in the graph's memory until its
     next replay, so callers that keep them clone them."""
+    import torch._dynamo
+
+    # one graph per (pass bucket, cache capacity): more than dynamo's default of 8 (past it,
+    # new shapes silently run eager)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     backend = compile if isinstance(compile, str) else "inductor"
     mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
     return torch.compile(forward, backend=backend, mode=mode, dynamic=False)
