@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from medusa.errors import MedusaError
-from medusa.models.heads import HeadsConfig
+from medusa.models.heads import HeadsConfig, checked_draft_vocab
 
 
 def _layer_config(target: PreTrainedModel):
@@ -124,13 +124,7 @@ class EagleHeads(nn.Module):
 
     def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
         """Score drafts over these token ids only (see ``MedusaHeads.set_draft_vocab``)."""
-        if ids is None:
-            self.draft_vocab, self._draft_weight = None, None
-            return
-        ids = torch.as_tensor(ids, dtype=torch.long).unique()
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise MedusaError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}): regenerate it for this model")
-        self.draft_vocab, self._draft_weight = ids, None
+        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size), None
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache,

@@ -83,6 +83,16 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+
+def checked_draft_vocab(ids: torch.Tensor | list[int] | None, vocab_size: int) -> torch.Tensor | None:
+    """A draft vocabulary as sorted unique ids, checked against ``vocab_size`` (None: none)."""
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids, dtype=torch.long).unique()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise MedusaError(f"draft vocabulary ids must lie in [0, {vocab_size}): regenerate it for this model")
+    return ids
+
 class MedusaHeads(nn.Module):
     """``num_heads`` heads over a target's hidden states.
 
@@ -137,13 +147,7 @@ class MedusaHeads(nn.Module):
         cover almost all of the target's output). Projecting onto a subset is several
         times cheaper than the full vocabulary; verification stays exact whatever the
         subset, only the odd rare-token candidate is lost. ``forward`` is unaffected."""
-        if ids is None:
-            self.draft_vocab, self._draft_weight = None, None
-            return
-        ids = torch.as_tensor(ids, dtype=torch.long).unique()
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise MedusaError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}): regenerate it for this model")
-        self.draft_vocab, self._draft_weight = ids, None
+        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size), None
 
     def _draft_weights(self) -> torch.Tensor:
         """``[1 or K, S, H]`` projection rows of the draft vocabulary, built once per device/dtype."""
