@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_folder
+from medusa.models.checkpoint import atomic_folder, refuse_foreign
 from medusa.models.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
 
 FD_WEIGHTS = "medusa_lm_head.safetensors"
@@ -286,11 +286,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         cfg = fasterdecoding_config(config)
 
     out = Path(out)
-    if out.exists():
-        # Replace an earlier export, never a folder holding anything else.
-        foreign = [p.name for p in out.iterdir() if p.name not in _EXPORT_FILES] if out.is_dir() else [out.name]
-        if foreign:
-            raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new --out folder")
+    refuse_foreign(out, _EXPORT_FILES, "--out folder")  # replace an earlier export, nothing else
     with atomic_folder(out) as tmp:
         save_file(tensors, tmp / name, metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")

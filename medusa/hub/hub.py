@@ -28,6 +28,7 @@ from torch import nn
 from medusa.errors import MedusaError
 from medusa.hub.card import HUB_ID, card_base_model, model_card, public_record
 from medusa.hub.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
+from medusa.models.checkpoint import refuse_foreign
 from medusa.models.heads import (
     CALIBRATION_NAME,
     CONFIG_NAME,
@@ -178,10 +179,7 @@ def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, b
     config, state = read_heads(heads_dir)
     bench = read_bench(bench_json)
     out = Path(out)
-    if out.exists():
-        foreign = [p.name for p in out.iterdir() if p.name not in PUBLISH_FILES] if out.is_dir() else [out.name]
-        if foreign:
-            raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new output folder")
+    refuse_foreign(out, PUBLISH_FILES, "output folder")
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, out / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from medusa.errors import MedusaError
 
 
 @contextmanager
@@ -58,3 +60,14 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def refuse_foreign(out: Path, allowed: Iterable[str], flag: str) -> None:
+    """Raise unless ``out`` is absent or a folder holding only ``allowed`` file names: an
+    earlier output may be replaced, never a folder holding anything else."""
+    if not out.exists():
+        return
+    allowed = set(allowed)
+    foreign = [p.name for p in out.iterdir() if p.name not in allowed] if out.is_dir() else [out.name]
+    if foreign:
+        raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new {flag}")
