@@ -1,4 +1,4 @@
-"""The package's shape: every module imports, and module-level imports form no cycle."""
+"""The package's shape: every module imports, module-level imports form no cycle, functions stay short."""
 
 from __future__ import annotations
 
@@ -89,3 +89,26 @@ def test_the_checks_see_a_cycle(tmp_path):
              "medusa.b": top_level_imports(tmp_path / "b.py", "medusa.b", known)}
     assert find_cycle(graph) == ["medusa.a", "medusa.b", "medusa.a"]
     assert find_cycle({"x": {"y"}, "y": set()}) is None
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``name (lines)`` of each function in ``path`` longer than ``limit`` lines."""
+    tree = ast.parse(path.read_text())
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1})" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_library_functions_read_top_to_bottom():
+    """Every function of the library fits on a screen (docstrings included)."""
+    found = {name: long for name, path in modules().items() if (long := long_functions(path))}
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
+    assert long_functions(tmp_path / "m.py") == [f"long ({MAX_FUNCTION_LINES + 1})"]

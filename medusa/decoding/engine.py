@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -340,62 +340,73 @@ class Engine:
     def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
              prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig,
              ) -> Generator[tuple[list[int], int], None, GenerationResult]:
+        """The one decode loop: prefill, then propose -> verify -> emit until a stop reason."""
         stats = GenerationStats()
         t0 = time.perf_counter()
         state = self._prefill(ids, prior, stats, sampling, max_new_tokens)
-        first = [int(state.root)]
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
-        reason = None
-
-        def take(chunk: list[int]) -> list[int]:
-            """Cut a step's tokens at EOS and at the length budget, and record them."""
-            nonlocal reason
-            for i, t in enumerate(chunk):
-                if t in self.eos:
-                    chunk, reason = chunk[: i + 1], "eos"
-                    break
-            room = max_new_tokens - len(emitted)
-            if len(chunk) > room or (len(chunk) == room and reason is None):
-                chunk, reason = chunk[:room], "length"
-            emitted.extend(chunk)
-            return chunk
-
-        chunk = take(first)
-        state.tokens.append(first[0])
+        chunk, reason = cut_chunk([int(state.root)], self.eos, max_new_tokens)
+        state.tokens.append(int(state.root))
+        emitted += chunk
         stats.new_tokens = len(emitted)
         yield chunk, 0
         proposer.begin(state)
-        fallback = Autoregressive(self.device)
         while reason is None:
-            if stop.is_set():
-                reason = "stopped"
+            reason = self._stop_reason(state, stop)
+            if reason is not None:
                 break
-            if self.max_positions is not None and state.length + 1 > self.max_positions:
-                reason = "context"  # the root's KV entry has no slot left
-                break
-            state.budget = max_new_tokens - len(emitted)  # (compiled passes pad a cut tree to its bucket)
-            if self.max_positions is not None:
-                state.budget = min(state.budget, self.max_positions - state.length)
-            proposal = proposer.propose(state)
-            if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
-                proposal = fallback.propose(state)  # a proposer that ignored the budget
-            outcome = self.step(state, proposal)
+            outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)))
             proposer.update(state, outcome)
+            chunk, reason = cut_chunk(outcome.tokens, self.eos, max_new_tokens - len(emitted))
+            emitted += chunk
             stats.steps += 1
-            chunk = take(outcome.tokens)
             stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
             stats.new_tokens = len(emitted)
             if chunk:
                 # All but the step's last token were drafted (fewer if the chunk was cut).
                 yield chunk, min(len(chunk), len(outcome.tokens) - 1)
-        # Tokens cut off by EOS or the length limit leave the state; keep the cache and
-        # token list consistent for a later turn that reuses them.
-        extra = len(ids) + len(emitted)
-        del state.tokens[extra:]
+        self._trim(state, len(ids) + len(emitted))
+        stats.seconds = time.perf_counter() - t0
+        return GenerationResult(tokens=emitted, stats=stats, finish_reason=reason, state=state)
+
+    def _stop_reason(self, state: DecodeState, stop: threading.Event) -> str | None:
+        """Why the loop must stop before the next step (None: go on)."""
+        if stop.is_set():
+            return "stopped"
+        if self.max_positions is not None and state.length + 1 > self.max_positions:
+            return "context"  # the root's KV entry has no slot left
+        return None
+
+    def _propose(self, proposer: Proposer, state: DecodeState, room: int) -> Proposal:
+        """The proposer's tree for this step, within the token budget and the context."""
+        state.budget = room  # (compiled passes pad a cut tree to its bucket)
+        if self.max_positions is not None:
+            state.budget = min(state.budget, self.max_positions - state.length)
+        proposal = proposer.propose(state)
+        if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
+            proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
+        return proposal
+
+    @staticmethod
+    def _trim(state: DecodeState, keep: int) -> None:
+        """Drop tokens cut off by EOS or the length limit from the state, keeping the cache and
+        token list consistent for a later turn that reuses them."""
+        del state.tokens[keep:]
         if state.length > len(state.tokens) - 1:
             state.length = len(state.tokens) - 1
             kv.crop(state.cache, state.length)
         state.valid, state.budget = state.length, None
-        stats.seconds = time.perf_counter() - t0
-        return GenerationResult(tokens=emitted, stats=stats, finish_reason=reason, state=state)
+
+
+def cut_chunk(chunk: list[int], eos: Collection[int], room: int) -> tuple[list[int], str | None]:
+    """A step's tokens cut at the first EOS and at ``room`` tokens left, with the finish
+    reason that cut implies (None: neither applies and decoding goes on)."""
+    reason = None
+    for i, t in enumerate(chunk):
+        if t in eos:
+            chunk, reason = chunk[: i + 1], "eos"
+            break
+    if len(chunk) > room or (len(chunk) == room and reason is None):
+        chunk, reason = chunk[:room], "length"
+    return chunk, reason

@@ -135,27 +135,39 @@ def verify_sampled(tree: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor
     """
     p = probabilities(logits, sampling)  # [N, V]
     kids = _children(tree.paths, str(tokens.device))  # [N, B]
-    n, width = kids.shape
-    valid = kids >= 0  # [N, B]
     kid_tokens = tokens[kids.clamp(min=0)]  # [N, B]
     if q is None:
-        # x ~ p lands on child j with probability p(t_j): split one uniform over the children.
-        # A sibling repeating an earlier sibling's token gets no share (x can only move once).
-        earlier = torch.ones(width, width, dtype=torch.bool, device=p.device).tril(-1)  # [j, i]: i < j
-        repeat = ((kid_tokens[:, :, None] == kid_tokens[:, None, :]) & valid[:, None, :] & earlier).any(-1)
-        p_kids = p.gather(1, kid_tokens).double() * (valid & ~repeat)  # [N, B]
-        u = torch.rand((n, 1), generator=generator, device=p.device, dtype=torch.float64)
-        hit = (u < p_kids.cumsum(dim=1)) & valid  # [N, B]; the first True is the child x hit
-        first = hit.long().argmax(dim=1, keepdim=True)
-        chosen = torch.where(hit.any(dim=1), kids.gather(1, first).squeeze(1), -1)  # [N]
-        path, length = _walk(chosen, tree.max_depth)
-        stop = path[length]
-        # x missed every child: it follows p with the children's tokens removed.
-        rest = _without(p[stop], kid_tokens[stop], valid[stop])
-        # Rounding can leave no mass (children held all of p): then x ~ p is still exact.
-        rest = torch.where(rest.sum() > 0, rest, p[stop])
-        return Accepted(path=path, length=length, next_token=sample(rest, generator))
+        return _accept_point_mass(tree, p, kids, kid_tokens, generator)
+    return _accept_drawn(tree, p, q, kids, kid_tokens, generator)
 
+
+def _accept_point_mass(tree: TreeBuffers, p: torch.Tensor, kids: torch.Tensor, kid_tokens: torch.Tensor,
+                       generator: torch.Generator | None) -> Accepted:
+    """:func:`verify_sampled` for deterministic candidates (``q`` a point mass per child)."""
+    n, width = kids.shape
+    valid = kids >= 0  # [N, B]
+    # x ~ p lands on child j with probability p(t_j): split one uniform over the children.
+    # A sibling repeating an earlier sibling's token gets no share (x can only move once).
+    earlier = torch.ones(width, width, dtype=torch.bool, device=p.device).tril(-1)  # [j, i]: i < j
+    repeat = ((kid_tokens[:, :, None] == kid_tokens[:, None, :]) & valid[:, None, :] & earlier).any(-1)
+    p_kids = p.gather(1, kid_tokens).double() * (valid & ~repeat)  # [N, B]
+    u = torch.rand((n, 1), generator=generator, device=p.device, dtype=torch.float64)
+    hit = (u < p_kids.cumsum(dim=1)) & valid  # [N, B]; the first True is the child x hit
+    first = hit.long().argmax(dim=1, keepdim=True)
+    chosen = torch.where(hit.any(dim=1), kids.gather(1, first).squeeze(1), -1)  # [N]
+    path, length = _walk(chosen, tree.max_depth)
+    stop = path[length]
+    # x missed every child: it follows p with the children's tokens removed.
+    rest = _without(p[stop], kid_tokens[stop], valid[stop])
+    # Rounding can leave no mass (children held all of p): then x ~ p is still exact.
+    rest = torch.where(rest.sum() > 0, rest, p[stop])
+    return Accepted(path=path, length=length, next_token=sample(rest, generator))
+
+
+def _accept_drawn(tree: TreeBuffers, p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor,
+                  kid_tokens: torch.Tensor, generator: torch.Generator | None) -> Accepted:
+    """:func:`verify_sampled` for drawn candidates: SpecInfer's multi-candidate rule with ``q``."""
+    n, width = kids.shape
     residual = p
     chosen = torch.full((n,), -1, dtype=torch.long, device=p.device)
     for j in range(width):
