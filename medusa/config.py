@@ -293,10 +293,13 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     eagle_init: str = arg("last_layer", "eagle: how fresh heads start: last_layer (a copy of the target's last layer, "
                                         "fc takes the feature), last_layer_token (and adds the token's embedding at the "
                                         "feature's scale) or random", choices=("last_layer", "last_layer_token", "random"))
+    eagle_layout: str = arg("norms", "eagle: norms (the layer's input norm and the target's final norm) or eagle1 "
+                                     "(neither: vLLM's EAGLE-1 drafter, exportable with scripts/export_heads.py --to vllm)",
+                            choices=("norms", "eagle1"))
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
                           choices=("shared", "per_head"))
     init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
-                                       "their num_heads/num_layers/projection replace the settings above")
+                                       "their num_heads/num_layers/projection/eagle_layout replace the settings above")
     # -- objective --
     distill: float = arg(1.0, "weight of self-distillation KL vs ground-truth CE: 1 = KL only, 0 = CE only")
     head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")

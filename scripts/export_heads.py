@@ -1,4 +1,4 @@
-"""Export heads for serving: vLLM's Medusa layout or FasterDecoding's Medusa-1 layout.
+"""Export heads for serving: vLLM's Medusa or EAGLE-1 layout, or FasterDecoding's Medusa-1 layout.
 
     python scripts/export_heads.py HEADS --to vllm --out medusa-vllm [--model TARGET]
     vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
@@ -6,7 +6,10 @@
 HEADS is a heads folder or a Hub id USER/NAME. Heads that share the target's lm_head
 (the default) need the target (--model, default: the base model the heads record) so that
 its lm_head can be copied: once for vLLM (which all heads then use), once per head for
-FasterDecoding. EAGLE-style heads (kind: eagle) have no export: see medusa/hub/export.py.
+FasterDecoding. EAGLE-style heads (kind: eagle) trained with ``eagle_layout: eagle1`` export
+to vLLM's EAGLE-1 drafter (``"method": "eagle"``): the target's config cut to one layer and
+the head's weights alone (vLLM shares the target's embeddings and lm_head); eagle heads in
+the ``norms`` layout compute another function and are refused (see medusa/hub/export.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import sys
 from pathlib import Path
 
 from medusa.errors import MedusaError
-from medusa.hub.export import LAYOUTS, export_heads, target_for, target_lm_head
+from medusa.hub.export import (
+    LAYOUTS,
+    check_eagle_exportable,
+    export_heads,
+    target_for,
+    target_lm_head,
+    target_text_config,
+)
 from medusa.hub.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
 from medusa.models.heads import CALIBRATION_NAME
 from medusa.models.target import parse_dtype
@@ -51,20 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         folder = resolve_heads_folder(args.heads)
         config, state = read_heads(folder)
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
-        lm_head = None
-        if config.projection == "shared":
+        lm_head, target_config = None, None
+        if config.kind == "eagle":
+            check_eagle_exportable(config, args.to)  # before loading the target
+            target_config = target_text_config(config, args.model)
+        elif config.projection == "shared":
             target = target_for(config, args.model)
             copies = "once, for all heads" if args.to == "vllm" else f"into each of {config.num_heads} heads"
             print(f"copying lm_head of {target or 'the embedded default model'} {copies}", file=sys.stderr)
             lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
-        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab)
+        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab,
+                           target_config=target_config)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for rel, size in folder_listing(out):
         print(f"  {out / rel}  {size / 2**20:.2f} MiB")
     if args.to == "vllm":
-        spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": config.num_heads})
+        method = "eagle" if config.kind == "eagle" else "medusa"
+        spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": config.num_heads})
         base = args.model or card_base_model(config.base_model) or "TARGET"
         print(f"serve with:\n  vllm serve {base} --speculative-config '{spec}'")
     return 0

@@ -200,3 +200,49 @@ def test_the_token_budget_caps_the_draft_depth():
         state.budget = budget
         proposal = proposer.propose(state)
         assert proposal.tree.max_depth == depth and proposal.tokens.numel() == proposal.tree.num_nodes
+
+
+def test_eagle1_layout_round_trips_and_old_folders_load_as_norms(tmp_path):
+    import json
+
+    from medusa.decoding.hf import new_cache
+    from medusa.models.eagle import additive_mask
+
+    model = tiny_model("llama")
+    one = init_eagle_for(model, num_steps=2, layout="eagle1")
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    # vLLM's EAGLE-1 layer has no input norm: neither a parameter nor a computation here
+    assert isinstance(one.layer.input_layernorm, torch.nn.Identity)
+    assert not any("input_layernorm" in k for k in one.state_dict())
+    back = load_heads(save_heads(one, tmp_path / "eagle1"), model)
+    assert back.config.eagle_layout == "eagle1" and isinstance(back.layer.input_layernorm, torch.nn.Identity)
+    n, h = 5, model.config.hidden_size
+    feats, toks, pos = torch.randn(n, h), torch.tensor([4, 9, 11, 3, 7]), torch.arange(n)
+    mask = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)
+    with torch.no_grad():
+        out = one(feats, toks, pos, new_cache(buffered=False), mask)
+        assert torch.equal(back(feats, toks, pos, new_cache(buffered=False), mask), out)
+        # no final norm: the output is the layer's residual stream, not normed
+        assert not torch.allclose(model.get_decoder().norm(out), out)
+    assert Engine(model, heads=back).generate(PROMPT, max_new_tokens=24, mode="eagle").tokens == hf_greedy(model, PROMPT, 24)
+
+    # A folder written before layouts existed (no eagle_layout in config.json) loads as norms,
+    # computing what it computed then; Medusa folders carry no such field.
+    norms = noisy_eagle(model)
+    folder = save_heads(norms, tmp_path / "old")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg.pop("eagle_layout") == "norms"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    old = load_heads(folder, model)
+    assert old.config.eagle_layout == "norms" and "layer.input_layernorm.weight" in old.state_dict()
+    with torch.no_grad():
+        ref = norms(feats, toks, pos, new_cache(buffered=False), mask)
+        assert torch.equal(old(feats, toks, pos, new_cache(buffered=False), mask), ref)
+        torch.testing.assert_close(model.get_decoder().norm(ref), ref)  # normed output (norm is idempotent here)
+    medusa_cfg = json.loads((save_heads(init_heads_for(model), tmp_path / "medusa") / "config.json").read_text())
+    assert "eagle_layout" not in medusa_cfg
+    with pytest.raises(MedusaError, match="unknown eagle layout"):
+        init_eagle_for(model, layout="eagle3")

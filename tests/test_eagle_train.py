@@ -124,3 +124,40 @@ def test_eagle_init_is_a_config_field_the_trainer_uses():
         assert torch.equal(heads.layer.self_attn.q_proj.weight, last) == copies_last, init
     with pytest.raises(medusa.MedusaError, match="eagle_init"):
         from_dict(TrainConfig, {"eagle_init": "warm"})
+
+
+def test_eagle_layout_is_a_config_field_and_eagle1_starts_as_the_fused_input():
+    from medusa.config import TrainConfig, from_dict
+    from medusa.decoding.hf import new_cache
+    from medusa.models.eagle import additive_mask
+    from medusa.training.heads import HeadsTask
+
+    model = tiny_model("llama")
+    with torch.no_grad():  # non-trivial norm weights, so the folding shows
+        model.get_decoder().layers[-1].input_layernorm.weight.uniform_(0.5, 1.5)
+        model.get_decoder().norm.weight.uniform_(1.0, 3.0)
+    cfg = from_dict(TrainConfig, {"kind": "eagle", "num_heads": 2, "eagle_layout": "eagle1", "cache_dir": "unused"})
+    heads = HeadsTask(cfg).heads(model, accelerator=None)
+    assert heads.config.eagle_layout == "eagle1"
+    assert HeadsTask(from_dict(TrainConfig, {"kind": "eagle", "cache_dir": "unused"})).heads(
+        model, accelerator=None).config.eagle_layout == "norms"  # the default
+    with pytest.raises(medusa.MedusaError, match="eagle_layout"):
+        from_dict(TrainConfig, {"eagle_layout": "vllm"})
+
+    # The warm start: the last layer with its input norm folded into q/k/v at a normed
+    # feature's RMS, and zero output projections, so the output is the fused input (the
+    # feature plus a small token share) and scores near the target's own next token.
+    last = model.get_decoder().layers[-1]
+    g_in, g_f = last.input_layernorm.weight, model.get_decoder().norm.weight
+    scale = g_in / g_f.pow(2).mean().sqrt()
+    torch.testing.assert_close(heads.layer.self_attn.q_proj.weight, last.self_attn.q_proj.weight * scale[None])
+    torch.testing.assert_close(heads.layer.self_attn.v_proj.weight, last.self_attn.v_proj.weight * scale[None])
+    assert torch.equal(heads.layer.mlp.up_proj.weight, last.mlp.up_proj.weight)
+    assert not heads.layer.self_attn.o_proj.weight.any() and not heads.layer.mlp.down_proj.weight.any()
+    n, h = 6, heads.config.hidden_size
+    feats, toks = torch.randn(n, h), torch.randint(4, 90, (n,))
+    with torch.no_grad():
+        out = heads(feats, toks, torch.arange(n), new_cache(buffered=False),
+                    additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32))
+        fused = heads.fc(torch.cat([feats, model.get_input_embeddings()(toks)], -1))
+    torch.testing.assert_close(out, fused)

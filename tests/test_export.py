@@ -18,7 +18,7 @@ import medusa
 from medusa.errors import MedusaError
 from medusa.hub.export import export_heads, load_plain_tensors, read_fasterdecoding
 from medusa.hub.hub import load_heads_from, read_heads
-from medusa.models.heads import HeadsConfig, heads_from_state
+from medusa.models.heads import heads_from_state, save_heads
 from medusa.models.target import load_target
 
 
@@ -293,10 +293,149 @@ def test_shared_heads_with_a_draft_vocabulary_store_one_truncated_projection(tar
     torch.testing.assert_close(drafted[..., sorted(vocab)], heads(hidden)[..., sorted(vocab)], rtol=0, atol=1e-6)
 
 
-def test_eagle_heads_have_no_foreign_export(tmp_path):
-    config = HeadsConfig(hidden_size=8, vocab_size=16, num_heads=2, kind="eagle")
-    for layout in ("vllm", "fasterdecoding"):
-        with pytest.raises(MedusaError, match=f"eagle heads have no {layout} export") as err:
-            export_heads(config, {}, tmp_path / layout, layout)
-        assert "\n" not in str(err.value)
-        assert not (tmp_path / layout).exists()
+def noisy_eagle1(model, seed: int = 5, scale: float = 0.05):
+    """eagle1 heads warm-started, then moved by noise: every weight distinct and non-zero (the
+    warm start zeroes the output projections), so a wrong name or a swapped fc half shows."""
+    from medusa.models.eagle import init_eagle_for
+
+    heads = init_eagle_for(model, num_steps=2, layout="eagle1").float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return heads
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Neox-style rotary embedding (Llama's): ``[T, heads, d]`` at ``positions`` ``[T]``."""
+    d = x.shape[-1]
+    freqs = positions[:, None].float() / theta ** (torch.arange(0, d, 2).float() / d)  # [T, d/2]
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def vllm_eagle_forward(tensors: dict[str, torch.Tensor], config: dict, embed: torch.Tensor, features: torch.Tensor,
+                       tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """vLLM's EAGLE-1 Llama drafter (llama_eagle.py), written from its layout for one causal
+    pass: ``x = fc(cat(embed(token), feature))`` (token first), one Llama layer with no input
+    norm (the residual is x itself), and no final norm: the output is hidden + residual.
+    ``[T, H] features, [T] tokens -> [T, H]`` (what lm_head scores and the next step reads)."""
+    from transformers import LlamaConfig
+
+    c = LlamaConfig.from_dict(config)  # as vLLM reads the folder: the class fills what the file leaves out
+    t = tensors
+    w = lambda name: t[f"layers.0.{name}.weight"]  # noqa: E731
+    n_heads, n_kv = c.num_attention_heads, c.num_key_value_heads
+    d = c.head_dim
+    theta = c.rope_parameters["rope_theta"]
+    x = torch.cat([embed[tokens], features], dim=-1) @ t["fc.weight"].T  # [T, H]
+    n = x.shape[0]
+    q = rotate((x @ w("self_attn.q_proj").T).view(n, n_heads, d), positions, theta)
+    k = rotate((x @ w("self_attn.k_proj").T).view(n, n_kv, d), positions, theta)
+    v = (x @ w("self_attn.v_proj").T).view(n, n_kv, d)
+    k, v = k.repeat_interleave(n_heads // n_kv, dim=1), v.repeat_interleave(n_heads // n_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, n_heads * d) @ w("self_attn.o_proj").T
+    residual = x + attn
+    h = rms_norm(residual, w("post_attention_layernorm"), c.rms_norm_eps)
+    mlp = (F.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+    return mlp + residual
+
+
+def test_eagle1_export_is_vllm_s_eagle1_drafter_computing_the_head_s_function(target, tmp_path, capsys):
+    from medusa.decoding.hf import new_cache
+    from medusa.models.eagle import additive_mask
+
+    folder_target, model = target
+    heads = noisy_eagle1(model)
+    folder = save_heads(heads, tmp_path / "heads")
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "vllm"
+    assert script.main([str(folder), "--to", "vllm", "--out", str(out), "--model", str(folder_target)]) == 0
+    printed = capsys.readouterr().out
+    assert '"method": "eagle"' in printed and '"num_speculative_tokens": 2' in printed
+
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    h, v = model.config.hidden_size, model.config.vocab_size
+    # vLLM's EAGLEConfig renames LlamaForCausalLM to EagleLlamaForCausalLM; one layer.
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (1, h, v)
+    assert cfg["num_attention_heads"] == model.config.num_attention_heads and cfg["dtype"] == "float32"
+    tensors = load_file(out / "model.safetensors")
+    layer = {f"layers.0.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                              "post_attention_layernorm")}
+    # No input norm (the layout has none), no embed_tokens or lm_head: vLLM shares the target's.
+    assert set(tensors) == {"fc.weight"} | layer
+    assert tensors["fc.weight"].shape == (h, 2 * h)
+    fc = heads.fc.weight.detach()
+    assert torch.equal(tensors["fc.weight"][:, :h], fc[:, h:]) and torch.equal(tensors["fc.weight"][:, h:], fc[:, :h])
+    assert torch.equal(tensors["layers.0.mlp.down_proj.weight"], heads.layer.mlp.down_proj.weight)
+
+    # The function: vLLM's drafter written from the exported tensors == the head, on a causal pass
+    # and on the next draft step, which reads the first pass's output as its feature.
+    n = 7
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(n, h, generator=g) * 2
+    tokens = torch.randint(0, v, (n,), generator=g)
+    positions = torch.arange(3, 3 + n)
+    embed = model.get_input_embeddings().weight.detach()
+    with torch.no_grad():
+        ours = heads(features, tokens, positions, new_cache(buffered=False),
+                     additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32))
+        theirs = vllm_eagle_forward(tensors, cfg, embed, features, tokens, positions)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # logits: the target's lm_head on the output as it is (no final norm)
+        torch.testing.assert_close(heads.logits(ours), theirs @ model.get_output_embeddings().weight.T,
+                                   rtol=1e-5, atol=1e-5)
+        step2 = torch.cat([features[1:], ours[-1:]])  # shift: the last pair now carries the drafted feature
+        ours2 = heads(step2, tokens.roll(-1), positions + 1, new_cache(buffered=False),
+                      additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32))
+        theirs2 = vllm_eagle_forward(tensors, cfg, embed, step2, tokens.roll(-1), positions + 1)
+        torch.testing.assert_close(ours2, theirs2, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle_heads_in_the_norms_layout_are_refused_in_one_line(target, tmp_path, capsys):
+    from medusa.models.eagle import init_eagle_for
+
+    folder_target, model = target
+    folder = save_heads(init_eagle_for(model, num_steps=2), tmp_path / "norms")  # the default layout
+    config, state = read_heads(folder)
+    assert config.eagle_layout == "norms"
+    with pytest.raises(MedusaError, match="eagle_layout: eagle1") as err:
+        export_heads(config, state, tmp_path / "vllm", "vllm", target_config=model.config.to_dict())
+    assert "\n" not in str(err.value) and "norms layout" in str(err.value)
+    assert not (tmp_path / "vllm").exists()
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(folder), "--to", "vllm", "--out", str(tmp_path / "x"), "--model", str(folder_target)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "eagle_layout: eagle1" in lines[0]
+    # FasterDecoding's layout has no eagle heads of any layout
+    eagle1 = noisy_eagle1(model)
+    config, state = read_heads(save_heads(eagle1, tmp_path / "eagle1"))
+    with pytest.raises(MedusaError, match="eagle heads have no fasterdecoding export") as err:
+        export_heads(config, state, tmp_path / "fd", "fasterdecoding")
+    assert "\n" not in str(err.value)
+    # nor a draft vocabulary: vLLM's EAGLE-1 drafter scores the full vocabulary
+    with pytest.raises(MedusaError, match="full vocabulary"):
+        export_heads(config, state, tmp_path / "v", "vllm", draft_vocab=[1, 2], target_config=model.config.to_dict())
+
+
+def test_eagle1_export_needs_a_llama_target_of_the_heads_size(target, tmp_path):
+    _, model = target
+    config, state = read_heads(save_heads(noisy_eagle1(model), tmp_path / "heads"))
+    with pytest.raises(MedusaError, match="Llama's"):
+        export_heads(config, state, tmp_path / "a", "vllm", target_config={**model.config.to_dict(), "model_type": "qwen2"})
+    with pytest.raises(MedusaError, match="hidden size"):
+        export_heads(config, state, tmp_path / "b", "vllm", target_config={**model.config.to_dict(), "hidden_size": 32})

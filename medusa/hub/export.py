@@ -28,6 +28,23 @@ layout has no such switch: it gets a copy per head. vLLM can also draft from a s
 the vocabulary: a ``token_map`` tensor of token ids, ``truncated_vocab_size`` rows per
 projection; the draft vocabulary of a calibrated heads folder maps onto it (and shrinks the
 projection to those rows).
+
+EAGLE heads in the ``eagle1`` layout (``medusa.models.eagle``) export to vLLM's EAGLE-1 Llama
+drafter (``"method": "eagle"``, ``vllm/model_executor/models/llama_eagle.py``): a Llama
+``config.json`` cut to one layer (vLLM wraps it in its ``EAGLEConfig``, which renames the
+architecture ``LlamaForCausalLM`` to ``EagleLlamaForCausalLM``) and ``model.safetensors`` with
+
+    fc.weight                                     [H, 2H]  ours with its column halves swapped:
+                                                           vLLM fuses cat(embed(x), f), we cat(f, embed(x))
+    layers.0.self_attn.{q,k,v,o}_proj.weight      the draft layer (vLLM stacks q/k/v and gate/up itself)
+    layers.0.mlp.{gate,up,down}_proj.weight
+    layers.0.post_attention_layernorm.weight      (no input_layernorm: the layout has none)
+
+and no ``embed_tokens`` or ``lm_head``: vLLM then shares the target's (its proposer's
+``_maybe_share_embeddings`` / ``_maybe_share_lm_head``), as our heads do, so the export is
+the head alone (16 MiB in float32 for SmolLM2-135M). Heads in the ``norms`` layout compute
+another function (an input norm on the layer, the target's final norm on its output) and are
+refused.
 """
 
 from __future__ import annotations
@@ -51,12 +68,8 @@ FD_PICKLE = "medusa_lm_head.pt"
 LAYOUTS = ("vllm", "fasterdecoding")
 _EXPORT_FILES = {CONFIG_NAME, WEIGHTS_NAME, FD_WEIGHTS}
 
-# Why a kind of heads cannot be written in the foreign layouts (one line, for the error).
-UNEXPORTABLE = {
-    "eagle": "vLLM's EAGLE drafters (llama_eagle.py, llama_eagle3.py) compute a different function "
-             "(no input norm on the first layer and no final norm; or separately normed token and feature "
-             "inputs with a feature residual), so these weights cannot reproduce the head's drafts there; serve them with this project's engine (mode eagle)",
-}
+# vLLM's EAGLE-1 drafters by the target's model_type (EAGLEConfig prefixes the architecture with "Eagle").
+EAGLE1_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 _FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _FD_PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
@@ -160,6 +173,15 @@ def target_for(config: HeadsConfig, model: str | None = None) -> str | None:
     return base
 
 
+def target_text_config(config: HeadsConfig, model: str | None = None) -> dict[str, Any]:
+    """The heads' target's text config as a dict (loads the model on the CPU)."""
+    from medusa.models.target import load_target
+
+    lm, _ = load_target(target_for(config, model), device="cpu")
+    text = lm.config.get_text_config()
+    return {**text.to_diff_dict(), "model_type": text.model_type}  # what its own config.json holds
+
+
 def target_lm_head(config: HeadsConfig, model: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The ``[V, H]`` vocabulary projection of the heads' target, loaded on the CPU."""
     from medusa.models.target import load_target
@@ -252,20 +274,78 @@ def fasterdecoding_state(config: HeadsConfig, state: dict[str, torch.Tensor],
     return out
 
 
+def check_eagle_exportable(config: HeadsConfig, layout: str) -> None:
+    """One-line errors for eagle heads that have no export to ``layout``."""
+    if layout != "vllm":
+        raise MedusaError(f"eagle heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")
+    if config.eagle_layout != "eagle1":
+        raise MedusaError(
+            f"eagle heads in the {config.eagle_layout} layout have no vllm export: vLLM's EAGLE-1 drafter has no "
+            "input norm on its layer and no final norm, so these weights would draft differently there; "
+            "train with eagle_layout: eagle1 (configs/train/smollm2-135m-eagle1.yaml) to serve with vLLM")
+
+
+def vllm_eagle_config(config: HeadsConfig, target_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of an EAGLE-1 draft: the target's own (text) config cut to one layer."""
+    model_type = target_config.get("model_type")
+    if model_type not in EAGLE1_ARCHITECTURES:
+        raise MedusaError(f"vLLM's EAGLE-1 drafter exported here is Llama's, but the target is {model_type!r}: "
+                          "serve these heads with this project's engine (mode eagle)")
+    if (target_config.get("hidden_size"), target_config.get("vocab_size")) != (config.hidden_size, config.vocab_size):
+        raise MedusaError(f"the target has hidden size {target_config.get('hidden_size')} and vocab "
+                          f"{target_config.get('vocab_size')} but the heads need {config.hidden_size} and "
+                          f"{config.vocab_size}: pass the model the heads were trained for (--model)")
+    drop = {"_name_or_path", "_model_name_or_path", "name_or_path", "layer_types", "torch_dtype", "dtype",
+            "transformers_version", "architectures", "num_hidden_layers"}
+    out = {k: v for k, v in target_config.items() if k not in drop}
+    out.update(architectures=[EAGLE1_ARCHITECTURES[model_type]], num_hidden_layers=1,
+               dtype=str(dtype).removeprefix("torch."))
+    if config.base_model:
+        out["base_model_name_or_path"] = config.base_model
+    return out
+
+
+def vllm_eagle_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's EAGLE-1 tensor names; ``fc``'s halves swapped to its cat(embed(x), f) order."""
+    h = config.hidden_size
+    fc = state["fc.weight"]  # [H, 2H]: columns [:H] read f_p, [H:] read embed(x_{p+1})
+    out = {"fc.weight": torch.cat([fc[:, h:], fc[:, :h]], dim=1)}
+    for name, tensor in state.items():
+        if name.startswith("layer."):
+            out["layers.0." + name.removeprefix("layer.")] = tensor
+    foreign = sorted(k for k in state if k != "fc.weight" and not k.startswith("layer.")) + \
+        [k for k in out if k.endswith("input_layernorm.weight")]
+    if foreign:
+        raise MedusaError(f"these heads hold {', '.join(foreign[:3])}, which the eagle1 layout has not: "
+                          "export an eagle1 heads folder as written by train/train_heads.py")
+    return out
+
+
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
                  lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 draft_vocab: list[int] | torch.Tensor | None = None) -> Path:
+                 draft_vocab: list[int] | torch.Tensor | None = None,
+                 target_config: dict[str, Any] | None = None) -> Path:
     """Write heads (our config + state dict) to ``out`` in ``layout`` ("vllm" or "fasterdecoding").
 
     ``lm_head`` (``[V, H]``) is the target's vocabulary projection, needed for shared heads.
     ``dtype`` casts every floating tensor (default: keep each tensor's dtype).
-    ``draft_vocab`` (vLLM only) makes the heads draft from those token ids alone. The
-    folder is written to a temporary sibling and renamed into place.
+    ``draft_vocab`` (vLLM only) makes the heads draft from those token ids alone.
+    ``target_config`` (the target's text config as a dict) is needed for eagle1 heads, whose
+    vLLM config is the target's cut to one layer. The folder is written to a temporary
+    sibling and renamed into place.
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if config.kind != "medusa":
-        raise MedusaError(f"{config.kind} heads have no {layout} export: {UNEXPORTABLE.get(config.kind, 'only Medusa heads export')}")
+    if config.kind == "eagle":
+        check_eagle_exportable(config, layout)
+        if draft_vocab is not None:
+            raise MedusaError("vLLM's EAGLE-1 drafter scores the full vocabulary: drop --draft-vocab for eagle heads")
+        if target_config is None:
+            raise MedusaError("eagle heads export with their target's config: pass the target model (--model)")
+        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+                   for k, v in vllm_eagle_state(config, state).items()}
+        cfg = vllm_eagle_config(config, target_config, tensors["fc.weight"].dtype)
+        return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
     token_map = None
     if draft_vocab is not None:
         if layout != "vllm":
@@ -285,7 +365,10 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     else:
         cfg = fasterdecoding_config(config)
 
-    out = Path(out)
+    return _write(Path(out), tensors, name, cfg)
+
+
+def _write(out: Path, tensors: dict[str, torch.Tensor], name: str, cfg: dict[str, Any]) -> Path:
     refuse_foreign(out, _EXPORT_FILES, "--out folder")  # replace an earlier export, nothing else
     with atomic_folder(out) as tmp:
         save_file(tensors, tmp / name, metadata={"format": "pt"})

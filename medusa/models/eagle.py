@@ -13,6 +13,18 @@ The decoder layer is transformers' own class for the target's architecture, buil
 copy of the target's config with one (full-attention) layer: no modeling code is forked.
 The target's embeddings, final norm, rotary embedding and ``lm_head`` are held by
 reference, outside the module's parameters: they are neither trained, saved nor moved.
+
+Two layouts (``HeadsConfig.eagle_layout``):
+
+* ``norms`` (folders written before layouts existed): the layer keeps its input norm, and
+  its output goes through the target's final norm, so predicted features land in the
+  target's (normed) feature space whatever the layer's scale.
+* ``eagle1``: vLLM's EAGLE-1 Llama drafter (``vllm/model_executor/models/llama_eagle.py``):
+  the layer's input norm is dropped (the fused pair enters attention as it is) and there is
+  no final norm: the layer's output, the residual stream, is both what ``lm_head`` scores
+  and the next draft step's feature. ``scripts/export_heads.py --to vllm`` writes these for
+  vLLM's ``"method": "eagle"``; the fusion's input order differs there (token first), which
+  the export permutes.
 """
 
 from __future__ import annotations
@@ -56,6 +68,11 @@ class EagleHeads(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)  # [f_p ; embed(x_{p+1})] -> H
         decoder = target.get_decoder()
         self.layer = type(decoder.layers[0])(_layer_config(target), layer_idx=0)
+        if self.eagle1:
+            if not isinstance(getattr(self.layer, "input_layernorm", None), nn.Module):
+                raise MedusaError(f"{type(self.layer).__name__} has no input_layernorm to drop: "
+                                  "eagle_layout eagle1 needs a Llama-style decoder layer; use eagle_layout norms")
+            self.layer.input_layernorm = nn.Identity()  # the fused pair enters attention un-normed
         self._target: tuple[PreTrainedModel, ...] = ()
         self.draft_vocab: torch.Tensor | None = None
         self._draft_weight: torch.Tensor | None = None
@@ -85,6 +102,11 @@ class EagleHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    @property
+    def eagle1(self) -> bool:
+        """vLLM's EAGLE-1 layout: no input norm on the layer, no final norm."""
+        return self.config.eagle_layout == "eagle1"
+
     def init_random(self, std: float = 0.02) -> EagleHeads:
         """Start the draft layer at its class's own default initialisation (what constructing
         it gives) and the fusion ``fc`` small and random (normal, ``std``)."""
@@ -96,9 +118,34 @@ class EagleHeads(nn.Module):
         """Start the draft layer as a copy of the target's last decoder layer (same shapes),
         and the fusion as "take the feature". It first predicts ``x_{p+1}`` again (held-out KL
         ~23 at step 0) but still trains faster than :meth:`init_random` on the embedded model
-        (README "EAGLE heads": after 50 steps held-out depth-1 top-1 0.072 against 0.033)."""
-        last = self.target.get_decoder().layers[-1]
-        self.layer.load_state_dict(last.state_dict())
+        (README "EAGLE heads": after 50 steps held-out depth-1 top-1 0.072 against 0.033).
+
+        ``eagle1`` (no input norm, no final norm) adapts the copy to the missing norms: the
+        input norm's weights are folded into the attention's q/k/v projections, divided by
+        the RMS a normed feature has (that of the final norm's weights), so attention first
+        sees about what the last layer saw; and the attention and MLP output projections start
+        at zero, so the output (the residual stream, scored as it is) starts as exactly the
+        fused input, i.e. the feature. A plain copy would add the last layer's raw outputs,
+        which on SmolLM2 are ~17x the normed feature (that layer cancels a residual stream
+        of RMS ~36 down to ~2), to the feature with no final norm to scale them back."""
+        decoder = self.target.get_decoder()
+        last = decoder.layers[-1]
+        state = last.state_dict()
+        if self.eagle1:
+            del state["input_layernorm.weight"]
+            self.layer.load_state_dict(state)
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            w = attn.q_proj.weight
+            with torch.no_grad():
+                ones = torch.ones(1, self.config.hidden_size, dtype=w.dtype, device=w.device)
+                feature_rms = decoder.norm(ones).float().pow(2).mean().sqrt()  # a normed feature's RMS
+                scale = (last.input_layernorm(ones)[0].float() / feature_rms).to(w.dtype)  # [H]
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.weight.mul_(scale[None, :])  # W diag(input norm weight) / RMS
+                attn.o_proj.weight.zero_()
+                mlp.down_proj.weight.zero_()
+        else:
+            self.layer.load_state_dict(state)
         h = self.config.hidden_size
         with torch.no_grad():
             self.fc.weight.zero_()
@@ -141,6 +188,8 @@ class EagleHeads(nn.Module):
         out = self.layer(x, attention_mask=mask.to(x.dtype), position_ids=pos, past_key_values=cache, use_cache=True,
                          position_embeddings=cos_sin)
         out = out[0] if isinstance(out, tuple) else out
+        if self.eagle1:
+            return out[0]  # [T, H]: the residual stream, scored and fed back as it is
         return target.get_decoder().norm(out)[0]  # [T, H]: in the target's feature space
 
     def logits(self, features: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,15 +218,16 @@ EAGLE_INITS = ("random", "last_layer", "last_layer_token")
 
 
 def init_eagle_for(target: PreTrainedModel, num_steps: int = 4, base_model: str | None = None,
-                   init: str = "last_layer") -> EagleHeads:
+                   init: str = "last_layer", layout: str = "norms") -> EagleHeads:
     """Fresh eagle heads sized for ``target``: ``init="random"`` (the layer's default
     initialisation, ``fc`` small random) or ``"last_layer"`` (a copy of the target's last
-    decoder layer, ``fc`` = take the feature; see :meth:`EagleHeads.init_from_target`)."""
+    decoder layer, ``fc`` = take the feature; see :meth:`EagleHeads.init_from_target`).
+    ``layout``: ``"norms"`` or ``"eagle1"`` (vLLM's EAGLE-1; see the module docstring)."""
     if init not in EAGLE_INITS:
         raise MedusaError(f"eagle init must be one of {', '.join(EAGLE_INITS)}, got {init!r}")
     vocab, hidden = target.get_output_embeddings().weight.shape
     config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_steps, num_layers=1, kind="eagle",
-                         base_model=base_model)
+                         base_model=base_model, eagle_layout=layout)
     heads = EagleHeads(config, target)
     heads = {"random": heads.init_random, "last_layer": heads.init_from_target,
              "last_layer_token": heads.init_from_target_with_token}[init]()

@@ -36,6 +36,10 @@ PROJECTIONS = ("shared", "per_head")
 # "medusa": independent heads, one per future token (this module); "eagle": one
 # autoregressive decoder layer over the target's features (medusa.models.eagle).
 KINDS = ("medusa", "eagle")
+# How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle):
+# "norms" (the layer's own input norm, then the target's final norm: folders written before
+# layouts existed) or "eagle1" (neither: vLLM's EAGLE-1 Llama drafter, so it exports to vLLM).
+EAGLE_LAYOUTS = ("norms", "eagle1")
 
 
 @dataclass
@@ -49,19 +53,25 @@ class HeadsConfig:
     projection: str = "shared"
     base_model: str | None = None
     kind: str = "medusa"  # folders written before kinds existed are Medusa heads
+    eagle_layout: str = "norms"  # eagle heads only; folders written before layouts existed are "norms"
     # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise MedusaError(f"unknown heads kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        if self.eagle_layout not in EAGLE_LAYOUTS:
+            raise MedusaError(f"unknown eagle layout {self.eagle_layout!r}: use one of {', '.join(EAGLE_LAYOUTS)}")
         if self.projection not in PROJECTIONS:
             raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
         if self.num_heads < 1 or self.num_layers < 0:
             raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model_type": MODEL_TYPE, **asdict(self)}
+        data = {"model_type": MODEL_TYPE, **asdict(self)}
+        if self.kind != "eagle":
+            del data["eagle_layout"]  # Medusa folders stay as they were
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HeadsConfig:

@@ -136,7 +136,8 @@ class HeadsTask:
         cfg = self.cfg
         if not cfg.init_heads:
             if cfg.kind == "eagle":
-                return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init).float()
+                return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init,
+                                      layout=cfg.eagle_layout).float()
             return init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
         heads = load_heads(cfg.init_heads, target, device=accelerator.device, dtype=torch.float32)
         if heads.config.kind != cfg.kind:
@@ -151,6 +152,7 @@ class HeadsTask:
         heads.set_draft_vocab(None)
         cfg.num_heads, cfg.num_layers, cfg.projection = (heads.config.num_heads, heads.config.num_layers,
                                                          heads.config.projection)
+        cfg.eagle_layout = heads.config.eagle_layout
         if accelerator.is_main_process:
             log.info("heads: starting from %s (%d heads x %d layers, %s projection)", cfg.init_heads,
                      heads.config.num_heads, heads.config.num_layers, heads.config.projection)
