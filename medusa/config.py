@@ -229,6 +229,11 @@ class DataFields:
     eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
     data_seed: int = arg(0, "seed of the data shuffle and held-out split")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
+    num_proc: int | None = arg(None, "processes that tokenise the data (datasets map; empty: 1 below 5,000 "
+                                     "conversations per source, else min(8, cores))")
+    data_cache_dir: str | None = arg(None, "cache of the tokenised rows (Arrow files named by a hash of the "
+                                           "conversations, tokenizer, chat template and max_length; empty: "
+                                           "HF_DATASETS_CACHE/medusa-tokenised)")
 
 
 @dataclasses.dataclass

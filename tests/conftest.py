@@ -1,11 +1,18 @@
 """Shared fixtures. Tiny random models live in tiny.py; the embedded model is loaded once."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tokenised rows are cached in the datasets cache: the tests (and the runs they launch) use a
+# fresh one, so nothing is read from or left in the user's.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="medusa-tests-datasets-")
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

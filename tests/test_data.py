@@ -2,9 +2,10 @@
 
 import gzip
 import json
+import random
 
 import pytest
-from train_fixtures import counting_conversation, make_tokenizer
+from train_fixtures import WORDS, counting_conversation, make_tokenizer
 
 from medusa.errors import MedusaError
 from medusa.training.data import (
@@ -13,8 +14,10 @@ from medusa.training.data import (
     load_conversations,
     normalize,
     read_json_file,
+    resolve_num_proc,
     salvage_json_array,
     sharegpt_path,
+    tokenise,
     tokenize_conversation,
 )
 
@@ -135,3 +138,117 @@ def test_real_sharegpt_file_is_truncated_and_salvaged():
     assert stats["recovered"] > 17000 and stats["dropped"] >= 1
     assert len(convs) == stats["kept"] + stats["trimmed"] > 15000
     assert stats["recovered"] == sum(stats[k] for k in ("kept", "trimmed", "empty", "malformed", "wrong_role"))
+
+
+# -- tokenising through datasets.map, cached -------------------------------------------------
+
+def _words(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _varied_records(n: int, seed: int = 0) -> list:
+    """Multi-turn, system prompts, answers cut by max_length, questions so long that no answer
+    token is left, trimmed ShareGPT parts, and records that are dropped."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        kind = i % 6
+        turns = [{"role": "user", "content": _words(rng, 3)}, {"role": "assistant", "content": _words(rng, 5)}]
+        if kind == 1:
+            turns = [{"role": "system", "content": _words(rng, 4)}] + turns * 2
+        elif kind == 2:
+            turns[1]["content"] = _words(rng, 120)  # truncated inside the answer
+        elif kind == 3:
+            turns[0]["content"] = _words(rng, 200)  # nothing of the answer left
+        elif kind == 4:
+            turns = [{"role": "assistant", "content": "nine"}] + turns + [{"role": "user", "content": "ok"}]
+        elif kind == 5:
+            turns = turns * 3
+        records.append({"id": f"c{i}", "messages": turns})
+    return records + [{"oops": 1}, {"messages": []}, {"messages": [{"role": "alien", "content": "x"}]}]
+
+
+def _old_build_datasets(tokenizer, source, max_length, eval_fraction, seed):
+    """build_datasets as it was before datasets.map: one tokenize_conversation call per conversation."""
+    stats = DataStats()
+    convs = load_conversations(source, stats, seed=seed)
+    n_eval = max(1, round(len(convs) * eval_fraction))
+    tokenised = []
+    for _, messages in convs:
+        ex = tokenize_conversation(tokenizer, messages, max_length)
+        if ex is None:
+            stats.add("no_assistant_tokens")
+            continue
+        tokenised.append(ex)
+    return tokenised[n_eval:], tokenised[:n_eval], stats
+
+
+def _embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from medusa.models.target import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.mark.parametrize("which", ["word_level", "smollm2"])
+def test_mapped_rows_equal_the_per_conversation_function(tmp_path, which):
+    tok = make_tokenizer() if which == "word_level" else _embedded_tokenizer()
+    path = tmp_path / "varied.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _varied_records(60)) + "\n{cut off")
+    train, evals, stats = _old_build_datasets(tok, str(path), 64, 0.1, seed=5)
+    assert stats["no_assistant_tokens"] > 0 and stats["trimmed"] > 0 and stats["malformed"] == 1
+    assert any(len(ex) == 64 for ex in train) and any(len(ex) < 64 for ex in train)
+    for num_proc in (1, 2):
+        splits = build_datasets(tok, [str(path)], 64, eval_fraction=0.1, seed=5, num_proc=num_proc,
+                                cache_dir=tmp_path / f"rows{num_proc}")
+        assert splits.train == train and splits.eval == evals
+        assert splits.stats.counts == stats.counts
+
+
+def test_rows_are_cached_and_keyed_on_tokenizer_template_and_max_length(tmp_path, monkeypatch):
+    import medusa.training.data as data
+
+    tok = make_tokenizer()
+    convs = [normalize(r)[0] for r in _varied_records(12)[:12]]
+    cache = tmp_path / "rows"
+    first = tokenise(tok, convs, 40, num_proc=2, cache_dir=cache)
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == 2  # one Arrow file per worker
+
+    def no_tokenising(*args):
+        raise AssertionError("tokenised again instead of reading the cache")
+
+    monkeypatch.setattr(data, "tokenize_conversation", no_tokenising)
+    assert tokenise(tok, convs, 40, num_proc=1, cache_dir=cache) == first  # read back, any num_proc
+    assert sorted(p.name for p in cache.iterdir()) == files
+    monkeypatch.undo()
+
+    shorter = tokenise(tok, convs, 24, num_proc=1, cache_dir=cache)
+    assert shorter != first and max(len(ex) for ex in shorter if ex) == 24
+    tok.chat_template = tok.chat_template.replace("m['content']", "'ok ' + m['content']")
+    other_template = tokenise(tok, convs, 40, num_proc=1, cache_dir=cache)
+    assert other_template != first
+    tok.add_tokens(["twelve"])  # another vocabulary: another tokenizer
+    tokenise(tok, convs, 40, num_proc=1, cache_dir=cache)
+    assert len(list(cache.iterdir())) == len(files) + 3
+
+
+def test_template_errors_in_workers_are_one_line_medusa_errors(tmp_path):
+    tok = make_tokenizer()
+    convs = [counting_conversation(i, 3)["messages"] for i in range(4)]
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %} end{% endif %}{% endfor %}"
+    with pytest.raises(MedusaError, match="prefix by prefix") as err:
+        tokenise(tok, convs, 40, num_proc=2, cache_dir=tmp_path)
+    assert "\n" not in str(err.value)
+    tok.chat_template = None
+    with pytest.raises(MedusaError, match="no chat template"):
+        tokenise(tok, convs, 40, num_proc=2, cache_dir=tmp_path)
+
+
+def test_num_proc_is_automatic_for_large_data_only():
+    assert resolve_num_proc(None, 100) == 1
+    assert 1 <= resolve_num_proc(None, 10**6) <= 8
+    assert resolve_num_proc(3, 100) == 3
+    with pytest.raises(MedusaError, match="num_proc must be at least 1"):
+        resolve_num_proc(0, 100)

@@ -14,25 +14,38 @@ Records that are malformed, empty, or whose roles do not alternate user/assistan
 skipped and counted in :class:`DataStats`; they never stop a run.
 
 Tokenisation renders each conversation with the target's chat template; the loss mask is 1
-exactly on the tokens of assistant turns (their text and end-of-turn marker).
+exactly on the tokens of assistant turns (their text and end-of-turn marker). It runs as a
+``datasets`` ``map`` (``num_proc`` worker processes, a progress bar) whose Arrow output is
+cached under a fingerprint of the conversations, the tokenizer, its chat template, the
+``max_length`` and the tokenising code: a second run with the same settings reads the rows back
+instead of tokenising again, and any change tokenises afresh.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
+import inspect
 import json
+import logging
+import os
 import random
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tokenizers
+import transformers
 from transformers import PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
+
+log = logging.getLogger("medusa.training.data")
 
 Message = dict[str, str]  # {"role": "user"|"assistant"|"system", "content": str}
 Conversation = list[Message]
@@ -273,9 +286,15 @@ def load_conversations(source: str, stats: DataStats, split: str = "train", max_
 
 # -- tokenising --------------------------------------------------------------------------------
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, add_generation_prompt: bool = False) -> str:
-    if not getattr(tokenizer, "chat_template", None):
+def chat_template(tokenizer: PreTrainedTokenizerBase) -> Any:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise MedusaError("the tokenizer has no chat template: use an instruction-tuned target or set tokenizer.chat_template")
+    return template
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, add_generation_prompt: bool = False) -> str:
+    chat_template(tokenizer)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -321,6 +340,103 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: Conversa
     return Example(ids, mask)
 
 
+def tokenise_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict[str, list]:
+    """The ``datasets.map`` function: a batch of conversations -> their ids and masks, one row
+    each; a conversation with no assistant token left gets empty rows (the caller drops them)."""
+    ids, masks = [], []
+    for messages in batch["messages"]:
+        ex = tokenize_conversation(tokenizer, messages, max_length)
+        ids.append(ex.input_ids if ex is not None else [])
+        masks.append(ex.loss_mask if ex is not None else [])
+    return {"input_ids": ids, "loss_mask": masks}
+
+
+# The tokenising code is part of the cache key: a change to it tokenises afresh.
+_CODE = "".join(inspect.getsource(f) for f in (render, assistant_spans, tokenize_conversation, tokenise_batch))
+
+
+def rows_fingerprint(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int) -> str:
+    """Names the cached rows: everything the token ids and masks depend on."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise MedusaError("loss masks need a fast tokenizer (offset mapping): load the target with its tokenizer.json")
+    h = hashlib.sha256()
+    for part in (_CODE, transformers.__version__, tokenizers.__version__, type(tokenizer).__name__, backend.to_str(),
+                 json.dumps(chat_template(tokenizer)), json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str),
+                 str(max_length)):
+        data = part.encode()
+        h.update(f"{len(data)}:".encode() + data)
+    for messages in conversations:
+        h.update(json.dumps(messages).encode() + b"\n")  # json escapes newlines: one line per conversation
+    return h.hexdigest()[:32]
+
+
+AUTO_PARALLEL_FROM = 5000  # conversations; below this, worker start-up costs more than it saves
+
+
+def resolve_num_proc(num_proc: int | None, n: int) -> int:
+    """Worker processes for ``n`` conversations: ``num_proc``, or when None one process for
+    small data and min(8, usable cores) from ``AUTO_PARALLEL_FROM`` conversations on."""
+    if num_proc is not None:
+        if num_proc < 1:
+            raise MedusaError(f"num_proc must be at least 1 (or empty for automatic), got {num_proc}")
+        return num_proc
+    if n < AUTO_PARALLEL_FROM:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(8, cores)
+
+
+def default_cache_dir() -> Path:
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "medusa-tokenised"
+
+
+@contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """datasets' progress bars off while the context is open, unless ``show``."""
+    import datasets
+
+    was_off = datasets.are_progress_bars_disabled()
+    if not show:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
+
+
+def tokenise(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int,
+             num_proc: int | None = None, cache_dir: str | Path | None = None, desc: str = "tokenise",
+             progress: bool = False) -> list[Example | None]:
+    """One row per conversation, in order: :func:`tokenize_conversation` run by ``datasets.map``
+    on ``num_proc`` processes (see :func:`resolve_num_proc`), its Arrow output cached in
+    ``cache_dir`` (default: the datasets cache) under :func:`rows_fingerprint`."""
+    import datasets  # imported here: loading it costs seconds and only training tokenises
+
+    if not conversations:
+        return []
+    fp = rows_fingerprint(tokenizer, conversations, max_length)
+    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    procs = resolve_num_proc(num_proc, len(conversations))
+    cached = any(folder.glob(f"{fp}*.arrow"))
+    log.info("%s: %d conversations, %s", desc, len(conversations),
+             f"rows read from the cache {folder}/{fp}*" if cached else f"{procs} process(es), cached in {folder}")
+    turn = datasets.Features({"role": datasets.Value("string"), "content": datasets.Value("string")})
+    row_features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+    ds = datasets.Dataset.from_dict({"messages": conversations}, features=datasets.Features({"messages": datasets.List(turn)}))
+    with _progress_bars(progress):
+        ds = ds.map(tokenise_batch, batched=True, batch_size=64, num_proc=procs if procs > 1 else None,
+                    fn_kwargs={"tokenizer": tokenizer, "max_length": max_length}, remove_columns=["messages"],
+                    features=row_features, cache_file_name=str(folder / f"{fp}.arrow"), new_fingerprint=fp, desc=desc)
+    ids, masks = (ds.data.column(name).to_pylist() for name in ("input_ids", "loss_mask"))
+    return [Example(i, m) if i else None for i, m in zip(ids, masks)]
+
+
 @dataclass
 class DataSplits:
     train: list[Example]
@@ -330,10 +446,12 @@ class DataSplits:
 
 def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_length: int,
                    max_samples: int | None = None, eval_fraction: float = 0.02,
-                   seed: int = 0, split: str = "train", progress: bool = False) -> DataSplits:
-    """Read, clean, tokenise and split every source; the held-out part is taken per source.
-    Each conversation stays its own sequence (no packing: the heads train on features computed
-    as at inference, where attention never crosses into another conversation)."""
+                   seed: int = 0, split: str = "train", progress: bool = False,
+                   num_proc: int | None = None, cache_dir: str | Path | None = None) -> DataSplits:
+    """Read, clean, tokenise (:func:`tokenise`: parallel and cached) and split every source; the
+    held-out part is taken per source. Each conversation stays its own sequence (no packing: the
+    heads train on features computed as at inference, where attention never crosses into
+    another conversation)."""
     if not sources:
         raise MedusaError("no data sources given: set data (e.g. 'sharegpt' or a .jsonl file)")
     stats = DataStats()
@@ -342,18 +460,11 @@ def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_l
     for source in sources:
         convs = load_conversations(source, stats, split=split, max_samples=max_samples, seed=seed)
         n_eval = max(1, round(len(convs) * eval_fraction)) if eval_fraction > 0 and len(convs) > 1 else 0
-        items: Iterable = convs
-        if progress:
-            from tqdm.auto import tqdm
-
-            items = tqdm(convs, desc=f"tokenise {source}", leave=False)
-        tokenised = []
-        for _, messages in items:
-            ex = tokenize_conversation(tokenizer, messages, max_length)
-            if ex is None:
-                stats.add("no_assistant_tokens")
-                continue
-            tokenised.append(ex)
+        rows = tokenise(tokenizer, [messages for _, messages in convs], max_length, num_proc, cache_dir,
+                        desc=f"tokenise {source}", progress=progress)
+        tokenised = [ex for ex in rows if ex is not None]
+        if len(tokenised) < len(rows):
+            stats.add("no_assistant_tokens", len(rows) - len(tokenised))
         evals += tokenised[:n_eval]
         train += tokenised[n_eval:]
     if not train:

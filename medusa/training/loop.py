@@ -146,8 +146,9 @@ def setup(cfg: Any) -> Run:
 
 
 def load_inputs(cfg: Any, accelerator: Any) -> tuple[nn.Module, Any, DataSplits]:
-    """The target (whole, also under ZeRO-3) and the tokenised data; every process
-    tokenises the same data the same way (deterministic)."""
+    """The target (whole, also under ZeRO-3) and the tokenised data. The first process of each
+    machine tokenises into the rows cache while the others wait, then they read its rows (the
+    cache is usually on a machine's own disk)."""
     main = accelerator.is_main_process
     with whole_weights(accelerator):
         target, tokenizer = load_target(cfg.model, device=accelerator.device, dtype=cfg.dtype,
@@ -155,8 +156,10 @@ def load_inputs(cfg: Any, accelerator: Any) -> tuple[nn.Module, Any, DataSplits]
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
-    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
-                            cfg.data_seed, cfg.data_split, progress=main)
+    with accelerator.local_main_process_first():
+        splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
+                                cfg.data_seed, cfg.data_split, progress=main, num_proc=cfg.num_proc,
+                                cache_dir=cfg.data_cache_dir)
     if main:
         log.info("data: %d train / %d held-out sequences (%s)", len(splits.train), len(splits.eval), splits.stats.summary())
     return target, tokenizer, splits
