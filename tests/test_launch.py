@@ -79,21 +79,37 @@ def test_deepspeed_zero2_two_processes(setup, tmp_path):
     assert any((out / "checkpoints" / "step-0000002").rglob("*optim_states*"))
 
 
-def test_deepspeed_zero2_resume_reaches_the_uninterrupted_result(setup, tmp_path):
-    """DeepSpeed's own checkpoint (every rank writes its shards) + the schedule + RNG states:
-    a run resumed from step 2 ends with the heads the uninterrupted run saved."""
-    config = ("--config_file", str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
+def assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config, extra=()):
+    """A run resumed from step 2's checkpoint (DeepSpeed's own, every rank writes its shards,
+    plus the schedule and RNG states) ends with the folders the uninterrupted run saved."""
     full = tmp_path / "full"
-    launch(setup, full, *config)
+    launch(setup, full, *config, extra=extra)
     ckpt = full / "checkpoints" / "step-0000002"
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
     (resumed / "checkpoints" / "latest").write_text(ckpt.name)
-    proc = launch(setup, resumed, *config, extra=("--resume", "true"))
+    proc = launch(setup, resumed, *config, extra=(*extra, "--resume", "true"))
     assert "resumed from" in proc.stderr
-    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    saved = sorted(p.relative_to(full) for p in full.rglob("model.safetensors") if "checkpoints" not in p.parts)
+    assert saved and saved == sorted(p.relative_to(resumed) for p in resumed.rglob("model.safetensors")
+                                     if "checkpoints" not in p.parts)
+    for rel in saved:
+        a, b = load_file(full / rel), load_file(resumed / rel)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), rel
+
+
+def test_deepspeed_zero2_resume_reaches_the_uninterrupted_result(setup, tmp_path):
+    config = ("--config_file", str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
+    assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config)
+
+
+def test_deepspeed_zero3_resume_reaches_the_uninterrupted_result(setup, tmp_path):
+    """ZeRO-3 with every parameter partitioned, Medusa-2 (LoRA on the target): the resumed run
+    saves the same heads and the same merged target."""
+    config = ("--config_file", str(zero3_config(tmp_path)))
+    lora = ("--lora", "true", "--lora_r", "4", "--lora_lr", "1e-2", "--lora_target_modules", "q_proj,v_proj")
+    assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config, extra=lora)
 
 
 def zero3_config(tmp_path: Path) -> Path:

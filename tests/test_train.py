@@ -87,8 +87,11 @@ def test_self_distillation_with_feature_cache(setup, tmp_path):
     assert meta.stat().st_mtime_ns == stamp  # same data: the cache is reused, not rebuilt
 
 
-def test_resume_reaches_the_uninterrupted_result(setup, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["medusa1", "medusa2-lora-dropout"])
+def test_resume_reaches_the_uninterrupted_result(setup, tmp_path, lora):
     kw = dict(max_steps=6, save_every=3, grad_accum=2, batch_size=2, keep_checkpoints=1)
+    if lora:  # LoRA dropout draws must replay too (the resumed run's fresh data iterator draws first)
+        kw.update(lora=True, lora_r=4, lora_target_modules=["q_proj", "v_proj"], lora_lr=1e-2, lora_dropout=0.1)
     full = tmp_path / "full"
     train(config(setup, full, **kw))
     # The interrupted run: all it has is the checkpoint written half way.
@@ -100,10 +103,11 @@ def test_resume_reaches_the_uninterrupted_result(setup, tmp_path):
     (resumed / "checkpoints" / "latest").write_text(ckpt.name)
     AcceleratorState._reset_state(True)
     train(config(setup, resumed, resume=True, **kw))
-    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-6), key
+    for name in ["model.safetensors"] + (["target/model.safetensors"] if lora else []):
+        a, b = load_file(full / name), load_file(resumed / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.allclose(a[key], b[key], atol=1e-6), (name, key)
     assert [r for r in history(resumed) if r["kind"] == "train"][0]["step"] == 4
 
 
@@ -210,4 +214,6 @@ def test_checkpoints_hold_the_schedule_and_resume_continues_it(setup, tmp_path):
     lrs = {r["step"]: r["lr"] for r in history(full) if r["kind"] == "train"}
     again = {r["step"]: r["lr"] for r in history(resumed) if r["kind"] == "train"}
     assert again == {s: lrs[s] for s in (4, 5, 6)}
-    assert lrs[6] == pytest.approx(1e-2 * 0.2, rel=1e-3)  # linear decay to min_lr_ratio * lr at max_steps
+    # each step logs the rate it used: 0 -> lr over 4 warmup steps, then linear toward min_lr_ratio * lr
+    assert lrs[1] == 0 and lrs[5] == pytest.approx(1e-2, rel=1e-3)
+    assert lrs[6] == pytest.approx(1e-2 * (0.2 + 0.8 * 0.5), rel=1e-3)  # half way from step 4 to max_steps 6

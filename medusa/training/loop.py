@@ -217,12 +217,13 @@ def loop(run: Run) -> None:
     first, batches = run.step, iter(loader)
     try:
         while run.step < run.total and (run.step == first or not out_of_time(accelerator, deadline)):
+            lr = run.scheduler.get_last_lr()[0]  # this step's (train_step moves the schedule on)
             loss, metrics = train_step(run, batches)
             run.step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", **run.task.postfix(metrics))
             if main and (run.step % cfg.log_every == 0 or run.step == run.total):
-                record(run, "train", {"loss": loss, "lr": run.scheduler.get_last_lr()[0], **metrics})
+                record(run, "train", {"loss": loss, "lr": lr, **metrics})
             if run.eval_data is not None and cfg.eval_every and run.step % cfg.eval_every == 0:
                 evaluate(run)
             if cfg.save_every and run.step % cfg.save_every == 0 and run.step < run.total:
@@ -240,12 +241,13 @@ def train_step(run: Run, batches: Iterator[Any]) -> tuple[float, dict[str, float
     """One optimizer step over ``grad_accum`` micro-batches: the mean loss and the task's metrics."""
     cfg, accelerator, module = run.cfg, run.accelerator, run.module
     module.train()
-    # Dropout (LoRA) draws depend only on the step: resumed runs replay them exactly.
-    torch.manual_seed(cfg.seed * 7919 + run.step)
     sums: dict[str, torch.Tensor] = {}
     step_loss = torch.zeros((), device=accelerator.device)
-    for _ in range(cfg.grad_accum):
+    for micro in range(cfg.grad_accum):
         batch = next(batches)
+        # Dropout (LoRA) draws depend only on (step, micro-batch, rank), so a resumed run replays
+        # them exactly. Seeded after fetching: a fresh data iterator draws from the global RNG.
+        torch.manual_seed(((cfg.seed * 7919 + run.step) * 64 + micro) * 1024 + accelerator.process_index)
         with accelerator.accumulate(module):
             loss, counts = module(batch)
             mean_loss = accelerator.reduce(loss.detach(), "mean")
