@@ -32,7 +32,7 @@ from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost
 from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
 from medusa.errors import MedusaError
 from medusa.models.heads import CALIBRATION_NAME
-from medusa.training.data import DataStats, load_conversations
+from medusa.training.sources import DataStats, load_conversations
 
 COST_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]
 

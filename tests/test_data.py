@@ -8,17 +8,14 @@ import pytest
 from train_fixtures import WORDS, counting_conversation, make_tokenizer
 
 from medusa.errors import MedusaError
-from medusa.training.data import (
+from medusa.training.data import build_datasets, resolve_num_proc, tokenise, tokenize_conversation
+from medusa.training.sources import (
     DataStats,
-    build_datasets,
     load_conversations,
     normalize,
     read_json_file,
-    resolve_num_proc,
     salvage_json_array,
     sharegpt_path,
-    tokenise,
-    tokenize_conversation,
 )
 
 

@@ -5,7 +5,7 @@ import json
 
 from train_fixtures import tiny_target, write_counting_data
 
-from medusa.training.data import DataStats, load_conversations
+from medusa.training.sources import DataStats, load_conversations
 from train.generate_selfdistill import main
 
 

