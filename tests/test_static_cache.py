@@ -1,5 +1,7 @@
 """The static KV cache and the compiled verification pass decode exactly like the dynamic cache."""
 
+import os
+
 import pytest
 import torch
 from tiny import ARCHS, hf_greedy, tiny_model
@@ -83,10 +85,14 @@ def test_the_mask_is_widened_to_the_capacity_with_the_rest_hidden():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", True])
-def test_the_compiled_pass_decodes_the_same_tokens(backend):
+def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatch):
     # "aot_eager" traces the pass with dynamo and AOTAutograd; True is the real inductor
     # build (C++ kernels on the CPU, CUDA graphs on CUDA).
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     torch._dynamo.reset()
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torch._dynamo sets
     model = tiny_model("llama")
     n = 30
     ref = hf_greedy(model, PROMPT, n)
@@ -96,6 +102,10 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend):
     again = eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="medusa")  # the compiled graph, reused
     assert first.tokens == ref
     assert again.tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
+    # compiled kernels persist beside the cached models, for the next process
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    if backend is True:
+        assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*"))
 
 
 def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
@@ -126,3 +136,12 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
         for mode in ("lookup", "hybrid", "medusa"):
             assert eng.generate(prompt, max_new_tokens=n, mode=mode).tokens == ref, mode
     assert set(sizes) <= set(PASS_BUCKETS) and len(set(sizes)) <= 6, sorted(set(sizes))
+
+
+def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    kv.persist_compiled(tmp_path / "medusa")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    kv.persist_compiled(tmp_path / "medusa")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "medusa")

@@ -6,7 +6,6 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Collection, Generator, Mapping, Sequence
@@ -193,9 +192,7 @@ class Engine:
         if compile:
             from medusa.models.target import cache_root
 
-            # inductor's compiled kernels persist beside the cached models (not in /tmp), so a
-            # second process reuses them instead of compiling again
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            kv.persist_compiled(cache_root() / "inductor")
             self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
 

@@ -21,6 +21,9 @@ tensors (and a captured graph's addresses) never change.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
@@ -336,6 +339,18 @@ def forward(
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
     return lm_logits(model, rows).float(), hidden  # logits [r, V]
+
+
+def persist_compiled(path: Path) -> None:
+    """Keep inductor's compiled kernels in ``path`` (beside the cached models, not in /tmp),
+    so a second process reuses them instead of compiling again. Importing ``torch._dynamo``
+    (transformers does) already set ``TORCHINDUCTOR_CACHE_DIR`` to torch's default, which is
+    replaced; a folder the user chose is kept. Inductor reads the variable at each use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
 def compiled_forward(device: torch.device, compile: bool | str = True):
