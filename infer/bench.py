@@ -233,7 +233,7 @@ def run_prompt_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) 
     return hf_generate(engine, ids, config)
 
 
-# vLLM as a peer: vllm, vllm-ngram and vllm-heads, each a long-lived worker in vLLM's own venv.
+# vLLM as a peer: vllm, vllm-ngram, vllm-heads and vllm-eagle, each a long-lived worker in vLLM's own venv.
 bench_vllm.register(mode, Run)
 
 

@@ -1,4 +1,4 @@
-"""vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram`` and ``vllm-heads``.
+"""vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram``, ``vllm-heads`` and ``vllm-eagle``.
 
 Each mode decodes through one long-lived vLLM worker (``medusa.hub.vllm_client``), started
 by the bench's warm-up and reused for every prompt, so the model load stays out of the
@@ -9,6 +9,9 @@ the same max tokens; the worker times ``LLM.generate`` alone.
 - ``vllm-ngram``: vLLM's prompt lookup with the bench's ``--lookup-tokens`` and ``--lookup-ngram``.
 - ``vllm-heads``: the bench's Medusa heads (``--heads``, default the shipped ones), exported
   with ``scripts/export_heads.py``'s code (full vocabulary): vLLM drafts each head's top-1.
+- ``vllm-eagle``: the bench's eagle heads (``--eagle-heads``, or ``--heads`` when those are
+  eagle heads; default the shipped ones), in the ``eagle1`` layout, exported the same way:
+  vLLM's EAGLE-1 drafter (``"method": "eagle"``) drafts one top-1 chain of ``num_heads`` tokens.
 """
 
 from __future__ import annotations
@@ -32,16 +35,25 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
     if name == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": args.lookup_tokens,
                 "prompt_lookup_max": args.lookup_ngram, "prompt_lookup_min": 1}
-    from medusa.api import SHIPPED_HEADS
+    from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
+    from medusa.hub.hub import read_heads, resolve_heads_folder
     from medusa.hub.vllm_client import export_for_vllm
 
-    heads = args.heads or (SHIPPED_HEADS if args.model is None else None)
-    if heads is None or heads == "init":
-        raise MedusaError("mode vllm-heads needs trained heads: pass --heads FOLDER")
-    tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-heads-")
+    if name == "vllm-eagle":
+        heads = args.eagle_heads
+        if heads is None and args.heads not in (None, "init"):
+            heads = args.heads if read_heads(resolve_heads_folder(args.heads))[0].kind == "eagle" else None
+        if heads is None and args.model is None:
+            heads = SHIPPED_EAGLE_HEADS
+        if heads is None:
+            raise MedusaError("mode vllm-eagle needs trained eagle heads: pass --eagle-heads FOLDER")
+    else:
+        heads = args.heads or (SHIPPED_HEADS if args.model is None else None)
+        if heads is None or heads == "init":
+            raise MedusaError("mode vllm-heads needs trained heads: pass --heads FOLDER")
+    tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
     _EXPORTS.append(tmp)
-    folder, num_heads = export_for_vllm(heads, args.model, Path(tmp.name) / "heads")
-    return {"method": "medusa", "model": str(folder), "num_speculative_tokens": num_heads}
+    return export_for_vllm(heads, args.model, Path(tmp.name) / "heads")
 
 
 def worker(name: str, args: argparse.Namespace):
@@ -67,7 +79,7 @@ def close_all() -> None:
 
 
 def register(mode: Callable, run_type: type) -> None:
-    """Register the three modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
+    """Register the vLLM modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
 
     def runner(name: str):
         def run(engine, ids: list[int], args: argparse.Namespace):
@@ -78,6 +90,6 @@ def register(mode: Callable, run_type: type) -> None:
             return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=steps)
         return run
 
-    for name in ("vllm", "vllm-ngram", "vllm-heads"):
+    for name in ("vllm", "vllm-ngram", "vllm-heads", "vllm-eagle"):
         mode(name)(runner(name))
     atexit.register(close_all)

@@ -1,8 +1,10 @@
-"""Real vLLM with the shipped Medusa heads exported: the same greedy output as the engine.
+"""Real vLLM with the shipped heads exported: the same greedy output as the engine.
 
 Runs ``scripts/vllm_check.py`` on the embedded SmolLM2-135M (float32, batch 1, 3 prompts x
-32 tokens). vLLM lives in its own venv (``~/.cache/medusa/vllm-venv``, created on first use:
-about 4-5 minutes here, then reused); where it cannot be installed the test fails and says so.
+32 tokens) for both kinds of shipped heads: the Medusa heads (vLLM's ``"method": "medusa"``)
+and the EAGLE heads in the eagle1 layout (vLLM's EAGLE-1 drafter, ``"method": "eagle"``).
+vLLM lives in its own venv (``~/.cache/medusa/vllm-venv``, created on first use: about 4-5
+minutes here, then reused); where it cannot be installed the test fails and says so.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from tiny_heads import REPO
@@ -26,7 +29,7 @@ def load_script():
 
 
 @pytest.mark.slow
-def test_vllm_with_exported_medusa_heads_decodes_like_the_engine(tmp_path):
+def test_vllm_with_exported_medusa_and_eagle_heads_decodes_like_the_engine(tmp_path):
     try:
         vllm_python()
     except MedusaError as err:
@@ -34,20 +37,24 @@ def test_vllm_with_exported_medusa_heads_decodes_like_the_engine(tmp_path):
     out = tmp_path / "report.json"
     rc = load_script().main(["--max-new-tokens", "32", "--json", str(out)])
     report = json.loads(out.read_text())
-    rows = report["prompts"]
-    assert report["spec"]["method"] == "medusa" and report["spec"]["num_speculative_tokens"] == 4
-    assert len(rows) == 3
-    for row in rows:
-        assert row["identical"], f"vLLM differs from the engine from token {row['first_difference']} on {row['prompt']!r}"
-        assert len(row["vllm_tokens"]) > 0
-        # vLLM really drafted with the exported heads, and they were right some of the time.
-        assert row["vllm_spec"]["drafts"] > 0 and row["vllm_spec"]["accepted_tokens"] > 0
-    # The export computes the heads' function: vLLM's top-1 drafts are accepted as often as
-    # the engine's identical chain drafts (slack for float near-ties between the two stacks:
-    # one flipped draft moves a 3 x 32-token mean by a few percent).
-    engine_tau = sum(r["engine_tau"] for r in rows) / len(rows)
-    vllm_tau = sum(r["vllm_tau"] for r in rows) / len(rows)
-    assert abs(engine_tau - vllm_tau) <= 0.2 * engine_tau, (engine_tau, vllm_tau)
+    checks = {c["spec"]["method"]: c for c in report["checks"]}
+    assert sorted(checks) == ["eagle", "medusa"]
+    assert checks["medusa"]["spec"]["num_speculative_tokens"] == 4 and checks["eagle"]["spec"]["num_speculative_tokens"] == 3
+    for method, check in checks.items():
+        rows = check["prompts"]
+        assert len(rows) == 3
+        for row in rows:
+            assert row["identical"], (f"vLLM ({method}) differs from the engine from token {row['first_difference']} "
+                                      f"on {row['prompt']!r}")
+            assert len(row["vllm_tokens"]) > 0
+            # vLLM really drafted with the exported heads, and they were right some of the time.
+            assert row["vllm_spec"]["drafts"] > 0 and row["vllm_spec"]["accepted_tokens"] > 0, method
+        # The export computes the heads' function: vLLM's top-1 chain drafts are accepted as
+        # often as the engine's identical chain drafts (slack for float near-ties between the
+        # two stacks: one flipped draft moves a 3 x 32-token mean by a few percent).
+        engine_tau = sum(r["engine_tau"] for r in rows) / len(rows)
+        vllm_tau = sum(r["vllm_tau"] for r in rows) / len(rows)
+        assert abs(engine_tau - vllm_tau) <= 0.2 * engine_tau, (method, engine_tau, vllm_tau)
     assert rc == 0
 
 
@@ -64,3 +71,34 @@ def test_a_python_without_vllm_fails_with_the_worker_s_reason():
     with pytest.raises(MedusaError, match="No module named 'vllm'") as err:
         VLLMWorker(REPO, None, python=sys.executable, startup_timeout=120)
     assert "\n" not in str(err.value) and "worker exited" in str(err.value)
+
+
+def test_bench_mode_vllm_eagle_exports_eagle1_heads_and_refuses_norms_heads(tmp_path):
+    # The speculative config the bench's vllm-eagle worker gets (no vLLM needed to build it).
+    import argparse
+
+    import torch
+    from test_export import noisy_eagle1
+    from tiny_heads import target_folder
+
+    from infer.bench_vllm import close_all, speculative_config
+    from medusa.models.eagle import init_eagle_for
+    from medusa.models.heads import save_heads
+    from medusa.models.target import load_target
+
+    folder = target_folder(tmp_path)
+    model, _ = load_target(str(folder), device="cpu", dtype=torch.float32)
+    eagle1 = save_heads(noisy_eagle1(model), tmp_path / "eagle1")
+    args = argparse.Namespace(model=str(folder), heads=None, eagle_heads=str(eagle1))
+    try:
+        spec = speculative_config("vllm-eagle", args)
+        assert spec["method"] == "eagle" and spec["num_speculative_tokens"] == 2
+        assert (Path(spec["model"]) / "config.json").is_file()
+        # --heads holding eagle heads serve too, as for the bench's eagle modes
+        assert speculative_config("vllm-eagle", argparse.Namespace(model=str(folder), heads=str(eagle1),
+                                                                   eagle_heads=None))["method"] == "eagle"
+        norms = save_heads(init_eagle_for(model, num_steps=2), tmp_path / "norms")
+        with pytest.raises(MedusaError, match="eagle_layout: eagle1"):
+            speculative_config("vllm-eagle", argparse.Namespace(model=str(folder), heads=None, eagle_heads=str(norms)))
+    finally:
+        close_all()

@@ -23,7 +23,7 @@ from typing import IO, Any
 import torch
 
 from medusa.errors import MedusaError
-from medusa.hub.export import export_heads, target_lm_head
+from medusa.hub.export import check_eagle_exportable, export_heads, target_lm_head, target_text_config
 from medusa.hub.hub import read_heads, resolve_heads_folder
 from medusa.models.target import cache_root
 
@@ -174,12 +174,21 @@ class VLLMWorker:
 
 
 
-def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> tuple[Path, int]:
-    """Export ``heads`` for vLLM in float32 over the full vocabulary; returns the folder and
-    the number of heads (vLLM's ``num_speculative_tokens``). No draft vocabulary: vLLM 0.32
-    refuses a Medusa checkpoint with a ``token_map`` ("Following weights were not initialized
-    from checkpoint: {'token_map'}"), so the engine compares with its draft vocabulary off."""
+def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> dict[str, Any]:
+    """Export ``heads`` for vLLM in float32 over the full vocabulary; returns vLLM's
+    ``speculative_config`` for them: ``"method": "medusa"`` for Medusa heads, ``"eagle"`` for
+    eagle heads (``eagle_layout: eagle1`` only), ``num_speculative_tokens`` the number of heads
+    (eagle: the draft steps they were trained to unroll). No draft vocabulary: vLLM 0.32 refuses
+    a Medusa checkpoint with a ``token_map`` ("Following weights were not initialized from
+    checkpoint: {'token_map'}") and its EAGLE-1 drafter has none, so the engine compares with
+    its draft vocabulary off."""
     config, state = read_heads(resolve_heads_folder(heads))
-    shared = config.projection == "shared" and config.kind == "medusa"
-    lm_head = target_lm_head(config, model, dtype=torch.float32) if shared else None
-    return export_heads(config, state, out, "vllm", lm_head=lm_head, dtype=torch.float32), config.num_heads
+    lm_head, target_config = None, None
+    if config.kind == "eagle":
+        check_eagle_exportable(config, "vllm")
+        target_config = target_text_config(config, model)
+    elif config.projection == "shared":
+        lm_head = target_lm_head(config, model, dtype=torch.float32)
+    folder = export_heads(config, state, out, "vllm", lm_head=lm_head, dtype=torch.float32, target_config=target_config)
+    return {"method": "eagle" if config.kind == "eagle" else "medusa", "model": str(folder),
+            "num_speculative_tokens": config.num_heads}
