@@ -30,6 +30,7 @@ from medusa.training.sources import Conversation, DataStats, load_conversations
 
 log = logging.getLogger("medusa.training.data")
 
+
 @dataclass
 class Example:
     """One tokenised training sequence."""
