@@ -37,6 +37,7 @@ import medusa
 from infer import bench_vllm
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
+from medusa.decoding.kernels import KERNELS
 from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
@@ -327,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="engine modes: static cache and a torch.compile'd verification pass (CUDA graphs on CUDA); "
                          "compiled in the warm-up, outside the timing")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--kernels", choices=KERNELS, default=None,
+                    help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
+                         "(default: the faster here, measured once); hf modes always run stock transformers")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
@@ -368,13 +372,15 @@ def main(argv: list[str] | None = None) -> int:
                                    draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
                                    lookup_ngram=args.lookup_ngram)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
-                             static_cache=args.static_cache, compile=args.compile, proposers=proposers)
+                             static_cache=args.static_cache, compile=args.compile, proposers=proposers,
+                             kernels=args.kernels)
         if uses_heads and engine.heads is None:
             raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         args.eagle_engine = None
         if uses_eagle and not (engine.heads is not None and engine.heads.config.kind == "eagle"):
             args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
-                                       static_cache=args.static_cache, compile=args.compile, proposer_config=proposers)
+                                       static_cache=args.static_cache, compile=args.compile, proposer_config=proposers,
+                                       kernels=engine.kernels)
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None
@@ -398,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
             "dtype_reason": getattr(getattr(engine.model, "dtype_choice", None), "reason", "asked for (--dtype)"),
+            "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
     if args.json:

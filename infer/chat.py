@@ -351,6 +351,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="static KV cache and a torch.compile'd verification pass (CUDA graphs on CUDA): "
                         "a slow first answer, faster ones after")
+    p.add_argument("--kernels", choices=("default", "onednn"),
+                   help="linear kernels: torch's default or packed oneDNN weights on a CPU (default: the faster here, "
+                        "measured once and cached)")
     p.add_argument("--show-accepted", action="store_true",
                    help="colour the tokens drafted by the heads/draft that the target accepted")
     p.add_argument("--prompt", help="answer this one message and exit")
@@ -376,7 +379,7 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = medusa.load(args.model, heads=args.heads, draft=args.draft, device=args.device, dtype=args.dtype,
-                             tree=args.tree, compile=args.compile)
+                             tree=args.tree, compile=args.compile, kernels=args.kernels)
     # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they
     # point into medusa or at this caller. Other libraries' warnings are noise here.
     ours = (str(Path(medusa.__file__).resolve().parent), str(Path(__file__).resolve()))
@@ -413,6 +416,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     choice = getattr(lm, "dtype_choice", None)  # dtype=None: picked by measurement (medusa/decoding/device.py)
     if choice is not None:
         lines.append(f"dtype   {choice.reason}")
+    if engine.kernel_choice is not None and engine.kernel_choice.cost_ms:  # picked by measurement
+        lines.append(f"kernels {engine.kernel_choice.reason}")
     if engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.device import adopt_picked_dtype
+from medusa.decoding.device import KernelChoice, adopt_picked_dtype, pick_kernels
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
 from medusa.hub.hub import load_heads_from
@@ -50,6 +50,7 @@ def load(
     static_cache: bool = False,
     compile: bool | str = False,
     proposers: ProposerConfig | None = None,
+    kernels: str | None = None,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
@@ -60,6 +61,11 @@ def load(
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
     backend). The first generation then pays the compilation, once per tree size.
+
+    ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
+    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for a
+    float32 target on this device by measurement, once (cached), and ``"default"`` with
+    ``compile`` or on a GPU. ``engine.kernel_choice`` says which and why.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is None:  # the fastest dtype that keeps the promise on this device, measured once (device.py)
@@ -69,5 +75,11 @@ def load(
         trust_remote_code=trust_remote_code)
     overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
     config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
-    return Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
-                  static_cache=static_cache, compile=compile, proposer_config=config)
+    if kernels is None and not compile:
+        choice = pick_kernels(lm, cache_root() / "kernels.json")
+    else:
+        choice = KernelChoice(kernels or "default", "asked for" if kernels else "default linear kernels: compiled passes", {})
+    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
+                    static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels)
+    engine.kernel_choice = choice
+    return engine

@@ -57,9 +57,10 @@ def parse_cost(text: str) -> dict[int, float]:
 def measured_cost(args: argparse.Namespace, engine, prompts: list[list[int]], max_n: int) -> dict[int, float]:
     if args.cost:
         return parse_cost(args.cost)
-    return measure_cost(engine.model, [s for s in COST_SIZES if s <= max_n],
-                        prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
-                        compile=args.compile)
+    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels: medusa/decoding/kernels.py)
+        return measure_cost(engine.model, [s for s in COST_SIZES if s <= max_n],
+                            prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
+                            compile=args.compile)
 
 
 # (depth, topk) of the dynamic trees tried for eagle heads: narrow and shallow to wide and deep
@@ -75,7 +76,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     curves = {}
     for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
         size = DynamicTree(nodes=min(args.max_nodes, depth * topk * topk), depth=depth, topk=topk)
-        curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size)
+        with engine.kernel_scope():  # drafting timed as the engine drafts
+            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size)
     cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
     size, expected, tps = choose_dynamic(curves, cost)
     device = args.for_device or engine.device.type
@@ -125,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                          "measured here, the cost curve must come from --cost measured on that device")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--kernels", choices=("default", "onednn"), default=None,
+                    help="the engine's linear kernels (default: the faster on this device, as medusa.load picks)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     args = ap.parse_args(argv)
     if args.for_device and not args.cost:
         print("error: --for-device needs --cost, the pass-cost curve measured on that device", file=sys.stderr)
         return 1
     try:
-        engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype)
+        engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype,
+                             kernels=args.kernels)
         heads, tok = engine.heads, engine.tokenizer
         heads.set_draft_vocab(None)
         stats = DataStats()

@@ -10,6 +10,11 @@ linear layers are depends on the device's kernels (bit-identical for 1 to 64 row
 not from 24 rows up on another), so :func:`invariance_probe` checks it on the model itself.
 The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
 GPU name), the torch version and the model's shape, so it is measured once.
+
+The linear kernels of a float32 model on a CPU are picked the same way (:func:`pick_kernels`,
+cached in ``kernels.json``): torch's default (MKL) or packed oneDNN (medusa/decoding/kernels.py),
+whichever times faster. bfloat16 linears already run oneDNN in torch, and their bit-exactness
+was probed with the default kernels, so a bfloat16 model keeps them.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.calibrate import measure_cost
 from medusa.decoding.exact import set_exact
+from medusa.decoding.kernels import PackedLinears, onednn_available
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16 must cost under 90% of fp32: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 16
+KERNEL_KEY_VERSION = "k1"
 KEY_VERSION = "v2"  # v2: the pick also checks batch invariance (entries without it are re-measured)
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
@@ -132,24 +139,39 @@ def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 3,
     return costs, differing
 
 
+def _cached(cache_file: Path, key: str, measure) -> tuple[dict, bool]:
+    """The entry for ``key`` in the JSON table ``cache_file``, else ``measure()``'s (a dict),
+    stored atomically: two processes never leave half a file. Returns (entry, was cached)."""
+    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    if key in table:
+        return table[key], True
+    entry = measure()
+    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}  # another process may have written
+    table[key] = entry
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(cache_file)
+    return entry, False
+
+
+def _costs(entry: dict) -> dict[str, dict[int, float]]:
+    return {d: {int(n): ms for n, ms in c.items()} for d, c in entry["cost_ms"].items()}
+
+
 def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
     """The dtype to run ``model`` (loaded in float32) in on its device: cached, else measured."""
     device = model.get_output_embeddings().weight.device
     key = f"{device_key(device)} | {model_key(model)} | {KEY_VERSION}"
-    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    if key in table:
-        entry = table[key]
-        costs = {d: {int(n): ms for n, ms in c.items()} for d, c in entry["cost_ms"].items()}
-        return DtypeChoice(entry["dtype"], entry["reason"] + " (cached)", costs, entry.get("differing_rows"))
-    costs, differing = measure_dtypes(model)
-    dtype, reason = decide(costs, differing)
-    choice = DtypeChoice(dtype, reason, costs, differing)
-    table[key] = asdict(choice)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-    tmp.replace(cache_file)  # atomic: two processes never leave half a file
-    return choice
+
+    def measure() -> dict:
+        costs, differing = measure_dtypes(model)
+        dtype, reason = decide(costs, differing)
+        return asdict(DtypeChoice(dtype, reason, costs, differing))
+
+    entry, cached = _cached(cache_file, key, measure)
+    return DtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
+                       entry.get("differing_rows"))
 
 
 def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice | None:
@@ -163,3 +185,49 @@ def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice 
         model.to(torch.bfloat16)
     model.dtype_choice = choice
     return choice
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernels: str  # "default" or "onednn" (medusa/decoding/kernels.py)
+    reason: str  # one line for the chat banner and the bench
+    cost_ms: dict[str, dict[int, float]]  # kernels -> {new tokens: ms per pass}
+
+
+def decide_kernels(cost_ms: dict[str, dict[int, float]]) -> tuple[str, str]:
+    """``(kernels, reason)``: packed oneDNN linears only if their one-token pass plus 16-node
+    pass cost under ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU)."""
+    if "onednn" not in cost_ms:
+        return "default", "default linear kernels: this device has no packed oneDNN linears"
+    detail = " vs ".join(f"{k} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for k, c in cost_ms.items())
+    if sum(cost_ms["onednn"].values()) >= MARGIN * sum(cost_ms["default"].values()):
+        return "default", f"default linear kernels: oneDNN's are not faster here by measurement, {detail}"
+    return "onednn", f"oneDNN linear kernels: faster here by measurement, {detail}"
+
+
+def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 3) -> dict[str, dict[int, float]]:
+    """Pass cost by new-token count with the default and with packed oneDNN linears."""
+    device = model.get_output_embeddings().weight.device
+    costs = {"default": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
+    if onednn_available(device):
+        with PackedLinears(model):
+            costs["onednn"] = measure_cost(model, list(SIZES), prefix=prefix, reps=reps)
+    return costs
+
+
+def pick_kernels(model: PreTrainedModel, cache_file: Path) -> KernelChoice:
+    """The linear kernels for ``model`` (in its dtype) on its device: cached, else measured.
+    Not a CPU: the default kernels, unmeasured."""
+    device = model.get_output_embeddings().weight.device
+    if not onednn_available(device):
+        return KernelChoice("default", f"default linear kernels: packed oneDNN linears need a CPU, not {device}", {})
+    if model.dtype != torch.float32:
+        return KernelChoice("default", f"default linear kernels: {model.dtype} linears already run oneDNN", {})
+    key = f"{device_key(device)} | {model_key(model)} | {model.dtype} | {KERNEL_KEY_VERSION}"
+
+    def measure() -> dict:
+        costs = measure_kernels(model)
+        return asdict(KernelChoice(*decide_kernels(costs), costs))
+
+    entry, cached = _cached(cache_file, key, measure)
+    return KernelChoice(entry["kernels"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry))

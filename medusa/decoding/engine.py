@@ -6,6 +6,7 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Collection, Generator, Mapping, Sequence
@@ -18,6 +19,7 @@ from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
 from medusa.decoding.exact import is_exact, set_exact
+from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
@@ -158,6 +160,7 @@ class Engine:
         compile: bool | str = False,
         proposer_config: ProposerConfig | None = None,
         exact: bool | None = None,
+        kernels: str = "default",
     ) -> None:
         kv.check_target(model)  # refuses models a tree cannot verify, or whose logits we cannot reproduce
         # Batch-invariant attention (medusa/decoding/exact.py): a tree row equals its one-token
@@ -195,6 +198,28 @@ class Engine:
             kv.persist_compiled(cache_root() / "inductor")
             self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
+        # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
+        # linears (medusa/decoding/kernels.py); model.generate and training never do.
+        self.kernels = kernels
+        self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
+        self._kernels = self._kernel_context(kernels, compile, heads)
+
+    def _kernel_context(self, kernels: str, compile: bool | str, heads: MedusaHeads | None):
+        if kernels not in KERNELS:
+            raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+        if kernels == "default":
+            return contextlib.nullcontext()
+        if compile:
+            raise MedusaError("kernels='onednn' runs eager passes: drop compile or use kernels='default'")
+        if not onednn_available(self.device):
+            raise MedusaError(f"kernels='onednn' needs a CPU torch build with oneDNN, not {self.device}: "
+                              "use kernels='default'")
+        return PackedLinears(self.model, self.draft, heads)
+
+    def kernel_scope(self):
+        """A context in which the target (and draft, heads) run the engine's linear kernels:
+        to time passes as the engine runs them (tree calibration). Re-entrant."""
+        return self._kernels
 
     # -- public API -----------------------------------------------------------------
     def generate(self, input_ids: Sequence[int] | torch.Tensor, **kwargs) -> GenerationResult:
@@ -340,7 +365,8 @@ class Engine:
         """The one decode loop: prefill, then propose -> verify -> emit until a stop reason."""
         stats = GenerationStats()
         t0 = time.perf_counter()
-        state = self._prefill(ids, prior, stats, sampling, max_new_tokens)
+        with self._kernels:  # entered per step, never across a yield: the caller may use the model
+            state = self._prefill(ids, prior, stats, sampling, max_new_tokens)
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
         chunk, reason = cut_chunk([int(state.root)], self.eos, max_new_tokens)
@@ -348,13 +374,15 @@ class Engine:
         emitted += chunk
         stats.new_tokens = len(emitted)
         yield chunk, 0
-        proposer.begin(state)
+        with self._kernels:
+            proposer.begin(state)
         while reason is None:
             reason = self._stop_reason(state, stop)
             if reason is not None:
                 break
-            outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)))
-            proposer.update(state, outcome)
+            with self._kernels:
+                outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)))
+                proposer.update(state, outcome)
             chunk, reason = cut_chunk(outcome.tokens, self.eos, max_new_tokens - len(emitted))
             emitted += chunk
             stats.steps += 1

@@ -1,0 +1,97 @@
+"""Prepacked oneDNN linear layers for CPU passes: the same model, faster matmul kernels.
+
+Why: a decoding pass of a small model on a CPU is its linear layers (81% of a SmolLM2-135M
+one-token pass in float32, profiled), and torch's float32 ``F.linear`` on the CPU goes to
+MKL, whose kernels are far from the memory bandwidth on some CPUs (on an AMD EPYC Zen 5 a
+one-token pass ran ~1.4x faster, a 64-token pass ~1.8x, with oneDNN's). torch ships oneDNN
+too; ``Tensor.to_mkldnn`` packs a weight once and ``torch.ops.mkldnn._linear_pointwise``
+multiplies by it (the op inductor's CPU fusion uses).
+
+How: :class:`PackedLinears` holds a packed copy of every ``nn.Linear`` weight of the given
+modules and, while entered, points each layer's ``forward`` at it; on exit the layers are
+stock again. The engine enters it around its own passes only, so ``model.generate`` (the
+bench's ``hf`` peer) and training never see it: nothing in the model is forked or replaced.
+The packed copies double the memory of the linear weights, and they are a snapshot: weights
+changed after packing (training, a LoRA merge) need a new ``PackedLinears``.
+
+Exactness: oneDNN rounds differently from MKL (both are within ~1e-6 of float64 here) and,
+like MKL in float32, a row's result depends on the number of rows, so it is not bit-identical
+to stock transformers; identity to ``generate`` is measured by the bench (README "oneDNN
+linear kernels"). Whether it is used is decided per device by timing (medusa/decoding/device.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+KERNELS = ("default", "onednn")
+
+
+def onednn_available(device: torch.device | str = "cpu") -> bool:
+    """Whether this torch build can run packed oneDNN linears on ``device`` (CPU only)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        weight = torch.ones(2, 2).to_mkldnn()
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), weight, None, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+
+
+def _packed_forward(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    except RuntimeError:
+        # oneDNN reports any failure, running out of memory included, as "could not create a
+        # primitive"; the stock kernel either computes the layer or raises torch's own error
+        # (e.g. "can't allocate memory"), which callers know how to report
+        return nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def _linears(modules: list[nn.Module]) -> list[nn.Linear]:
+    """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules``, each once (tied or shared
+    layers appear in several)."""
+    seen: dict[int, nn.Linear] = {}
+    for module in modules:
+        for layer in module.modules():
+            w = layer.weight if isinstance(layer, nn.Linear) else None
+            if w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+                seen.setdefault(id(layer), layer)
+    return list(seen.values())
+
+
+class PackedLinears:
+    """Inside ``with packed:``, the linear layers of ``modules`` run oneDNN with packed weights.
+
+    Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
+
+    def __init__(self, *modules: nn.Module | None) -> None:
+        if not onednn_available():
+            raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
+        with torch.no_grad():
+            self._packed = [(layer, layer.weight.detach().to_mkldnn(),
+                             None if layer.bias is None else layer.bias.detach())
+                            for layer in _linears([m for m in modules if m is not None])]
+        self._depth = 0
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def __enter__(self) -> PackedLinears:
+        if self._depth == 0:
+            for layer, weight, bias in self._packed:
+                layer.forward = functools.partial(_packed_forward, layer, weight, bias)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for layer, _, _ in self._packed:
+                del layer.forward

@@ -1,0 +1,118 @@
+"""Packed oneDNN linears (medusa/decoding/kernels.py): the same model with other matmul kernels,
+active only inside the engine's passes, picked per device by measurement and cached."""
+
+import json
+
+import pytest
+import torch
+from test_eagle import noisy_eagle
+from tiny import hf_greedy, tiny_model
+from tiny_heads import random_heads
+
+from medusa.decoding.device import KERNEL_KEY_VERSION, decide_kernels, device_key, model_key, pick_kernels
+from medusa.decoding.engine import Engine
+from medusa.decoding.kernels import PackedLinears, onednn_available
+from medusa.errors import MedusaError
+
+PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def stock(model: torch.nn.Module) -> bool:
+    """No linear layer of ``model`` has its forward redirected."""
+    return all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_this_torch_build_has_onednn_linears_on_the_cpu():
+    assert onednn_available("cpu")
+    assert not onednn_available("meta")
+
+
+def logits_and_ops(model, ids):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids).logits
+    return logits, {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_packed_linears_compute_the_same_logits_and_restore_the_model(arch):
+    model = tiny_model(arch)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        packed = PackedLinears(model)
+        # every linear layer of the model, the tied lm_head included
+        assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        with packed:
+            assert not stock(model)
+            with packed:  # nested: still packed after the inner exit
+                pass
+            assert not stock(model)
+            inside, ops = logits_and_ops(model, ids)
+        after, ops_after = logits_and_ops(model, ids)
+    assert stock(model)
+    assert "mkldnn::_linear_pointwise" in ops and not {"aten::mm", "aten::addmm"} & ops  # oneDNN ran every linear
+    assert "mkldnn::_linear_pointwise" not in ops_after
+    torch.testing.assert_close(inside, before, atol=1e-5, rtol=1e-5)
+    assert torch.equal(after, before)  # the stock kernels again, bit for bit
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_greedy_with_onednn_kernels_equals_target_greedy(arch, one_thread):
+    model = tiny_model(arch)
+    n = 40
+    ref = hf_greedy(model, PROMPT, n)
+    medusa = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    for mode in ("baseline", "medusa", "lookup", "hybrid"):
+        assert medusa.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
+    eagle = Engine(model, heads=noisy_eagle(model), kernels="onednn")
+    res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
+    assert res.tokens == ref
+    assert max(res.stats.accepted) > 1  # the packed heads drafted tokens that were accepted
+    assert stock(model)
+
+
+def test_the_model_is_stock_between_streamed_chunks():
+    # a caller holding a half-consumed stream may use the model itself meanwhile
+    model = tiny_model("llama")
+    eng = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    stream = eng.stream(PROMPT, max_new_tokens=12, mode="medusa")
+    for _ in stream:
+        assert stock(model)
+    assert stock(model)
+
+
+def test_kernel_errors_are_one_line():
+    model = tiny_model("llama")
+    with pytest.raises(MedusaError, match="unknown kernels 'mkl'") as err:
+        Engine(model, kernels="mkl")
+    assert "\n" not in str(err.value)
+    with pytest.raises(MedusaError, match="drop compile"):
+        Engine(model, kernels="onednn", compile="eager")
+
+
+def test_decide_kernels_keeps_onednn_only_when_clearly_faster():
+    zen5 = {"default": {1: 62.4, 16: 151.7}, "onednn": {1: 45.3, 16: 87.6}}
+    close = {"default": {1: 50.0, 16: 60.0}, "onednn": {1: 48.0, 16: 57.0}}
+    assert decide_kernels(zen5)[0] == "onednn" and "T(16)=87.6" in decide_kernels(zen5)[1]
+    assert decide_kernels(close)[0] == "default"
+    assert decide_kernels({"default": {1: 1.0, 16: 2.0}})[0] == "default"
+
+
+def test_kernel_pick_is_measured_once_and_cached(tmp_path):
+    cache = tmp_path / "kernels.json"
+    model = tiny_model("llama")
+    first = pick_kernels(model, cache)
+    assert set(first.cost_ms) == {"default", "onednn"} and all(ms > 0 for c in first.cost_ms.values() for ms in c.values())
+    assert first.kernels == decide_kernels(first.cost_ms)[0]
+    assert stock(model)  # measuring left the model as it was
+    table = json.loads(cache.read_text())
+    (key,) = table
+    assert key == f"{device_key(torch.device('cpu'))} | {model_key(model)} | torch.float32 | {KERNEL_KEY_VERSION}"
+    table[key]["kernels"] = "default" if first.kernels == "onednn" else "onednn"
+    cache.write_text(json.dumps(table))
+    again = pick_kernels(model, cache)
+    assert again.kernels == table[key]["kernels"] and again.reason.endswith("(cached)")
+    # bfloat16 linears already run oneDNN (and were probed for exactness with those): unmeasured
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert pick_kernels(half, cache).kernels == "default" and len(json.loads(cache.read_text())) == 1
