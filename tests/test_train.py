@@ -87,6 +87,22 @@ def test_self_distillation_with_feature_cache(setup, tmp_path):
     assert meta.stat().st_mtime_ns == stamp  # same data: the cache is reused, not rebuilt
 
 
+def test_cache_built_with_onednn_kernels_holds_the_same_features(setup, tmp_path):
+    caches = {}
+    for kernels in ("default", "onednn"):
+        AcceleratorState._reset_state(True)
+        cache = tmp_path / kernels
+        train(config(setup, tmp_path / f"heads-{kernels}", distill=1.0, cache_dir=str(cache), cache_kernels=kernels,
+                     max_steps=1))
+        caches[kernels] = {name: np.load(cache / "train" / f"{name}.npy") for name in ("hidden", "teacher_logp", "tokens")}
+    default, onednn = caches["default"], caches["onednn"]
+    assert np.array_equal(default["tokens"], onednn["tokens"])
+    np.testing.assert_allclose(onednn["hidden"].astype(np.float32), default["hidden"].astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(onednn["teacher_logp"], default["teacher_logp"], atol=1e-4)
+    with pytest.raises(MedusaError, match="unknown cache_kernels 'mkl'"):
+        config(setup, tmp_path, cache_kernels="mkl")
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["medusa1", "medusa2-lora-dropout"])
 def test_resume_reaches_the_uninterrupted_result(setup, tmp_path, lora):
     kw = dict(max_steps=6, save_every=3, grad_accum=2, batch_size=2, keep_checkpoints=1)

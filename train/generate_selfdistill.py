@@ -12,6 +12,7 @@ Interrupted runs resume: prompts already answered in the output file are skipped
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa.config import arg, parse_config, run_main
-from medusa.errors import require_extra
+from medusa.decoding.kernels import KERNELS, PackedLinears
+from medusa.errors import MedusaError, require_extra
 from medusa.models.target import eos_token_ids, load_target
 from medusa.training.sources import DataStats, load_conversations
 
@@ -45,11 +47,15 @@ class SelfDistillConfig:
     dtype: str | None = arg(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
+    kernels: str = arg("default", "linear kernels: default (torch's), or onednn (packed oneDNN weights on a CPU, "
+                                  "medusa/decoding/kernels.py: faster on some CPUs; rounds the last bits differently)")
 
 
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
     cfg = parse_config(SelfDistillConfig, argv)
+    if cfg.kernels not in KERNELS:
+        raise MedusaError(f"unknown kernels {cfg.kernels!r}: use one of {', '.join(KERNELS)}")
     torch.manual_seed(cfg.seed)
     model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     device = model.get_output_embeddings().weight.device
     eos = set(eos_token_ids(model, tok)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
-    with out.open("a") as fh:
+    kernels = PackedLinears(model) if cfg.kernels == "onednn" else contextlib.nullcontext()
+    with out.open("a") as fh, kernels:
         for batch in batches:
             width = max(len(p[2]) for p in batch)
             input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)

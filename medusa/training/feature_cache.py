@@ -16,6 +16,7 @@ Several processes build one cache together, each writing its own sequences.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ import torch
 from torch import nn
 
 from medusa.decoding.hf import lm_logits
+from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
+from medusa.errors import MedusaError
 from medusa.models.checkpoint import atomic_file
 from medusa.training.data import DataSplits, Example
 from medusa.training.losses import HeadTargets
@@ -193,6 +196,17 @@ def run_target(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> tuple
     return hidden, lm_logits(model, hidden)
 
 
+def target_kernels(kernels: str, target: nn.Module):
+    """A context running ``target``'s linear layers with ``kernels`` ("default" or "onednn")."""
+    if kernels not in KERNELS:
+        raise MedusaError(f"unknown cache_kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+    if kernels == "default":
+        return contextlib.nullcontext()
+    if not onednn_available(target.get_output_embeddings().weight.device):
+        raise MedusaError("cache_kernels: onednn needs the target on a CPU with a oneDNN torch build: use default")
+    return PackedLinears(target)
+
+
 def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: Any) -> dict[str, FeatureCache]:
     """The feature caches of both splits in ``cfg.cache_dir``, built by running the target
     once where missing. Heads and draft training compute the same fingerprint, so the same
@@ -211,9 +225,10 @@ def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: An
         if not is_complete(folder, fp):
             bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
                        disable=not accelerator.is_main_process)
-            build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
-                        accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
-                        cfg.cache_batch_tokens, bar.update)
+            with target_kernels(cfg.cache_kernels, target):
+                build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
+                            accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
+                            cfg.cache_batch_tokens, bar.update)
             bar.close()
         caches[split] = FeatureCache.open(folder)
     return caches
