@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_draft import noisy_copy
 from test_eagle import noisy_eagle
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
@@ -12,6 +13,7 @@ from tiny_heads import random_heads
 from medusa.decoding.device import KERNEL_KEY_VERSION, decide_kernels, device_key, model_key, pick_kernels
 from medusa.decoding.engine import Engine
 from medusa.decoding.kernels import PackedLinears, onednn_available
+from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
@@ -65,6 +67,10 @@ def test_greedy_with_onednn_kernels_equals_target_greedy(arch, one_thread):
     medusa = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
     for mode in ("baseline", "medusa", "lookup", "hybrid"):
         assert medusa.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
+    # a draft model: the target's own weights nudged, packed beside the target's
+    draft = Engine(model, draft=noisy_copy(model, 0.02), kernels="onednn",
+                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0))
+    assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
     eagle = Engine(model, heads=noisy_eagle(model), kernels="onednn")
     res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
     assert res.tokens == ref
