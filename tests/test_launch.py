@@ -41,18 +41,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launch_env() -> dict[str, str]:
+    """The ranks' environment. DeepSpeed JIT-builds its CPU shared-memory collective op into
+    TORCH_EXTENSIONS_DIR on first use; its build flags name this venv, so two checkouts
+    sharing the default ~/.cache folder rebuild the .so under each other's running ranks.
+    Each venv keeps its own build."""
+    return {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))}
+
+
+def run_launch(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    # The rank that failed first is easy to lose in the launcher's tail: show its errors too,
+    # Python's and native ones (a rank killed by a signal leaves no traceback).
+    marks = ("Error", "terminate called", "what():", "Abort", "Assertion", "failed, errno", "Segmentation")
+    errors = "\n".join(line for line in proc.stderr.splitlines() + proc.stdout.splitlines()
+                       if any(m in line for m in marks))
+    assert proc.returncode == 0, errors[-3000:] + "\n...\n" + proc.stderr[-2000:]
+    return proc
+
+
 def launch(setup, out, *launch_args, extra=()):
     cmd = [ACCELERATE, "launch", *launch_args, "--num_processes", "2", "--num_cpu_threads_per_process", "1",
            "--main_process_port", str(free_port()), str(ROOT / "train" / "train_heads.py"),
            "--model", setup["model"], "--data", setup["data"], "--max_length", "40", "--num_heads", "2",
            "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.1", "--eval_every", "0",
            "--save_every", "2", "--output_dir", str(out), "--wandb", "false", "--distill", "0.5", *extra]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    # The rank that failed first is easy to lose in the launcher's tail: show its errors too.
-    errors = "\n".join(line for line in proc.stderr.splitlines() if "Error" in line)
-    assert proc.returncode == 0, errors[-3000:] + "\n...\n" + proc.stderr[-2000:]
-    return proc
+    return run_launch(cmd)
 
 
 def check_heads(setup, out):
@@ -178,10 +193,7 @@ def launch_draft(setup, out, *extra):
            str(ROOT / "train" / "train_draft.py"), "--model", setup["model"], "--data", setup["data"],
            "--max_length", "40", "--draft_layers", "1", "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.2",
            "--eval_every", "0", "--save_every", "2", "--lr", "0.01", "--output_dir", str(out), "--wandb", "false", *extra]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run_launch(cmd)
 
 
 def test_draft_ddp_two_processes_checkpoints_resumes_and_loads(setup, tmp_path):
