@@ -36,12 +36,14 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 import medusa
 from infer import bench_vllm
 from medusa.decoding import MAX_NEW_TOKENS
+from medusa.decoding.device import adopt_draft_dtype
 from medusa.decoding.engine import Engine
 from medusa.decoding.kernels import KERNELS
 from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
+from medusa.models.target import cache_root
 
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
 
@@ -331,6 +333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", choices=KERNELS, default=None,
                     help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
                          "(default: the faster here, measured once); hf modes always run stock transformers")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
+                         "or bfloat16 beside a float32 target where it measures faster here")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
@@ -349,6 +354,7 @@ def eagle_heads(args: argparse.Namespace, engine: Engine):
     heads = load_heads_from(source, engine.model)
     if heads.config.kind != "eagle":
         raise MedusaError(f"--eagle-heads {source} holds {heads.config.kind} heads: pass a folder of eagle heads")
+    adopt_draft_dtype(heads, engine.model, cache_root() / "draft_dtype.json", args.draft_dtype)  # as medusa.load's heads
     return heads
 
 
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                                    lookup_ngram=args.lookup_ngram)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              static_cache=args.static_cache, compile=args.compile, proposers=proposers,
-                             kernels=args.kernels)
+                             kernels=args.kernels, draft_dtype=args.draft_dtype)
         if uses_heads and engine.heads is None:
             raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         args.eagle_engine = None
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
             "dtype_reason": getattr(getattr(engine.model, "dtype_choice", None), "reason", "asked for (--dtype)"),
             "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
+            "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
     if args.json:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.device import KernelChoice, adopt_picked_dtype, pick_kernels
+from medusa.decoding.device import KernelChoice, adopt_draft_dtype, adopt_picked_dtype, pick_kernels
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
 from medusa.hub.hub import load_heads_from
@@ -51,6 +51,7 @@ def load(
     compile: bool | str = False,
     proposers: ProposerConfig | None = None,
     kernels: str | None = None,
+    draft_dtype: torch.dtype | str | None = None,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
@@ -66,6 +67,11 @@ def load(
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for a
     float32 target on this device by measurement, once (cached), and ``"default"`` with
     ``compile`` or on a GPU. ``engine.kernel_choice`` says which and why.
+
+    ``draft_dtype``: the heads' dtype. Heads only propose (the target verifies every token in
+    its own dtype), so they may draft in bfloat16 beside a float32 target; ``None`` keeps the
+    target's dtype, or picks bfloat16 for a float32 target where it measures faster on this
+    device (once, cached). ``engine.draft_dtype_choice`` says which and why.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is None:  # the fastest dtype that keeps the promise on this device, measured once (device.py)
@@ -79,7 +85,10 @@ def load(
         choice = pick_kernels(lm, cache_root() / "kernels.json")
     else:
         choice = KernelChoice(kernels or "default", "asked for" if kernels else "default linear kernels: compiled passes", {})
-    engine = Engine(lm, tokenizer, heads=resolve_heads(heads, model, lm), tree=tree, draft=draft_lm,
+    heads = resolve_heads(heads, model, lm)
+    draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
+    engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,
                     static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels)
     engine.kernel_choice = choice
+    engine.draft_dtype_choice = draft_choice
     return engine

@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kernels", choices=("default", "onednn"), default=None,
                     help="the engine's linear kernels (default: the faster on this device, as medusa.load picks)")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the heads' dtype while drafting (default: as medusa.load picks on this device)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     args = ap.parse_args(argv)
     if args.for_device and not args.cost:
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype,
-                             kernels=args.kernels)
+                             kernels=args.kernels, draft_dtype=args.draft_dtype)
         heads, tok = engine.heads, engine.tokenizer
         heads.set_draft_vocab(None)
         stats = DataStats()

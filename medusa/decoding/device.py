@@ -15,6 +15,12 @@ The linear kernels of a float32 model on a CPU are picked the same way (:func:`p
 cached in ``kernels.json``): torch's default (MKL) or packed oneDNN (medusa/decoding/kernels.py),
 whichever times faster. bfloat16 linears already run oneDNN in torch, and their bit-exactness
 was probed with the default kernels, so a bfloat16 model keeps them.
+
+The heads' dtype is picked apart from the target's (:func:`pick_draft_dtype`, cached in
+``draft_dtype.json``): drafting only proposes and the target verifies every token in its own
+dtype, so heads may draft in bfloat16 beside a float32 target without touching a single output
+token. Their main cost is scoring a few features over the draft vocabulary (a memory-bound
+``[S, H]`` matmul); bfloat16 halves the bytes, and is kept where it times faster.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ MARGIN = 0.9  # bf16 must cost under 90% of fp32: timings on a shared machine ar
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 16
 KERNEL_KEY_VERSION = "k1"
+DRAFT_KEY_VERSION = "d1"
+DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
 KEY_VERSION = "v2"  # v2: the pick also checks batch invariance (entries without it are re-measured)
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
@@ -231,3 +239,84 @@ def pick_kernels(model: PreTrainedModel, cache_file: Path) -> KernelChoice:
 
     entry, cached = _cached(cache_file, key, measure)
     return KernelChoice(entry["kernels"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry))
+
+
+@dataclass(frozen=True)
+class DraftDtypeChoice:
+    dtype: str  # the heads' dtype: "float32" or "bfloat16"
+    reason: str  # one line for the chat banner and the bench
+    cost_ms: dict[str, float]  # dtype -> ms to score DRAFT_ROWS features over the draft vocabulary
+
+
+def measure_draft_scoring(hidden: int, rows: int, device: torch.device, reps: int = 20) -> dict[str, float]:
+    """Median ms to score ``DRAFT_ROWS`` features against ``rows`` vocabulary rows of width
+    ``hidden`` (the heads' dominant drafting cost), in float32 and in bfloat16 (where supported).
+    Random weights: only the shapes and the kernels matter."""
+    import time
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    costs = {}
+    dtypes = (torch.float32, torch.bfloat16) if _bf16_supported(device) else (torch.float32,)
+    for dtype in dtypes:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        w = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+        x = torch.randn(DRAFT_ROWS, hidden, generator=gen).to(device=device, dtype=dtype)
+        times = []
+        with torch.inference_mode():
+            for i in range(reps + 3):
+                sync()
+                t0 = time.perf_counter()
+                _ = x @ w.T
+                sync()
+                if i >= 3:  # warm-up calls excluded
+                    times.append((time.perf_counter() - t0) * 1e3)
+        costs[str(dtype).removeprefix("torch.")] = sorted(times)[len(times) // 2]
+    return costs
+
+
+def decide_draft_dtype(cost_ms: dict[str, float]) -> tuple[str, str]:
+    """``(dtype, reason)``: bfloat16 heads only if their scoring costs under ``MARGIN`` of float32's."""
+    if "bfloat16" not in cost_ms:
+        return "float32", "float32 heads: this device has no bfloat16 support"
+    detail = f"scoring {DRAFT_ROWS} rows: float32 {cost_ms['float32']:.2f} vs bfloat16 {cost_ms['bfloat16']:.2f} ms"
+    if cost_ms["bfloat16"] >= MARGIN * cost_ms["float32"]:
+        return "float32", f"float32 heads: bfloat16 is not faster here by measurement, {detail}"
+    return "bfloat16", f"bfloat16 heads (drafts only; the target verifies in float32): faster here, {detail}"
+
+
+def pick_draft_dtype(model: PreTrainedModel, heads, cache_file: Path) -> DraftDtypeChoice:
+    """The dtype for ``heads`` drafting beside ``model``: the target's own unless the target is
+    float32, then bfloat16 where it scores the draft vocabulary faster (cached, else measured)."""
+    device = model.get_output_embeddings().weight.device
+    if model.dtype != torch.float32:
+        return DraftDtypeChoice(str(model.dtype).removeprefix("torch."), "the target's dtype", {})
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    rows = len(heads.draft_vocab) if heads.draft_vocab is not None else vocab
+    key = f"{device_key(device)} | h{hidden} rows{rows} | {DRAFT_KEY_VERSION}"
+
+    def measure() -> dict:
+        costs = measure_draft_scoring(hidden, rows, device)
+        return asdict(DraftDtypeChoice(*decide_draft_dtype(costs), costs))
+
+    entry, cached = _cached(cache_file, key, measure)
+    return DraftDtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), entry["cost_ms"])
+
+
+def adopt_draft_dtype(heads, model: PreTrainedModel, cache_file: Path, dtype: torch.dtype | str | None = None,
+                      ) -> DraftDtypeChoice:
+    """Convert ``heads`` (in place) to ``dtype``, or to the picked draft dtype when None, and
+    return the choice. Do it before an engine packs the heads' kernels."""
+    if dtype is None:
+        choice = pick_draft_dtype(model, heads, cache_file)
+    else:
+        name = str(dtype).removeprefix("torch.")
+        if name not in ("float32", "bfloat16", "float16"):
+            from medusa.errors import MedusaError
+
+            raise MedusaError(f"draft_dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        choice = DraftDtypeChoice(name, "asked for", {})
+    heads.to(getattr(torch, choice.dtype))
+    return choice

@@ -202,6 +202,7 @@ class Engine:
         # linears (medusa/decoding/kernels.py); model.generate and training never do.
         self.kernels = kernels
         self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
+        self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
         self._kernels = self._kernel_context(kernels, compile, heads)
 
     def _kernel_context(self, kernels: str, compile: bool | str, heads: MedusaHeads | None):

@@ -194,15 +194,16 @@ class EagleHeads(nn.Module):
 
     def logits(self, features: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H] -> [..., V]`` (``[..., S]`` over the ids ``vocab``; the draft vocabulary's
-        rows are cached) through the target's frozen ``lm_head``."""
+        rows are cached in the head's own dtype, so bfloat16 heads beside a float32 target score
+        in bfloat16) through the target's frozen ``lm_head``."""
         lm_head = self.target.get_output_embeddings()
         if vocab is None:
             return lm_head(features.to(lm_head.weight.dtype))
         if vocab is self.draft_vocab:
-            w = self._draft_weight
-            if w is None or w.device != lm_head.weight.device or w.dtype != lm_head.weight.dtype:
+            w, dtype = self._draft_weight, self.fc.weight.dtype  # the rows in the head's own dtype
+            if w is None or w.device != lm_head.weight.device or w.dtype != dtype:
                 self.draft_vocab = vocab = vocab.to(lm_head.weight.device)
-                w = self._draft_weight = lm_head.weight[vocab].contiguous()  # [S, H]
+                w = self._draft_weight = lm_head.weight[vocab].to(dtype).contiguous()  # [S, H]
         else:
             w = lm_head.weight[vocab]
         return features.to(w.dtype) @ w.T

@@ -160,15 +160,26 @@ class MedusaHeads(nn.Module):
         self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size), None
 
     def _draft_weights(self) -> torch.Tensor:
-        """``[1 or K, S, H]`` projection rows of the draft vocabulary, built once per device/dtype."""
+        """``[1 or K, S, H]`` projection rows of the draft vocabulary in the heads' own dtype (a
+        bfloat16 copy of a float32 ``lm_head``'s rows when the heads draft in bfloat16), built
+        once per device/dtype."""
         w0 = self.projection_weight(0)
-        stale = self._draft_weight is None or self._draft_weight.device != w0.device or self._draft_weight.dtype != w0.dtype
+        dtype = self.dtype
+        stale = self._draft_weight is None or self._draft_weight.device != w0.device or self._draft_weight.dtype != dtype
         if stale:
             ids = self.draft_vocab.to(w0.device)
             self.draft_vocab = ids
             n = 1 if self.proj is None else self.num_heads
-            self._draft_weight = torch.stack([self.projection_weight(k)[ids] for k in range(n)]).contiguous()
+            self._draft_weight = torch.stack([self.projection_weight(k)[ids] for k in range(n)]).to(dtype).contiguous()
         return self._draft_weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The heads' own dtype (their blocks'), which may differ from the target's: drafting
+        only proposes, so heads may run in bfloat16 beside a float32 target (``medusa.load``
+        picks by measurement, medusa/decoding/device.py)."""
+        param = next(self.blocks.parameters(), None)
+        return param.dtype if param is not None else self.projection_weight(0).dtype
 
     @property
     def num_heads(self) -> int:
@@ -185,6 +196,7 @@ class MedusaHeads(nn.Module):
     # -- compute ------------------------------------------------------------------------
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [K, ..., H]``: each head's residual-block output."""
+        hidden = hidden.to(self.dtype)
         return torch.stack([blocks(hidden) for blocks in self.blocks])
 
     def logits(self, hidden: torch.Tensor, heads: Sequence[int] | None = None,
@@ -194,6 +206,7 @@ class MedusaHeads(nn.Module):
         (the draft vocabulary's rows are cached, any other subset is gathered per call).
         Every caller (drafting, training losses, calibration) computes head logits here."""
         idx = list(range(self.num_heads)) if heads is None else list(heads)
+        hidden = hidden.to(self.dtype)  # a float32 target's states into bfloat16 heads
         feats = torch.stack([self.blocks[i](hidden) for i in idx])  # [n, ..., H]
         if vocab is not None:
             if vocab is self.draft_vocab:

@@ -37,11 +37,12 @@ def sequence_batch(cache: FeatureCache, bounds: np.ndarray, device: torch.device
     out = []
     for a, b in bounds:
         sl = slice(int(a), int(b))
-        out.append({"hidden": torch.from_numpy(np.ascontiguousarray(cache.hidden[sl])).float().to(device),
+        # np.array copies out of the read-only memory map (torch warns on non-writable arrays)
+        out.append({"hidden": torch.from_numpy(np.array(cache.hidden[sl])).float().to(device),
                     "tokens": torch.from_numpy(cache.tokens[sl].astype(np.int64)).to(device),
                     "loss_mask": torch.from_numpy(cache.loss_mask[sl].astype(bool)).to(device),
-                    "teacher_ids": torch.from_numpy(np.ascontiguousarray(cache.teacher_ids[sl])).long().to(device),
-                    "teacher_logp": torch.from_numpy(np.ascontiguousarray(cache.teacher_logp[sl])).float().to(device)})
+                    "teacher_ids": torch.from_numpy(np.array(cache.teacher_ids[sl])).long().to(device),
+                    "teacher_logp": torch.from_numpy(np.array(cache.teacher_logp[sl])).float().to(device)})
     return out
 
 

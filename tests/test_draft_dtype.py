@@ -1,0 +1,119 @@
+"""Heads in their own dtype (medusa/decoding/device.py, pick_draft_dtype): bfloat16 heads draft
+beside a float32 target, the target verifies every token in float32, so outputs stay the
+target's own; the dtype is picked by measuring the draft vocabulary's scoring, once, cached."""
+
+import json
+
+import pytest
+import torch
+from test_eagle import noisy_eagle
+from tiny import hf_greedy, tiny_model
+from tiny_heads import random_heads, target_folder
+
+import medusa
+from medusa.decoding.device import (
+    DRAFT_KEY_VERSION,
+    adopt_draft_dtype,
+    decide_draft_dtype,
+    device_key,
+    pick_draft_dtype,
+)
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+
+PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("kernels", ["default", "onednn"])
+def test_bfloat16_heads_beside_a_float32_target_keep_its_greedy_output(arch, kernels, one_thread):
+    model = tiny_model(arch)
+    n = 40
+    ref = hf_greedy(model, PROMPT, n)
+    heads = random_heads(model)
+    heads.set_draft_vocab(list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17])  # scored over a bf16 copy of these rows
+    adopt_draft_dtype(heads, model, None, "bfloat16")
+    assert heads.dtype == torch.bfloat16 and model.dtype == torch.float32
+    medusa_engine = Engine(model, heads=heads, tree=TREE, kernels=kernels)
+    for mode in ("medusa", "hybrid"):
+        res = medusa_engine.generate(PROMPT, max_new_tokens=n, mode=mode)
+        assert res.tokens == ref, mode
+    assert heads._draft_weight.dtype == torch.bfloat16  # the draft vocabulary's rows, cached in the heads' dtype
+    eagle = noisy_eagle(model)
+    adopt_draft_dtype(eagle, model, None, torch.bfloat16)
+    assert eagle.fc.weight.dtype == torch.bfloat16
+    eagle_engine = Engine(model, heads=eagle, kernels=kernels)
+    for mode in ("eagle", "hybrid"):
+        res = eagle_engine.generate(PROMPT, max_new_tokens=n, mode=mode)
+        assert res.tokens == ref, mode
+    assert max(res.stats.accepted) > 1  # the bf16 head drafted tokens the target accepted
+
+
+def test_bfloat16_eagle_heads_draft_what_float32_heads_mostly_draft(one_thread):
+    """The same heads in bf16 rank tokens almost as in fp32: most steps propose the same tree."""
+    model = tiny_model("llama")
+    ref = Engine(model, heads=noisy_eagle(model)).generate(PROMPT, max_new_tokens=40, mode="eagle")
+    half = noisy_eagle(model)
+    adopt_draft_dtype(half, model, None, "bfloat16")
+    res = Engine(model, heads=half).generate(PROMPT, max_new_tokens=40, mode="eagle")
+    assert res.tokens == ref.tokens
+    assert abs(res.stats.tau - ref.stats.tau) <= 0.5 * ref.stats.tau
+
+
+def test_sampling_with_bfloat16_heads_is_reproducible_and_valid(one_thread):
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    adopt_draft_dtype(heads, model, None, "bfloat16")
+    eng = Engine(model, heads=heads, tree=TREE)
+    a = eng.generate(PROMPT, max_new_tokens=24, mode="medusa", temperature=0.8, seed=3).tokens
+    b = eng.generate(PROMPT, max_new_tokens=24, mode="medusa", temperature=0.8, seed=3).tokens
+    assert a == b and len(a) == 24 and all(0 <= t < 96 for t in a)
+
+
+def test_decide_draft_dtype_keeps_bfloat16_only_when_clearly_faster():
+    zen5 = {"float32": 1.10, "bfloat16": 0.30}  # scoring 4 rows over 8192 x 576, AVX512_BF16
+    avx2 = {"float32": 1.10, "bfloat16": 4.0}  # emulated bf16
+    close = {"float32": 1.0, "bfloat16": 0.95}
+    assert decide_draft_dtype(zen5)[0] == "bfloat16" and "0.30" in decide_draft_dtype(zen5)[1]
+    assert decide_draft_dtype(avx2)[0] == "float32"
+    assert decide_draft_dtype(close)[0] == "float32"
+    assert decide_draft_dtype({"float32": 1.0})[0] == "float32"
+
+
+def test_draft_dtype_pick_is_measured_once_and_cached(tmp_path):
+    cache = tmp_path / "draft_dtype.json"
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    first = pick_draft_dtype(model, heads, cache)
+    assert set(first.cost_ms) == {"float32", "bfloat16"} and all(ms > 0 for ms in first.cost_ms.values())
+    assert first.dtype == decide_draft_dtype(first.cost_ms)[0]
+    table = json.loads(cache.read_text())
+    (key,) = table
+    assert key == f"{device_key(torch.device('cpu'))} | h64 rows96 | {DRAFT_KEY_VERSION}"
+    table[key]["dtype"] = "float32" if first.dtype == "bfloat16" else "bfloat16"
+    cache.write_text(json.dumps(table))
+    again = adopt_draft_dtype(heads, model, cache)
+    assert again.dtype == table[key]["dtype"] and again.reason.endswith("(cached)")
+    assert heads.dtype == getattr(torch, again.dtype)
+    # a draft vocabulary is another shape: measured for its own rows
+    heads.set_draft_vocab(list(range(32)))
+    pick_draft_dtype(model, heads, cache)
+    assert len(json.loads(cache.read_text())) == 2
+    # a bfloat16 target: the heads keep the target's dtype, unmeasured
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert pick_draft_dtype(half, random_heads(half), cache).dtype == "bfloat16"
+    assert len(json.loads(cache.read_text())) == 2
+
+
+def test_load_applies_the_draft_dtype_and_rejects_unknown_ones(tmp_path):
+    folder = str(target_folder(tmp_path))
+    eng = medusa.load(model=folder, heads="init", draft_dtype="bfloat16", kernels="default")
+    assert eng.heads.dtype == torch.bfloat16 and eng.model.dtype == torch.float32
+    assert eng.draft_dtype_choice.dtype == "bfloat16" and eng.draft_dtype_choice.reason == "asked for"
+    ids = [2, 3, 4, 5, 3, 4]
+    expected = hf_greedy(eng.model, ids, 12)
+    assert eng.generate(ids, max_new_tokens=12, mode="hybrid").tokens == expected
+    with pytest.raises(MedusaError, match="draft_dtype must be") as err:
+        medusa.load(model=folder, heads="init", draft_dtype="int8", kernels="default")
+    assert "\n" not in str(err.value)
