@@ -65,8 +65,8 @@ def load(
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for a
-    float32 target on this device by measurement, once (cached), and ``"default"`` with
-    ``compile`` or on a GPU. ``engine.kernel_choice`` says which and why.
+    float32 target on this device by measurement, once (cached), and ``"default"`` on a GPU;
+    compiled passes keep the pick. ``engine.kernel_choice`` says which and why.
 
     ``draft_dtype``: the heads' dtype. Heads only propose (the target verifies every token in
     its own dtype), so they may draft in bfloat16 beside a float32 target; ``None`` keeps the
@@ -81,10 +81,10 @@ def load(
         trust_remote_code=trust_remote_code)
     overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
     config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
-    if kernels is None and not compile:
+    if kernels is None:
         choice = pick_kernels(lm, cache_root() / "kernels.json")
     else:
-        choice = KernelChoice(kernels or "default", "asked for" if kernels else "default linear kernels: compiled passes", {})
+        choice = KernelChoice(kernels, "asked for", {})
     heads = resolve_heads(heads, model, lm)
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,

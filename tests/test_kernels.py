@@ -93,8 +93,41 @@ def test_kernel_errors_are_one_line():
     with pytest.raises(MedusaError, match="unknown kernels 'mkl'") as err:
         Engine(model, kernels="mkl")
     assert "\n" not in str(err.value)
-    with pytest.raises(MedusaError, match="drop compile"):
-        Engine(model, kernels="onednn", compile="eager")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", True])
+def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, tmp_path, monkeypatch):
+    """Under torch.compile each packed layer is the custom op medusa::packed_linear (inductor
+    cannot lower an opaque oneDNN weight): traced, compiled, and still oneDNN at run time."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    model = tiny_model("llama")
+    n = 30
+    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, kernels="onednn")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        res = eng.generate(PROMPT, max_new_tokens=n, mode="medusa")
+    ops = {event.key for event in prof.key_averages()}
+    assert res.tokens == hf_greedy(model, PROMPT, n)
+    assert "medusa::packed_linear" in ops and "mkldnn::_linear_pointwise" in ops
+    assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
+    assert stock(model)
+
+
+def test_packed_weights_are_released_with_their_scope():
+    from medusa.decoding import kernels
+
+    model = tiny_model("llama")
+    before = len(kernels._PACKED)
+    packed = PackedLinears(model)
+    assert len(kernels._PACKED) == before + len(packed)
+    del packed
+    import gc
+
+    gc.collect()
+    assert len(kernels._PACKED) == before
 
 
 def test_decide_kernels_keeps_onednn_only_when_clearly_faster():

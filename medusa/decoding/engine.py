@@ -199,19 +199,18 @@ class Engine:
             self._pass = kv.compiled_forward(self.device, compile)
             self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
-        # linears (medusa/decoding/kernels.py); model.generate and training never do.
+        # linears (medusa/decoding/kernels.py), compiled ones too; model.generate and training
+        # never do.
         self.kernels = kernels
         self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
         self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
-        self._kernels = self._kernel_context(kernels, compile, heads)
+        self._kernels = self._kernel_context(kernels, heads)
 
-    def _kernel_context(self, kernels: str, compile: bool | str, heads: MedusaHeads | None):
+    def _kernel_context(self, kernels: str, heads: MedusaHeads | None):
         if kernels not in KERNELS:
             raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
         if kernels == "default":
             return contextlib.nullcontext()
-        if compile:
-            raise MedusaError("kernels='onednn' runs eager passes: drop compile or use kernels='default'")
         if not onednn_available(self.device):
             raise MedusaError(f"kernels='onednn' needs a CPU torch build with oneDNN, not {self.device}: "
                               "use kernels='default'")

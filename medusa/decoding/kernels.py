@@ -14,6 +14,12 @@ bench's ``hf`` peer) and training never see it: nothing in the model is forked o
 The packed copies double the memory of the linear weights, and they are a snapshot: weights
 changed after packing (training, a LoRA merge) need a new ``PackedLinears``.
 
+Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
+``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead,
+which inductor keeps as an extern call between the elementwise work it fuses (norms, rotary,
+activations, residual adds). Eager passes call oneDNN directly (a custom op's dispatch costs
+~5 us per call, ~1 ms over a pass of 211 linears).
+
 Exactness: oneDNN rounds differently from MKL (both are within ~1e-6 of float64 here) and,
 like MKL in float32, a row's result depends on the number of rows, so it is not bit-identical
 to stock transformers; identity to ``generate`` is measured by the bench (README "oneDNN
@@ -23,11 +29,18 @@ linear kernels"). Whether it is used is decided per device by timing (medusa/dec
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
 from torch import nn
 
 KERNELS = ("default", "onednn")
+
+# key -> packed weight, for the custom op (an opaque-layout tensor cannot be a traced input).
+# Entries live as long as the PackedLinears that made them.
+_PACKED: dict[int, torch.Tensor] = {}
+_KEYS = itertools.count()
 
 
 def onednn_available(device: torch.device | str = "cpu") -> bool:
@@ -44,14 +57,32 @@ def onednn_available(device: torch.device | str = "cpu") -> bool:
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
 
 
-def _packed_forward(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     try:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     except RuntimeError:
         # oneDNN reports any failure, running out of memory included, as "could not create a
         # primitive"; the stock kernel either computes the layer or raises torch's own error
         # (e.g. "can't allocate memory"), which callers know how to report
-        return nn.functional.linear(x, layer.weight, layer.bias)
+        return nn.functional.linear(x, weight, bias)
+
+
+@torch.library.custom_op("medusa::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` registered as ``key``."""
+    return _linear(x, _PACKED[key], weight, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torch.Tensor | None,
+                    x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.medusa.packed_linear(x, layer.weight, bias, key)
+    return _linear(x, packed, layer.weight, bias)
 
 
 def _linears(modules: list[nn.Module]) -> list[nn.Linear]:
@@ -75,9 +106,12 @@ class PackedLinears:
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
         with torch.no_grad():
-            self._packed = [(layer, layer.weight.detach().to_mkldnn(),
+            self._packed = [(layer, next(_KEYS), layer.weight.detach().to_mkldnn(),
                              None if layer.bias is None else layer.bias.detach())
                             for layer in _linears([m for m in modules if m is not None])]
+        for _, key, packed, _ in self._packed:
+            _PACKED[key] = packed
+        weakref.finalize(self, _release, [key for _, key, _, _ in self._packed])
         self._depth = 0
 
     def __len__(self) -> int:
@@ -85,13 +119,18 @@ class PackedLinears:
 
     def __enter__(self) -> PackedLinears:
         if self._depth == 0:
-            for layer, weight, bias in self._packed:
-                layer.forward = functools.partial(_packed_forward, layer, weight, bias)
+            for layer, key, packed, bias in self._packed:
+                layer.forward = functools.partial(_packed_forward, layer, key, packed, bias)
         self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0:
-            for layer, _, _ in self._packed:
+            for layer, _, _, _ in self._packed:
                 del layer.forward
+
+
+def _release(keys: list[int]) -> None:
+    for key in keys:
+        _PACKED.pop(key, None)
