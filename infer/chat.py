@@ -424,7 +424,15 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         lines.append(f"kernels {engine.kernel_choice.reason}")
     if engine.draft_dtype_choice is not None and engine.draft_dtype_choice.cost_ms:  # picked by measurement
         lines.append(f"drafts  {engine.draft_dtype_choice.reason}")
-    if engine.heads is not None:
+    if engine.heads is not None and engine.heads.config.kind == "eagle":
+        from medusa.decoding.eagle import DynamicTree
+
+        c, device = engine.heads.config, engine.device.type
+        size = DynamicTree.for_device(engine.heads.dynamic, engine.device)
+        label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
+        lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
+                     f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk})")
+    elif engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"
         tree = compile_tree(engine.tree_paths(args.tree))

@@ -174,6 +174,20 @@ def test_prompt_and_piped_stdin_answer_once(engine, tmp_path):
         assert done.stdout.strip() == decode(engine, expected)  # stdout holds the answer only
 
 
+def test_eagle_heads_chat_with_their_dynamic_tree_in_the_banner(engine, tmp_path):
+    from medusa.api import SHIPPED_EAGLE_HEADS
+
+    message = "Name three rivers."
+    done = run_cli(["--heads", str(SHIPPED_EAGLE_HEADS), "--prompt", message, "--max-new-tokens", "16"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.search(r"heads .* eagle \(eagle1\), 3 draft steps trained · dynamic tree .*\(\d+ nodes, depth \d+, top-\d+\)",
+                     done.stderr), done.stderr
+    assert "mode    hybrid" in done.stderr  # the eagle tree plus the lookup chain
+    expected = fresh(engine, template_ids(engine, [{"role": "user", "content": message}]), 16)
+    assert done.stdout.strip() == decode(engine, expected)
+
+
 def test_bad_path_is_one_line_error_with_exit_code(tmp_path):
     done = run_cli(["--model", str(tmp_path / "no-such-model"), "--prompt", "hi"], tmp_path)
     assert done.returncode == 1
