@@ -372,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
         uses_heads = sorted({"medusa", "hybrid"} & set(modes))
         uses_eagle = bool({"eagle", "eagle-hybrid"} & set(modes))
-        heads = args.heads if args.heads is not None or uses_heads else None
+        heads = args.heads
+        if heads is None and uses_heads and args.model is None:
+            from medusa.api import SHIPPED_HEADS
+
+            heads = str(SHIPPED_HEADS)  # modes medusa and hybrid: the shipped Medusa heads
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
         proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
                                    draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,

@@ -124,7 +124,27 @@ def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    # oneDNN (bfloat16 linears and matmuls, packed float32 linears) reports a failed allocation
+    # only as "could not create a primitive"; the packed linears fall back to torch's kernel,
+    # but bfloat16 has no other CPU kernel to fall back to
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "could not create a primitive"))
+
+
+def release_memory() -> None:
+    """After a failed allocation: free what the failed turn left, and hand the freed heap back to
+    the system (glibc keeps it otherwise), so that the next turn has the memory it had before."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        try:
+            ctypes.CDLL(libc).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 OOM_HINT = ("out of memory: /reset the conversation, lower --max-new-tokens or --max-context, "
@@ -194,6 +214,8 @@ class Chat:
         except Exception as err:
             if not is_out_of_memory(err):
                 raise
+            del err  # its traceback holds the failed pass's tensors
+            release_memory()
             out.write("\n")
             say(self.style.error(f"error: {OOM_HINT}"))
             return EXIT_OOM
@@ -328,8 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                "2 bad usage, 3 out of memory, 130 interrupted.",
     )
     p.add_argument("--model", help="Hub id, model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the shipped heads "
-                                   "of the embedded model, when present)")
+    p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the embedded model's shipped "
+                                   "EAGLE heads; its shipped Medusa heads with --mode medusa)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
     p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup or baseline "
                                   "(default: hybrid when heads are loaded, "
@@ -381,7 +403,12 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
         say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = medusa.load(args.model, heads=args.heads, draft=args.draft, device=args.device, dtype=args.dtype,
+        heads = args.heads
+        if heads is None and args.model is None and args.mode == "medusa":
+            from medusa.api import SHIPPED_HEADS
+
+            heads = str(SHIPPED_HEADS)  # the default heads are EAGLE heads; mode medusa needs Medusa ones
+        engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
                              tree=args.tree, compile=args.compile, kernels=args.kernels,
                              draft_dtype=args.draft_dtype)
     # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they

@@ -16,21 +16,24 @@ from medusa.models.draft import load_draft
 from medusa.models.heads import MedusaHeads, init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
 
-# Heads shipped with the repo for the embedded default model.
+# Medusa heads shipped with the repo for the embedded default model (mode medusa; the bench's
+# medusa and hybrid modes).
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
-# EAGLE heads shipped for the same model (modes eagle and hybrid; the bench's eagle modes).
+# EAGLE heads shipped for the same model: the default heads of medusa.load() and the chat, since
+# their hybrid mode measured fastest (README "Benchmark"); the bench's eagle modes.
 SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
 
 
 def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
-    """``None``: the shipped heads when the target is the embedded default (else no heads);
+    """``None``: the shipped EAGLE heads when the target is the embedded default (else no heads);
     ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
     Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub.hub`)."""
     if isinstance(heads, MedusaHeads):
         return heads.bind(model.get_output_embeddings()) if heads.config.projection == "shared" else heads
     if heads is None:
-        if model_arg is None and (SHIPPED_HEADS / "config.json").is_file():
-            return load_heads(SHIPPED_HEADS, model)
+        if model_arg is None:
+            shipped = next((f for f in (SHIPPED_EAGLE_HEADS, SHIPPED_HEADS) if (f / "config.json").is_file()), None)
+            return None if shipped is None else load_heads(shipped, model)
         return None
     if heads == "init":
         return init_heads_for(model)
