@@ -50,6 +50,10 @@ def test_packed_linears_compute_the_same_logits_and_restore_the_model(arch):
             with packed:  # nested: still packed after the inner exit
                 pass
             assert not stock(model)
+            first = model.lm_head.forward
+        with packed:  # the same forward objects at every entry: compiled passes do not recompile
+            assert model.lm_head.forward is first
+        with packed:
             inside, ops = logits_and_ops(model, ids)
         after, ops_after = logits_and_ops(model, ids)
     assert stock(model)

@@ -112,6 +112,10 @@ class PackedLinears:
         for _, key, packed, _ in self._packed:
             _PACKED[key] = packed
         weakref.finalize(self, _release, [key for _, key, _, _ in self._packed])
+        # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
+        # new object at every entry would recompile it at every step.
+        self._forwards = [functools.partial(_packed_forward, layer, key, packed, bias)
+                          for layer, key, packed, bias in self._packed]
         self._depth = 0
 
     def __len__(self) -> int:
@@ -119,8 +123,8 @@ class PackedLinears:
 
     def __enter__(self) -> PackedLinears:
         if self._depth == 0:
-            for layer, key, packed, bias in self._packed:
-                layer.forward = functools.partial(_packed_forward, layer, key, packed, bias)
+            for (layer, _, _, _), forward in zip(self._packed, self._forwards):
+                layer.forward = forward
         self._depth += 1
         return self
 
