@@ -15,6 +15,25 @@ os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="medusa-tests-datasets
 atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 
+def _private_medusa_cache() -> str:
+    """A medusa cache for this test session: the measured picks the tests make on tiny models
+    (dtype.json, kernels.json, draft_dtype.json) land there, not in the user's cache; the heavy
+    entries of the user's cache (the materialised embedded model, the vLLM venv) are linked in."""
+    from pathlib import Path
+
+    user = Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+    private = Path(tempfile.mkdtemp(prefix="medusa-tests-cache-"))
+    user.mkdir(parents=True, exist_ok=True)
+    for name in ("models", "vllm-venv"):
+        (user / name).mkdir(exist_ok=True)
+        (private / name).symlink_to(user / name, target_is_directory=True)
+    atexit.register(shutil.rmtree, str(private), True)
+    return str(private)
+
+
+os.environ["MEDUSA_CACHE"] = _private_medusa_cache()
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded default model (SmolLM2-135M-Instruct) as an Engine with fresh heads."""

@@ -55,7 +55,8 @@ def _run(cmd: list[str], what: str, log: IO[str]) -> None:
 
 def ensure_venv(venv: str | Path | None = None, log: IO[str] | None = None) -> Path:
     """The python of a venv holding vLLM, creating it on first use (several minutes)."""
-    venv = Path(venv) if venv is not None else default_venv()
+    # Resolved: a venv's scripts name the path it was made at, so a linked folder gets the real one.
+    venv = (Path(venv) if venv is not None else default_venv()).resolve()
     python = venv / "bin" / "python"
     if (venv / _STAMP).is_file() and python.is_file():
         return python
