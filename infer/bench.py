@@ -36,6 +36,7 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 import medusa
 from infer import bench_vllm
 from medusa.decoding import MAX_NEW_TOKENS
+from medusa.decoding import hf as kv
 from medusa.decoding.device import adopt_draft_dtype
 from medusa.decoding.engine import Engine
 from medusa.decoding.kernels import KERNELS
@@ -186,7 +187,8 @@ def run_hf_compile(engine: Engine, ids: list[int], args: argparse.Namespace) -> 
     cache = StaticCache(config=engine.model.config, max_cache_len=size)
     compiled = CompileConfig(fullgraph=False, mode="default" if engine.device.type != "cuda" else "reduce-overhead")
     compiled._compile_all_devices = True  # transformers compiles on CUDA only unless this is set
-    run = hf_generate(engine, ids, _hf_config(engine, args, compile_config=compiled), past_key_values=cache)
+    run = hf_generate(engine, ids, _hf_config(engine, args, compile_config=compiled),
+                      **kv.cache_kwarg(engine.model.forward, cache))  # generate takes the model's name
     run.steps = len(run.tokens)
     return run
 

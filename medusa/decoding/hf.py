@@ -21,6 +21,8 @@ tensors (and a captured graph's addresses) never change.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from pathlib import Path
 
@@ -318,6 +320,19 @@ def causal_mask(model: PreTrainedModel, past: int, n: int, dtype: torch.dtype, d
     return tree_attention_mask(model, past, ancestor, torch.arange(n, device=device), dtype, kv_len)
 
 
+@functools.cache
+def _cache_name(function) -> str:
+    params = inspect.signature(function).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwarg(method, cache: Cache | None) -> dict:
+    """``{name: cache}`` for ``method`` (a model's, a layer's or ``generate``): transformers
+    renamed ``past_key_values`` to ``cache`` (5.24 warns on the old name), older 5.x only
+    knows ``past_key_values``."""
+    return {_cache_name(getattr(method, "__func__", method)): cache}
+
+
 def forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -334,8 +349,8 @@ def forward(
     ``attention_mask=None`` means plain causal attention (transformers builds it).
     """
     base = model.get_decoder()
-    out = base(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
-               attention_mask=attention_mask, use_cache=True)
+    out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+               **cache_kwarg(base.forward, cache))
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
     return lm_logits(model, rows).float(), hidden  # logits [r, V]

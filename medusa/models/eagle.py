@@ -37,6 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from medusa.decoding import hf as kv
 from medusa.errors import MedusaError
 from medusa.models.heads import HeadsConfig, checked_draft_vocab
 
@@ -185,8 +186,8 @@ class EagleHeads(nn.Module):
         pos = positions[None]
         rope = target.get_decoder().rotary_emb
         cos_sin = rope(x, pos, "full_attention") if self._rope_by_type else rope(x, pos)
-        out = self.layer(x, attention_mask=mask.to(x.dtype), position_ids=pos, past_key_values=cache, use_cache=True,
-                         position_embeddings=cos_sin)
+        out = self.layer(x, attention_mask=mask.to(x.dtype), position_ids=pos, use_cache=True,
+                         position_embeddings=cos_sin, **kv.cache_kwarg(self.layer.forward, cache))
         out = out[0] if isinstance(out, tuple) else out
         if self.eagle1:
             return out[0]  # [T, H]: the residual stream, scored and fed back as it is
