@@ -77,8 +77,11 @@ def load(
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    max_rows = None
     if dtype is None:  # the fastest dtype that keeps the promise on this device, measured once (device.py)
-        adopt_picked_dtype(lm, cache_root() / "dtype.json")
+        picked = adopt_picked_dtype(lm, cache_root() / "dtype.json")
+        if picked is not None and picked.dtype == "bfloat16":
+            max_rows = picked.invariant_rows  # the largest pass the probe found exact
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)
@@ -91,7 +94,7 @@ def load(
     heads = resolve_heads(heads, model, lm)
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,
-                    static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels)
+                    static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels, max_rows=max_rows)
     engine.kernel_choice = choice
     engine.draft_dtype_choice = draft_choice
     return engine

@@ -27,9 +27,13 @@ def test_decide_keeps_bfloat16_only_when_clearly_faster():
     assert decide(close)[0] == "float32"
     assert decide({"float32": {1: 1.0, 16: 2.0}})[0] == "float32"
     assert "T(16)=43.0" in decide(amx)[1]
+    assert "at most 64 rows" in decide(amx)[1]
     # faster but not batch-invariant on this device: float32, and the reason says why
-    dtype, reason = decide(amx, differing_rows=5)
-    assert dtype == "float32" and "5 of 64 rows" in reason and "not exact" in reason
+    dtype, reason = decide(amx, invariant_rows=4)
+    assert dtype == "float32" and "a pass of 5 rows" in reason and "not exact" in reason
+    assert decide(amx, invariant_rows=None)[0] == "float32"  # not probed
+    dtype, reason = decide(amx, invariant_rows=32)  # exact up to 32 rows: the engine caps its passes there
+    assert dtype == "bfloat16" and "at most 32 rows" in reason
 
 
 def test_invariance_probe_compares_a_many_token_pass_with_one_token_passes():

@@ -9,101 +9,63 @@ from test_engine import random_heads
 from tiny import tiny_model
 
 from medusa.decoding import hf as kv
-from medusa.decoding.device import invariance_probe
+from medusa.decoding.device import MIN_ROWS, decide, invariant_rows
 from medusa.decoding.engine import Engine
-from medusa.decoding.exact import is_exact, set_exact
+from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
+from medusa.errors import MedusaError
 
 ARCHS4 = ("llama", "qwen2", "mistral", "gemma3")  # gemma3: sliding and full layers, softcapped logits
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 PREFIX = 40
 
 
-def _tree_vs_one_token(model, static: bool, check: "LinearRowCheck | None" = None) -> int:
+def _tree_vs_one_token(model, static: bool, prefix: int = PREFIX) -> int:
     """Rows of a tree pass whose logits differ (bitwise) from a one-token-at-a-time pass
-    over the node's ancestors after the same prompt (``check``: watches the tree pass)."""
+    over the node's ancestors after the same prompt."""
     dtype, cpu = model.dtype, torch.device("cpu")
     tree = compile_tree(PATHS)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, 96, (1, PREFIX), generator=g)
+    prompt = torch.randint(3, 96, (1, prefix), generator=g)
     tokens = torch.randint(3, 96, (tree.num_nodes,), generator=g)
-    width = 128 if static else None
+    width = prefix + 88 if static else None
 
     def prefill():
-        cache = kv.new_static_cache(model, 128) if static else kv.new_cache()
-        mask = kv.causal_mask(model, 0, PREFIX, dtype, cpu, width) if static else None
-        kv.forward(model, prompt, torch.arange(PREFIX)[None], cache, mask)
+        cache = kv.new_static_cache(model, width) if static else kv.new_cache()
+        mask = kv.causal_mask(model, 0, prefix, dtype, cpu, width) if static else None
+        kv.forward(model, prompt, torch.arange(prefix)[None], cache, mask)
         return cache
 
     with torch.inference_mode():
         cache = prefill()
-        mask = kv.tree_attention_mask(model, PREFIX, tree.ancestor, tree.depth, dtype, width)
-        if check is not None:
-            with check:
-                tree_logits, _ = kv.forward(model, tokens[None], (PREFIX + tree.depth)[None], cache, mask)  # [N, V]
-        else:
-            tree_logits, _ = kv.forward(model, tokens[None], (PREFIX + tree.depth)[None], cache, mask)
+        mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, dtype, width)
+        tree_logits, _ = kv.forward(model, tokens[None], (prefix + tree.depth)[None], cache, mask)  # [N, V]
         differing = 0
         for node in range(tree.num_nodes):
             cache = prefill()
             for step, a in enumerate(tree.ancestor[node].nonzero()[:, 0].tolist()):  # root .. node
-                mask = kv.causal_mask(model, PREFIX + step, 1, dtype, cpu, width) if static else None
-                one, _ = kv.forward(model, tokens[a].view(1, 1), torch.tensor([[PREFIX + step]]), cache, mask)
+                mask = kv.causal_mask(model, prefix + step, 1, dtype, cpu, width) if static else None
+                one, _ = kv.forward(model, tokens[a].view(1, 1), torch.tensor([[prefix + step]]), cache, mask)
             differing += not torch.equal(one[0], tree_logits[node])
     return differing
 
 
-class LinearRowCheck:
-    """While active, checks that every linear layer of ``model`` computes each row of its input
-    bit for bit as it computes that row alone, on this device: kernels differ (one CPU's
-    bfloat16 kernels are row-count invariant, another's are not, e.g. in the MLP's down
-    projection), and then no attention can make a tree pass exact."""
-
-    def __init__(self, model) -> None:
-        self.model, self.same = model, []
-
-    def _check(self, module, args, out) -> None:
-        x = args[0]
-        rows = torch.cat([torch.nn.functional.linear(x[..., i:i + 1, :], module.weight, module.bias)
-                          for i in range(x.shape[-2])], dim=-2)
-        self.same.append(torch.equal(rows, out))
-
-    def __enter__(self):
-        self.hooks = [m.register_forward_hook(self._check) for m in self.model.modules()
-                      if isinstance(m, torch.nn.Linear)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.hooks:
-            h.remove()
-
-    @property
-    def invariant(self) -> bool:
-        return all(self.same)
-
-
-def linear_rows_invariant(model) -> bool:
-    """:class:`LinearRowCheck` over a 24-token pass."""
-    with LinearRowCheck(model) as check, torch.inference_mode():
-        ids = torch.arange(3, 27)[None] % model.config.vocab_size
-        kv.forward(model, ids, torch.arange(24)[None], kv.new_cache(), None)
-    return check.invariant
-
-
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("prefix", [PREFIX, 150])  # 150: rows share a head of prompt keys (exact.py's split)
 @pytest.mark.parametrize("arch", ARCHS4)
-def test_tree_rows_equal_one_token_passes_bit_for_bit(arch, static):
+def test_tree_rows_equal_one_token_passes_bit_for_bit(arch, static, prefix):
     model = tiny_model(arch).to(torch.bfloat16)
     set_exact(model, True)
-    check = LinearRowCheck(model)
-    differing = _tree_vs_one_token(model, static, check)
-    if check.invariant:
-        assert differing == 0  # attention was the only row-count dependent op, and exact attention fixes it
-    else:
-        # this device's bfloat16 matmuls depend on the row count: no attention can fix that,
-        # and the dtype pick's probe sees it on the model itself (so it keeps float32)
-        assert invariance_probe(model) > 0
+    differing = _tree_vs_one_token(model, static, prefix)
+    nodes = len(PATHS) + 1
+    rows = invariant_rows(model, limit=nodes, prefix=prefix)
+    if rows < nodes:
+        # this device's matmul kernels round a pass this large differently from one-token
+        # passes (no attention can fix that): the engine never verifies one here
+        assert Engine(model, max_rows=rows).max_rows < nodes
+        return
+    assert differing == 0  # attention was the only row-count dependent op, and exact attention fixes it
 
 
 def test_sdpa_tree_rows_differ_in_bfloat16():
@@ -120,15 +82,19 @@ def test_sdpa_tree_rows_differ_in_bfloat16():
 @pytest.mark.parametrize("arch", ARCHS4)
 def test_bfloat16_speculation_equals_baseline_in_every_mode(arch):
     model = tiny_model(arch).to(torch.bfloat16)
-    if not linear_rows_invariant(model):
-        # bfloat16 cannot be exact on this device (see above): the dtype pick must refuse it
-        set_exact(model, True)
-        assert invariance_probe(model) > 0
+    set_exact(model, True)
+    # the largest pass whose rows all equal their one-token passes on this device (linear
+    # kernels may block differently past some row count); the engine verifies at most that
+    rows = invariant_rows(model, limit=24, prefix=PREFIX)
+    if rows < MIN_ROWS:
+        # bfloat16 cannot be exact here even for small trees: the dtype pick must refuse it
+        assert decide({"float32": {1: 38.7, 16: 77.7}, "bfloat16": {1: 36.1, 16: 43.0}}, rows)[0] == "float32"
         return
     draft = noisy_copy(tiny_model(arch), 0.02).to(torch.bfloat16)
     eng = Engine(model, heads=random_heads(model, 0).to(torch.bfloat16), tree=PATHS, draft=draft,
-                 proposer_config=ProposerConfig(draft_tokens=3))
+                 proposer_config=ProposerConfig(draft_tokens=3), max_rows=rows)
     assert eng.exact and is_exact(model)  # the default in half precision
+    assert eng.max_rows == rows
     prompt = [5, 17, 33, 9, 41, 12, 5, 17, 33]
     n = 48
     base = eng.generate(prompt, max_new_tokens=n, mode="baseline")
@@ -137,6 +103,50 @@ def test_bfloat16_speculation_equals_baseline_in_every_mode(arch):
         out = eng.generate(prompt, max_new_tokens=n, mode=mode)
         assert out.tokens == base.tokens, mode
         assert out.stats.steps < base.stats.steps, mode  # it did speculate and accept
+
+
+def test_engine_verifies_at_most_max_rows_per_pass():
+    model = tiny_model("llama")
+    seen = []
+    eng = Engine(model, heads=random_heads(model, 0), tree=PATHS, max_rows=4)
+    real = eng._pass
+
+    def watched(model, tokens, *args, **kwargs):
+        seen.append(tokens.shape[1])
+        return real(model, tokens, *args, **kwargs)
+
+    eng._pass = watched
+    prompt = [5, 17, 33, 9, 41, 12, 5, 17, 33]
+    base = eng.generate(prompt, max_new_tokens=32, mode="baseline")
+    for mode in ("medusa", "hybrid"):
+        seen.clear()
+        out = eng.generate(prompt, max_new_tokens=32, mode=mode)
+        assert out.tokens == base.tokens, mode
+        assert seen and max(seen) == 4, mode  # the 10-node tree was cut to its first 4 nodes
+    assert Engine(model, exact=True).max_rows == EXACT_MAX_ROWS  # exact passes are capped anyway
+    with pytest.raises(MedusaError, match="max_rows"):
+        Engine(model, max_rows=0)
+
+
+def test_invariant_rows_finds_the_first_pass_size_that_differs():
+    model = tiny_model("llama").to(torch.bfloat16)
+    set_exact(model, True)
+    real_rows = invariant_rows(model, limit=12)
+    from medusa.decoding import hf as kv_mod
+
+    real_forward = kv_mod.forward
+
+    def leaky(model, ids, pos, cache, mask, logits_rows=None):
+        logits, hidden = real_forward(model, ids, pos, cache, mask, logits_rows)
+        if ids.shape[1] >= 5:  # passes of 5 rows and more mix their rows
+            logits = logits + logits.mean(0, keepdim=True)
+        return logits, hidden
+
+    kv_mod.forward = leaky
+    try:
+        assert invariant_rows(model, limit=12) == min(4, real_rows)
+    finally:
+        kv_mod.forward = real_forward
 
 
 def test_exact_is_off_by_default_in_float32_and_can_be_forced():

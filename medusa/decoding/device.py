@@ -42,11 +42,12 @@ from medusa.decoding.kernels import PackedLinears, onednn_available
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16 must cost under 90% of fp32: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
-PROBE_PREFIX = 16
+PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (exact.py)
 KERNEL_KEY_VERSION = "k1"
 DRAFT_KEY_VERSION = "d1"
+MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
-KEY_VERSION = "v2"  # v2: the pick also checks batch invariance (entries without it are re-measured)
+KEY_VERSION = "v3"  # v3: the pick records the largest exact pass (entries without it are re-measured)
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 
@@ -55,7 +56,7 @@ class DtypeChoice:
     dtype: str  # "float32" or "bfloat16"
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[str, dict[int, float]]  # dtype -> {new tokens: ms per pass}
-    differing_rows: int | None = None  # the bfloat16 invariance probe (None: not run)
+    invariant_rows: int | None = None  # bfloat16 passes of up to this many rows are exact (None: not probed)
 
 
 def device_key(device: torch.device) -> str:
@@ -80,11 +81,12 @@ def model_key(model: PreTrainedModel) -> str:
     return f"{config.model_type} h{config.hidden_size} l{config.num_hidden_layers} v{config.vocab_size}"
 
 
-def decide(cost_ms: dict[str, dict[int, float]], differing_rows: int | None = 0) -> tuple[str, str]:
+def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PROBE_ROWS) -> tuple[str, str]:
     """``(dtype, reason)`` from measured pass costs: bfloat16 only if it is under ``MARGIN``
-    of float32 summed over a one-token pass and a 16-node tree, and the invariance probe found
-    no row of a many-token pass differing from its one-token pass (``differing_rows`` 0;
-    None: not probed, as when bfloat16 is not faster anyway)."""
+    of float32 summed over a one-token pass and a 16-node tree, and passes of at least
+    ``MIN_ROWS`` rows give every row bitwise its one-token logits (``invariant_rows``, from
+    :func:`invariant_rows`; None: not probed, as when bfloat16 is not faster anyway). The
+    engine then verifies at most ``invariant_rows`` rows per pass."""
     fp32 = sum(cost_ms["float32"].values())
     if "bfloat16" not in cost_ms:
         return "float32", "float32: this device has no bfloat16 support"
@@ -92,11 +94,12 @@ def decide(cost_ms: dict[str, dict[int, float]], differing_rows: int | None = 0)
     detail = " vs ".join(f"{d} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for d, c in cost_ms.items())
     if bf16 >= MARGIN * fp32:
         return "float32", f"float32: bfloat16 is not faster here by measurement, {detail}"
-    if differing_rows:
-        return "float32", (f"float32: bfloat16 is faster here ({detail}) but not exact: {differing_rows} of "
-                           f"{PROBE_ROWS} rows of a {PROBE_ROWS}-token pass differ from their one-token passes "
+    if invariant_rows is None or invariant_rows < MIN_ROWS:
+        return "float32", (f"float32: bfloat16 is faster here ({detail}) but not exact: a pass of "
+                           f"{(invariant_rows or 1) + 1} rows gives some row other logits than its one-token pass "
                            "(this device's kernels depend on the row count), so speculation could change outputs")
-    return "bfloat16", f"bfloat16 (exact attention): faster here by measurement and batch-invariant, {detail}"
+    return "bfloat16", (f"bfloat16 (exact attention, passes of at most {invariant_rows} rows): faster here by "
+                        f"measurement and batch-invariant, {detail}")
 
 
 @torch.inference_mode()
@@ -125,6 +128,37 @@ def invariance_probe(model: PreTrainedModel, rows: int = PROBE_ROWS, prefix: int
     return differing
 
 
+@torch.inference_mode()
+def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int = PROBE_PREFIX) -> int:
+    """The largest ``r <= limit`` such that a pass of every size ``2..r`` gives each of its rows
+    bitwise the logits of that row's one-token pass (1: none does). A device's matmul kernels
+    may change blocking with the row count (one AMX Xeon: bf16 linears invariant up to 32 rows,
+    not above), so the engine verifies at most this many rows per pass. One-token passes are
+    run once; the many-token passes stop at the first size that differs."""
+    from medusa.decoding import hf as kv
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.get_output_embeddings().weight.device
+    ids = (torch.arange(prefix + limit, device=device) * 7919 + 13) % max(vocab - 1, 1) + 1
+
+    def prefilled():
+        cache = kv.new_cache()
+        kv.forward(model, ids[None, :prefix], torch.arange(prefix, device=device)[None], cache, None)
+        return cache
+
+    cache, ones = prefilled(), []
+    for i in range(limit):
+        one, _ = kv.forward(model, ids[None, prefix + i:prefix + i + 1], torch.tensor([[prefix + i]], device=device),
+                            cache, None)
+        ones.append(one[0])
+    for n in range(2, limit + 1):
+        many, _ = kv.forward(model, ids[None, prefix:prefix + n], torch.arange(prefix, prefix + n, device=device)[None],
+                             prefilled(), None)
+        if any(not torch.equal(ones[i], many[i]) for i in range(n)):
+            return n - 1
+    return limit
+
+
 def _bf16_supported(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.is_bf16_supported()
 
@@ -132,19 +166,19 @@ def _bf16_supported(device: torch.device) -> bool:
 def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 3,
                    ) -> tuple[dict[str, dict[int, float]], int | None]:
     """Pass cost by new-token count for ``model`` (float32) and a bfloat16 copy of it with
-    exact attention, and the copy's :func:`invariance_probe` when bfloat16 is the faster (else
+    exact attention, and the copy's :func:`invariant_rows` when bfloat16 is the faster (else
     None). ``model`` is left as it was."""
     device = model.get_output_embeddings().weight.device
     costs = {"float32": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
-    differing = None
+    rows = None
     if _bf16_supported(device):
         half = copy.deepcopy(model).to(torch.bfloat16)
         set_exact(half, True)
         costs["bfloat16"] = measure_cost(half, list(SIZES), prefix=prefix, reps=reps)
         if sum(costs["bfloat16"].values()) < MARGIN * sum(costs["float32"].values()):
-            differing = invariance_probe(half)
+            rows = invariant_rows(half)
         del half
-    return costs, differing
+    return costs, rows
 
 
 def _cached(cache_file: Path, key: str, measure) -> tuple[dict, bool]:
@@ -173,13 +207,13 @@ def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
     key = f"{device_key(device)} | {model_key(model)} | {KEY_VERSION}"
 
     def measure() -> dict:
-        costs, differing = measure_dtypes(model)
-        dtype, reason = decide(costs, differing)
-        return asdict(DtypeChoice(dtype, reason, costs, differing))
+        costs, rows = measure_dtypes(model)
+        dtype, reason = decide(costs, rows)
+        return asdict(DtypeChoice(dtype, reason, costs, rows))
 
     entry, cached = _cached(cache_file, key, measure)
     return DtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
-                       entry.get("differing_rows"))
+                       entry.get("invariant_rows"))
 
 
 def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice | None:

@@ -18,12 +18,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
-from medusa.decoding.exact import is_exact, set_exact
+from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import load_tree
+from medusa.decoding.tree import compile_tree, load_tree
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
@@ -146,6 +146,25 @@ def pad_pass(tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor, 
     return (torch.cat([tokens, tokens.new_zeros(size - n)]), torch.cat([depth, depth.new_zeros(size - n)]), grown)
 
 
+def pass_rows(exact: bool, max_rows: int | None) -> int | None:
+    """Rows per verification pass (None: any). Exact attention makes attention row-invariant,
+    but a device's matmul kernels may block differently past some row count (one AMX Xeon's
+    bf16 linears: invariant up to 32 rows, not above), so exact passes verify at most the rows
+    the device's probe found invariant (medusa.load passes the dtype pick's ``invariant_rows``)
+    and never more than exact attention supports; larger proposals keep their first nodes."""
+    if max_rows is not None and max_rows < 1:
+        raise MedusaError(f"max_rows must be at least 1, got {max_rows}")
+    return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
+
+
+def truncate(proposal: Proposal, rows: int) -> Proposal:
+    """``proposal``'s first ``rows`` nodes: nodes are laid out by depth (compile_tree), so every
+    kept node's ancestors are kept and node indices stay those of the proposer."""
+    tree = compile_tree(proposal.tree.paths[: rows - 1]).to(proposal.tokens.device)
+    q = None if proposal.q is None else proposal.q[:rows]
+    return Proposal(tree=tree, tokens=proposal.tokens[:rows], q=q, is_chain=proposal.is_chain)
+
+
 class Engine:
     """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
 
@@ -161,6 +180,7 @@ class Engine:
         proposer_config: ProposerConfig | None = None,
         exact: bool | None = None,
         kernels: str = "default",
+        max_rows: int | None = None,
     ) -> None:
         kv.check_target(model)  # refuses models a tree cannot verify, or whose logits we cannot reproduce
         # Batch-invariant attention (medusa/decoding/exact.py): a tree row equals its one-token
@@ -172,6 +192,7 @@ class Engine:
         if exact != is_exact(model):
             set_exact(model, exact)
         self.exact = exact
+        self.max_rows = pass_rows(exact, max_rows)
         self.model = model
         self.tokenizer = tokenizer
         self.heads = heads
@@ -409,6 +430,8 @@ class Engine:
         if self.max_positions is not None:
             state.budget = min(state.budget, self.max_positions - state.length)
         proposal = proposer.propose(state)
+        if self.max_rows is not None and proposal.tokens.shape[0] > self.max_rows:
+            proposal = truncate(proposal, self.max_rows)
         if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
             proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
         return proposal

@@ -4,22 +4,29 @@ Why: greedy speculation promises the tokens plain decoding would give. A tree pa
 each node's row next to other rows, and a kernel whose blocking or reduction order depends on
 the number of query rows (or on where the masked keys sit) rounds differently; in bfloat16 a
 near-tie of the top two logits then flips and the output changes (see README "Exactness in
-bfloat16" for the per-op evidence: here only attention breaks invariance in bfloat16; in
-float32 the linear layers do too).
+bfloat16" for the per-op evidence: attention breaks invariance in bfloat16; linear layers do
+past some row count on some devices, hence the engine's cap on rows per exact pass; in float32
+the linear layers vary with the row count anyway).
 
-How: every query row attends to a *compacted* list of the keys it may see, in cache order
-(the prefix, then its ancestors), exactly the list a one-token pass of that token sees, with
-masked slots moved to the end. Each row is its own batch element of one batched matmul
-(``M`` = the query heads sharing a KV head), so the result of a row depends neither on the
-other rows nor on masked slots between its keys. The prompt, a tree and a one-token step all
-run through this one function, so they use the same kernels.
+How: every row is computed from the list of keys it may see, in cache order (the prompt, then
+its ancestors) - exactly the list its one-token pass sees - with the same shapes in every pass:
+the first keys, a multiple of 32 that leaves 33-64, are the prompt's cache slots, read in place
+and shared by all rows of the pass; the rest are gathered per row and padded to 64. Scores and
+weighted values are float32 matmuls whose rows were measured not to depend on the number of
+rows or on the batch; the reduction over keys always has the same length for the same row
+(a matmul's result depended on it: 3 of 315 random cases differed by key count in bf16). So a
+row's result depends neither on the other rows nor on masked slots between its keys. The
+prompt, a tree and a one-token step all run through this one function.
 
 It is registered with transformers' ``AttentionInterface`` as ``"medusa_exact"`` (masks built
 by transformers' eager mask function), so the stock model runs it: no forked model code.
-Cost: a gather of ``n x visible keys`` per layer and matmuls with few rows; see the README.
+Cost: a gather of ``n x 64`` keys per layer and small matmuls; see the README.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -27,6 +34,13 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 NAME = "medusa_exact"
 _ROW_CHUNK = 64  # query rows per gather: bounds the [n, L, D] gathered keys of a long prompt
+_KEY_BUCKET = 32  # key lists are padded to a multiple: a matmul's reduction over keys depends on their number
+_TAIL = 64  # keys a row gathers past its shared head (a tree must be shallower than _TAIL - _KEY_BUCKET)
+# Rows of an exact pass. A row's shared head must be prompt, not tree (depth <= _TAIL - _KEY_BUCKET,
+# so up to 33 rows), and a device's linear kernels may change blocking past 32 rows (one AMX Xeon's
+# bf16 kernels did): 32 unless a device's probe found fewer (medusa/decoding/device.py).
+EXACT_MAX_ROWS = min(32, _TAIL - _KEY_BUCKET + 1)
+_HEAD_ROWS = 32  # matmul rows per product with the shared head's values
 
 
 def _visible(mask: torch.Tensor | None, n: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,30 +57,111 @@ def _visible(mask: torch.Tensor | None, n: int, length: int, device: torch.devic
     return mask > torch.finfo(mask.dtype).min / 2, mask
 
 
-def _rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor,
-          scaling: float, softcap: float | None) -> torch.Tensor:
-    """Attention for ``n`` query rows: query ``[B, Hkv, n, g, D]``, key/value ``[B, Hkv, L, D]``,
-    ``allowed``/``bias`` ``[B, n, L]``. Returns ``[B, Hkv, n, g, D]``."""
+def _width(count: int | torch.Tensor) -> int | torch.Tensor:
+    """The key-list length a row that sees ``count`` keys is computed with (masked slots pad
+    it): a multiple of ``_KEY_BUCKET``, so its row of every pass uses the same matmul shapes."""
+    return (count + _KEY_BUCKET - 1) // _KEY_BUCKET * _KEY_BUCKET
+
+
+@dataclass
+class _Group:
+    """Rows of one pass computed together. ``head`` > 0: their first ``head`` visible keys are
+    cache slots ``0..head-1`` (read in place, shared by the rows), and ``slots`` ``[B, r, W]``
+    lists the rest (visible first, in cache order, then padding); ``head`` 0: ``slots`` lists
+    all of a row's keys. ``extra`` ``[B, r, head + W]``: the mask's bias, -inf on padding."""
+    rows: torch.Tensor
+    head: int
+    slots: torch.Tensor
+    extra: torch.Tensor
+
+
+_plans: dict = {}  # the plan of the pass in flight (every layer of a pass gets the same mask)
+
+
+def _plan(mask: torch.Tensor | None, n: int, length: int, device: torch.device) -> list[_Group]:
+    """How each row of a pass is computed: a function of the row's own visible keys only, so
+    a row gets the same computation in a tree pass as in its one-token pass.
+
+    A row seeing ``c`` keys splits them into a head of ``h`` keys (a multiple of ``_KEY_BUCKET``:
+    the fewest that leave a tail of at most ``_TAIL``) and a tail padded to ``_TAIL``. In a tree
+    pass the head is prompt, never a tree node (trees are shallower than ``_TAIL - _KEY_BUCKET``),
+    so all rows read it in place from one shared block, and only the tails are gathered. Rows
+    whose visible keys do not start at slot 0 (sliding windows), and batches, gather all their
+    keys, padded to a multiple of ``_KEY_BUCKET``."""
+    allowed, bias = _visible(mask, n, length, device)
+    b = allowed.shape[0]
     count = allowed.sum(-1)  # [B, n] keys each row sees
-    width = int(count.max())
-    if query.shape[2] == 1 and bool(allowed[..., :width].all()):
-        # one row seeing the first `width` slots (a one-token step): the gather below would
-        # copy them unchanged, so read them in place; the arithmetic is the same
-        order = torch.arange(width, device=allowed.device).expand(*allowed.shape[:-1], width)  # [B, 1, W]
-        keys, values = key[:, :, None, :width], value[:, :, None, :width]  # [B, Hkv, 1, W, D]
-    else:
-        # visible slots first, in cache order (a stable sort of "is masked"), then the masked ones
-        order = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)[..., :width]  # [B, n, W]
-        keys = torch.stack([key[b][:, order[b]] for b in range(key.shape[0])])  # [B, Hkv, n, W, D]
-        values = torch.stack([value[b][:, order[b]] for b in range(value.shape[0])])  # [B, Hkv, n, W, D]
-    valid = torch.arange(width, device=order.device) < count[..., None]  # [B, n, W]
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling  # [B, Hkv, n, g, W]
+    order = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)  # visible first, in cache order
+    leading = allowed.to(torch.int32).cumprod(-1).sum(-1)  # [B, n] visible slots 0, 1, ... before the first gap
+    head = ((count - _TAIL).clamp(min=0) + _KEY_BUCKET - 1) // _KEY_BUCKET * _KEY_BUCKET  # [B, n]
+    split = (leading >= head).all(0) & (b == 1)  # [n]
+    # rows of one group share their head length and key-list width
+    width = torch.where(split, _TAIL, _width(count.max(0).values))
+    key = torch.where(split, head.max(0).values, -1) * (length + _TAIL + _KEY_BUCKET) + width
+    groups = []
+    for k in key.unique().tolist():
+        rows = (key == k).nonzero().flatten()
+        h = int(head[0, rows[0]]) if bool(split[rows[0]]) else 0
+        w = int(width[rows[0]])
+        slots = order[:, rows, h:h + w]
+        if slots.shape[-1] < w:  # past the cache: any slot (masked below) fills the width
+            slots = torch.cat([slots, slots.new_zeros(b, len(rows), w - slots.shape[-1])], -1)
+        valid = torch.arange(w, device=device) < (count[:, rows] - h)[..., None]  # [B, r, W]
+        tail = torch.gather(bias[:, rows], -1, slots).masked_fill(~valid, float("-inf"))
+        groups.append(_Group(rows, h, slots, torch.cat([bias[:, rows, :h], tail], -1).float()))
+    return groups
+
+
+def _plan_for(mask: torch.Tensor | None, n: int, length: int, device: torch.device) -> list[_Group]:
+    """:func:`_plan`, made once per pass: the first layer makes it, the others find it."""
+    key = (n, length, device)
+    cached = _plans.get("last")
+    if cached is not None and cached[1] == key and (cached[0] is None if mask is None else
+                                                    cached[0] is not None and cached[0]() is mask):
+        return cached[2]
+    groups = _plan(mask, n, length, device)
+    _plans["last"] = (None if mask is None else weakref.ref(mask), key, groups)
+    return groups
+
+
+def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, Hkv, L, D]`` at ``slots`` ``[B, r, W]`` -> ``[B, Hkv, r, W, D]``."""
+    flat = slots.flatten(1)
+    if x.shape[0] == 1:
+        return x[0].index_select(1, flat[0]).unflatten(1, slots.shape[1:])[None]
+    return torch.stack([x[i].index_select(1, flat[i]) for i in range(x.shape[0])]).unflatten(2, slots.shape[1:])
+
+
+def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: _Group,
+                     scaling: float, softcap: float | None) -> torch.Tensor:
+    """Attention for a group's rows: q ``[B, Hkv, r, g, D]`` -> ``[B, Hkv, r, g, D]``."""
+    b, kv_heads, r, g, dim = q.shape
+    h = group.head
+    # float32 arithmetic: small float32 matmuls are fast here, and their rows did not depend on
+    # the row count or the batch (bfloat16's small matmuls were 3-4x slower on one AMX Xeon)
+    q = q.float()
+    keys, values = _gather(key, group.slots).float(), _gather(value, group.slots).float()  # [B, Hkv, r, W, D]
+    if h:
+        head_keys, head_values = key[:, :, :h].float(), value[:, :, :h].float()
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, r, g, W]
+    if h:
+        # the shared head: one matmul for all rows (each score is a dot product over D)
+        shared = torch.matmul(q.reshape(b, kv_heads, r * g, dim), head_keys.transpose(-1, -2))
+        scores = torch.cat([shared.view(b, kv_heads, r, g, h), scores], -1)
+    scores = scores * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    extra = torch.gather(bias, -1, order).masked_fill(~valid, float("-inf"))  # [B, n, W]
-    scores = scores + extra[:, None, :, None, :].to(scores.dtype)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, values)  # [B, Hkv, n, g, D]
+    scores = scores + group.extra[:, None, :, None, :]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs[..., h:], values)  # [B, Hkv, r, g, D]
+    if h:
+        # the head's weighted values, at most _HEAD_ROWS matmul rows at a time: a long
+        # reduction's kernel may block differently for more rows
+        step = max(1, _HEAD_ROWS // g)
+        parts = [torch.matmul(probs[:, :, s:s + step, :, :h].reshape(b, kv_heads, -1, h), head_values)
+                 for s in range(0, r, step)]
+        out = torch.cat(parts, 2).view(b, kv_heads, r, g, dim) + out
+    return out
 
 
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,13 +173,18 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
-    allowed, bias = _visible(attention_mask, n, length, query.device)
     # the g query heads that share a KV head become the M rows of one small matmul per query row
     q = query.view(b, kv_heads, groups, n, dim).transpose(2, 3)  # [B, Hkv, n, g, D]
+    plan = _plan_for(attention_mask, n, length, query.device)
+    if len(plan) == 1 and n <= _ROW_CHUNK:  # one group of all rows in order (a step, most trees)
+        out = _group_attention(q, key, value, plan[0], scaling, softcap).to(query.dtype)
+        return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
     out = torch.empty_like(q)
-    for s in range(0, n, _ROW_CHUNK):
-        e = min(n, s + _ROW_CHUNK)
-        out[:, :, s:e] = _rows(q[:, :, s:e], key, value, allowed[:, s:e], bias[:, s:e], scaling, softcap)
+    for group in plan:
+        for s in range(0, len(group.rows), _ROW_CHUNK):
+            part = _Group(group.rows[s:s + _ROW_CHUNK], group.head, group.slots[:, s:s + _ROW_CHUNK],
+                          group.extra[:, s:s + _ROW_CHUNK])
+            out[:, :, part.rows] = _group_attention(q[:, :, part.rows], key, value, part, scaling, softcap).to(out.dtype)
     return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
