@@ -157,6 +157,18 @@ def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, **kwar
     return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
 
 
+def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
+    """Nodes (root included) of the heads' tree: the static tree of Medusa heads, the dynamic
+    tree's budget of eagle heads."""
+    if engine.heads is None:
+        return None
+    if engine.heads.config.kind == "eagle":
+        from medusa.decoding.eagle import DynamicTree
+
+        return DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype).nodes + 1
+    return len(engine.tree_paths(tree)) + 1
+
+
 def _sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -419,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
             "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
-            "tree_nodes": len(engine.tree_paths(args.tree)) + 1 if engine.heads is not None else None}
+            "tree_nodes": _tree_nodes(engine, args.tree)}
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

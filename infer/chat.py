@@ -452,10 +452,12 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     if engine.draft_dtype_choice is not None and engine.draft_dtype_choice.cost_ms:  # picked by measurement
         lines.append(f"drafts  {engine.draft_dtype_choice.reason}")
     if engine.heads is not None and engine.heads.config.kind == "eagle":
+        from medusa.decoding.calibrate import tree_key
         from medusa.decoding.eagle import DynamicTree
 
-        c, device = engine.heads.config, engine.device.type
-        size = DynamicTree.for_device(engine.heads.dynamic, engine.device)
+        c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
+        size = DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype)
+        device = key if key in engine.heads.dynamic else engine.device.type
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
         lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk})")

@@ -26,6 +26,12 @@ def test_decide_keeps_bfloat16_only_when_clearly_faster():
     assert decide(avx2)[0] == "float32"
     assert decide(close)[0] == "float32"
     assert decide({"float32": {1: 1.0, 16: 2.0}})[0] == "float32"
+    # decided on the 16-token pass speculation verifies, not on a one-token pass
+    # (exact bf16 on the AMX Xeon: slower for one token, faster for a tree)
+    trees = {"float32": {1: 40.2, 16: 83.5}, "bfloat16": {1: 50.6, 16: 65.9}}
+    assert decide(trees)[0] == "bfloat16"
+    steps = {"float32": {1: 50.0, 16: 70.0}, "bfloat16": {1: 30.0, 16: 66.0}}
+    assert decide(steps)[0] == "float32"
     assert "T(16)=43.0" in decide(amx)[1]
     assert "at most 64 rows" in decide(amx)[1]
     # faster but not batch-invariant on this device: float32, and the reason says why

@@ -4,10 +4,12 @@ bfloat16 halves the bytes a pass reads, but only some devices compute it fast: G
 with AMX run bf16 matmuls natively; an AVX2-only CPU emulates them and runs float32 faster.
 So the pick times the target's pass over 1 and 16 new tokens (``measure_cost``, the numbers
 tree calibration uses) in float32 and in bfloat16 *with exact attention* (the bf16 mode that
-keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when it is clearly
-faster **and** exact here: exact attention makes attention batch-invariant, but whether the
-linear layers are depends on the device's kernels (bit-identical for 1 to 64 rows on one CPU,
-not from 24 rows up on another), so :func:`invariance_probe` checks it on the model itself.
+keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when its 16-token
+pass (what speculation verifies) is clearly faster **and** exact here: exact attention makes
+attention batch-invariant, but whether the linear layers are depends on the device's kernels
+(bit-identical up to 32 rows on one AMX Xeon, not above; rows differing from 8 rows up on an
+AMD EPYC), so :func:`invariant_rows` finds the largest exact pass on the model itself and the
+engine verifies at most that many rows per pass.
 The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
 GPU name), the torch version and the model's shape, so it is measured once.
 
@@ -40,14 +42,14 @@ from medusa.decoding.exact import set_exact
 from medusa.decoding.kernels import PackedLinears, onednn_available
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
-MARGIN = 0.9  # bf16 must cost under 90% of fp32: timings on a shared machine are noisy
+MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (exact.py)
 KERNEL_KEY_VERSION = "k1"
 DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
-KEY_VERSION = "v3"  # v3: the pick records the largest exact pass (entries without it are re-measured)
+KEY_VERSION = "v4"  # v3: the pick records the largest exact pass; v4: decided on the 16-row pass
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 
@@ -82,15 +84,17 @@ def model_key(model: PreTrainedModel) -> str:
 
 
 def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PROBE_ROWS) -> tuple[str, str]:
-    """``(dtype, reason)`` from measured pass costs: bfloat16 only if it is under ``MARGIN``
-    of float32 summed over a one-token pass and a 16-node tree, and passes of at least
+    """``(dtype, reason)`` from measured pass costs: bfloat16 only if its 16-row pass (a
+    calibrated tree with a lookup chain: what the engine's default mode verifies each step)
+    costs under ``MARGIN`` of float32's, and passes of at least
     ``MIN_ROWS`` rows give every row bitwise its one-token logits (``invariant_rows``, from
     :func:`invariant_rows`; None: not probed, as when bfloat16 is not faster anyway). The
     engine then verifies at most ``invariant_rows`` rows per pass."""
-    fp32 = sum(cost_ms["float32"].values())
     if "bfloat16" not in cost_ms:
         return "float32", "float32: this device has no bfloat16 support"
-    bf16 = sum(cost_ms["bfloat16"].values())
+    # not T(1): speculation runs trees; on one AMX Xeon bfloat16 (exact) cost 1.26x float32 for
+    # one token but 0.79x for 16, and its eagle-hybrid ran 1.34x float32's (README)
+    fp32, bf16 = cost_ms["float32"][16], cost_ms["bfloat16"][16]
     detail = " vs ".join(f"{d} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for d, c in cost_ms.items())
     if bf16 >= MARGIN * fp32:
         return "float32", f"float32: bfloat16 is not faster here by measurement, {detail}"
@@ -175,7 +179,7 @@ def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 3,
         half = copy.deepcopy(model).to(torch.bfloat16)
         set_exact(half, True)
         costs["bfloat16"] = measure_cost(half, list(SIZES), prefix=prefix, reps=reps)
-        if sum(costs["bfloat16"].values()) < MARGIN * sum(costs["float32"].values()):
+        if costs["bfloat16"][16] < MARGIN * costs["float32"][16]:
             rows = invariant_rows(half)
         del half
     return costs, rows

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.decoding import hf as kv
+from medusa.decoding.calibrate import tree_key
 from medusa.decoding.state import DecodeState, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree
 from medusa.models.eagle import EagleHeads, additive_mask
@@ -39,11 +40,14 @@ class DynamicTree:
     topk: int = 4
 
     @classmethod
-    def for_device(cls, calibrated: dict[str, dict[str, int]], device: torch.device) -> DynamicTree:
-        """The calibrated size for this device type, else a default by device kind (a pass
-        over many tokens costs about one pass on a GPU, about twice that on a CPU)."""
-        if device.type in calibrated:
-            return cls(**calibrated[device.type])
+    def for_device(cls, calibrated: dict[str, dict[str, int]], device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> DynamicTree:
+        """The size calibrated for this device type and the target's dtype (calibrate.tree_key),
+        else for the device type, else a default by device kind (a pass over many tokens costs
+        about one pass on a GPU, about twice that on a CPU)."""
+        for key in (tree_key(device.type, dtype), device.type):
+            if key in calibrated:
+                return cls(**calibrated[key])
         return cls(nodes=48, depth=6, topk=8) if device.type == "cuda" else cls()
 
 
@@ -72,10 +76,12 @@ def select(paths: list[Path_], scores: list[float], nodes: int) -> list[int]:
 class EagleProposer:
     """EAGLE heads proposing a dynamic tree each step (see the module docstring)."""
 
-    def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None) -> None:
+    def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: the target's (the pass cost, hence the calibrated tree, depends on it)."""
         self.heads = heads
         self.device = device
-        self.size = size or DynamicTree.for_device(heads.dynamic, device)
+        self.size = size or DynamicTree.for_device(heads.dynamic, device, dtype)
         self.cache = kv.new_cache()
         self.length = 0  # pairs in the head's cache: positions 0..length-1 (or from `start`)
         self.start = 0  # position of the first pair the head has seen

@@ -295,7 +295,8 @@ class Engine:
             return mode
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
-        return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft)
+        return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
+                             dtype=self.model.dtype)
 
     def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
         """The tree to use: the argument, else the engine's, else the default for the device.

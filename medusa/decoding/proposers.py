@@ -323,8 +323,10 @@ def make_proposer(
     heads: MedusaHeads | None = None,
     paths: list[tuple[int, ...]] | None = None,
     draft: PreTrainedModel | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Proposer:
-    """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid)."""
+    """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
+    ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode in ("medusa", "eagle", "hybrid"):
@@ -337,7 +339,7 @@ def make_proposer(
         if kind == "eagle":
             from medusa.decoding.eagle import EagleProposer
 
-            guessed: Proposer = EagleProposer(heads, device)
+            guessed: Proposer = EagleProposer(heads, device, dtype=dtype)
         else:
             guessed = MedusaProposer(heads, paths or [], device)
         if mode != "hybrid":
