@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.device import KernelChoice, adopt_draft_dtype, adopt_picked_dtype, pick_kernels
+from medusa.decoding.device import KernelChoice, adopt_draft_dtype, adopt_picked_dtype, exact_rows, pick_kernels
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
 from medusa.hub.hub import load_heads_from
@@ -82,6 +82,8 @@ def load(
         picked = adopt_picked_dtype(lm, cache_root() / "dtype.json")
         if picked is not None and picked.dtype == "bfloat16":
             max_rows = picked.invariant_rows  # the largest pass the probe found exact
+    elif lm.dtype in (torch.bfloat16, torch.float16):  # asked for: exact up to what this device keeps invariant
+        max_rows = exact_rows(lm, cache_root() / "dtype.json")
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)

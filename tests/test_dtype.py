@@ -5,6 +5,7 @@ import json
 
 import torch
 from tiny import tiny_model
+from tiny_heads import target_folder
 
 from medusa.decoding.device import (
     KEY_VERSION,
@@ -115,3 +116,27 @@ def test_calibrated_trees_are_kept_per_device_and_dtype():
     assert Engine(half, heads=bf16_heads).tree_paths() == [(0,), (1,), (0, 0)]
     del bf16_heads.trees["cpu-bfloat16"]
     assert Engine(half, heads=bf16_heads).tree_paths() == [(0,)]  # no bf16 tree: the device's
+
+
+def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path, monkeypatch):
+    import medusa
+    from medusa.decoding.device import invariant_rows
+    from medusa.decoding.exact import EXACT_MAX_ROWS, set_exact
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    folder = str(target_folder(tmp_path))
+    eng = medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="default")
+    assert eng.model.dtype == torch.bfloat16 and eng.exact
+    table = json.loads((tmp_path / "cache" / "dtype.json").read_text())
+    (key,) = [k for k in table if k.startswith("rows | ")]
+    probed = table[key]["invariant_rows"]
+    # the probe on this model, as the engine runs it, and the cap the engine took from it
+    half = tiny_model("llama", vocab_size=eng.model.config.vocab_size)
+    half.load_state_dict(eng.model.state_dict())
+    half = half.to(torch.bfloat16)
+    set_exact(half, True)
+    assert probed == invariant_rows(half)
+    assert eng.max_rows == min(probed, EXACT_MAX_ROWS)
+    ids = [2, 3, 4, 5, 3, 4, 5, 3]
+    base = eng.generate(ids, max_new_tokens=16, mode="baseline").tokens
+    assert eng.generate(ids, max_new_tokens=16, mode="hybrid").tokens == base

@@ -38,7 +38,7 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding.calibrate import measure_cost
-from medusa.decoding.exact import set_exact
+from medusa.decoding.exact import is_exact, set_exact
 from medusa.decoding.kernels import PackedLinears, onednn_available
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
@@ -218,6 +218,23 @@ def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
     entry, cached = _cached(cache_file, key, measure)
     return DtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
                        entry.get("invariant_rows"))
+
+
+def exact_rows(model: PreTrainedModel, cache_file: Path) -> int:
+    """For a model asked for in half precision (no pick): the largest exact pass on this device,
+    probed once with exact attention (:func:`invariant_rows`) and cached beside the picks."""
+    device = model.get_output_embeddings().weight.device
+    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {KEY_VERSION}"
+
+    def measure() -> dict:
+        was = is_exact(model)
+        set_exact(model, True)
+        try:
+            return {"invariant_rows": invariant_rows(model)}
+        finally:
+            set_exact(model, was)
+
+    return int(_cached(cache_file, key, measure)[0]["invariant_rows"])
 
 
 def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice | None:
