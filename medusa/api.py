@@ -67,9 +67,11 @@ def load(
     backend). The first generation then pays the compilation, once per tree size.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
-    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for a
-    float32 target on this device by measurement, once (cached), and ``"default"`` on a GPU;
-    compiled passes keep the pick. ``engine.kernel_choice`` says which and why.
+    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the
+    target in its dtype on this device by measurement, once (cached; in half precision packed
+    kernels must also pass the exactness probe), and ``"default"`` on a GPU; compiled passes
+    keep the pick. ``engine.kernel_choice`` says which and why. A half-precision engine
+    verifies at most as many rows per pass as the probe found exact with its kernels.
 
     ``draft_dtype``: the heads' dtype. Heads only propose (the target verifies every token in
     its own dtype), so they may draft in bfloat16 beside a float32 target; ``None`` keeps the
@@ -77,22 +79,23 @@ def load(
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    max_rows = None
-    if dtype is None:  # the fastest dtype that keeps the promise on this device, measured once (device.py)
-        picked = adopt_picked_dtype(lm, cache_root() / "dtype.json")
-        if picked is not None and picked.dtype == "bfloat16":
-            max_rows = picked.invariant_rows  # the largest pass the probe found exact
-    elif lm.dtype in (torch.bfloat16, torch.float16):  # asked for: exact up to what this device keeps invariant
-        max_rows = exact_rows(lm, cache_root() / "dtype.json")
+    # the fastest dtype that keeps the promise on this device, measured once (device.py)
+    picked = adopt_picked_dtype(lm, cache_root() / "dtype.json") if dtype is None else None
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)
     overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
     config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
     if kernels is None:
-        choice = pick_kernels(lm, cache_root() / "kernels.json")
+        choice = pick_kernels(lm, cache_root() / "kernels.json", rows_file=cache_root() / "dtype.json")
     else:
         choice = KernelChoice(kernels, "asked for", {})
+    max_rows = None
+    if lm.dtype in (torch.bfloat16, torch.float16):  # exact up to the largest pass this device keeps invariant
+        if picked is not None and choice.kernels == "default":
+            max_rows = picked.invariant_rows  # probed by the pick
+        else:
+            max_rows = exact_rows(lm, cache_root() / "dtype.json", choice.kernels)
     heads = resolve_heads(heads, model, lm)
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,

@@ -128,7 +128,7 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     eng = medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="default")
     assert eng.model.dtype == torch.bfloat16 and eng.exact
     table = json.loads((tmp_path / "cache" / "dtype.json").read_text())
-    (key,) = [k for k in table if k.startswith("rows | ")]
+    (key,) = [k for k in table if k.startswith("rows | ") and "| default |" in k]
     probed = table[key]["invariant_rows"]
     # the probe on this model, as the engine runs it, and the cap the engine took from it
     half = tiny_model("llama", vocab_size=eng.model.config.vocab_size)
@@ -140,3 +140,10 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     ids = [2, 3, 4, 5, 3, 4, 5, 3]
     base = eng.generate(ids, max_new_tokens=16, mode="baseline").tokens
     assert eng.generate(ids, max_new_tokens=16, mode="hybrid").tokens == base
+    # packed weights are other kernels: probed again with them, and the cap taken from that probe
+    packed = medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="onednn")
+    table = json.loads((tmp_path / "cache" / "dtype.json").read_text())
+    (key,) = [k for k in table if k.startswith("rows | ") and "| onednn |" in k]
+    assert packed.max_rows == min(table[key]["invariant_rows"], EXACT_MAX_ROWS)
+    own = packed.generate(ids, max_new_tokens=16, mode="baseline").tokens
+    assert packed.generate(ids, max_new_tokens=16, mode="hybrid").tokens == own

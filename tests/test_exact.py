@@ -2,6 +2,8 @@
 bit-identical to the one-token passes of the same tokens, so greedy speculation in every mode
 emits exactly the engine's own baseline tokens."""
 
+import contextlib
+
 import pytest
 import torch
 from test_draft import noisy_copy
@@ -12,6 +14,7 @@ from medusa.decoding import hf as kv
 from medusa.decoding.device import MIN_ROWS, decide, invariant_rows
 from medusa.decoding.engine import Engine
 from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
+from medusa.decoding.kernels import PackedLinears
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
@@ -79,20 +82,22 @@ def test_sdpa_tree_rows_differ_in_bfloat16():
     assert differing > 0
 
 
+@pytest.mark.parametrize("kernels", ["default", "onednn"])  # onednn: packed bf16 weights (kernels.py)
 @pytest.mark.parametrize("arch", ARCHS4)
-def test_bfloat16_speculation_equals_baseline_in_every_mode(arch):
+def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
     model = tiny_model(arch).to(torch.bfloat16)
     set_exact(model, True)
-    # the largest pass whose rows all equal their one-token passes on this device (linear
-    # kernels may block differently past some row count); the engine verifies at most that
-    rows = invariant_rows(model, limit=24, prefix=PREFIX)
+    # the largest pass whose rows all equal their one-token passes on this device with these
+    # kernels (they may block differently past some row count); the engine verifies at most that
+    with PackedLinears(model) if kernels == "onednn" else contextlib.nullcontext():
+        rows = invariant_rows(model, limit=24, prefix=PREFIX)
     if rows < MIN_ROWS:
         # bfloat16 cannot be exact here even for small trees: the dtype pick must refuse it
         assert decide({"float32": {1: 38.7, 16: 77.7}, "bfloat16": {1: 36.1, 16: 43.0}}, rows)[0] == "float32"
         return
     draft = noisy_copy(tiny_model(arch), 0.02).to(torch.bfloat16)
     eng = Engine(model, heads=random_heads(model, 0).to(torch.bfloat16), tree=PATHS, draft=draft,
-                 proposer_config=ProposerConfig(draft_tokens=3), max_rows=rows)
+                 proposer_config=ProposerConfig(draft_tokens=3), max_rows=rows, kernels=kernels)
     assert eng.exact and is_exact(model)  # the default in half precision
     assert eng.max_rows == rows
     prompt = [5, 17, 33, 9, 41, 12, 5, 17, 33]

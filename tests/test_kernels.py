@@ -10,8 +10,17 @@ from test_eagle import noisy_eagle
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
-from medusa.decoding.device import KERNEL_KEY_VERSION, decide_kernels, device_key, model_key, pick_kernels
+from medusa.decoding.device import (
+    KERNEL_KEY_VERSION,
+    KEY_VERSION,
+    MIN_ROWS,
+    decide_kernels,
+    device_key,
+    model_key,
+    pick_kernels,
+)
 from medusa.decoding.engine import Engine
+from medusa.decoding.exact import is_exact
 from medusa.decoding.kernels import PackedLinears, onednn_available
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
@@ -157,6 +166,25 @@ def test_kernel_pick_is_measured_once_and_cached(tmp_path):
     cache.write_text(json.dumps(table))
     again = pick_kernels(model, cache)
     assert again.kernels == table[key]["kernels"] and again.reason.endswith("(cached)")
-    # bfloat16 linears already run oneDNN (and were probed for exactness with those): unmeasured
+
+
+def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_path):
+    cache = tmp_path / "kernels.json"
     half = tiny_model("llama").to(torch.bfloat16)
-    assert pick_kernels(half, cache).kernels == "default" and len(json.loads(cache.read_text())) == 1
+    choice = pick_kernels(half, cache)
+    assert set(choice.cost_ms) == {"default", "onednn"}
+    assert not is_exact(half) and stock(half)  # measured with exact attention and packed weights, then restored
+    table = json.loads(cache.read_text())
+    rows_keys = [k for k in table if k.startswith("rows | ") and k.endswith(f"| onednn | {KEY_VERSION}")]
+    if choice.kernels == "onednn":
+        # picked only after the exactness probe ran with the packed weights, and capped by it
+        (key,) = rows_keys
+        assert choice.invariant_rows == table[key]["invariant_rows"] >= MIN_ROWS
+    else:
+        assert choice.kernels == decide_kernels(choice.cost_ms, choice.invariant_rows, half=True)[0]
+    # faster but not exact is refused; faster and exact is kept
+    faster = {"default": {1: 50.0, 16: 66.0}, "onednn": {1: 30.0, 16: 45.0}}
+    assert decide_kernels(faster, MIN_ROWS - 1, half=True)[0] == "default"
+    assert "not exact" in decide_kernels(faster, None, half=True)[1]
+    assert decide_kernels(faster, 32, half=True) == ("onednn", decide_kernels(faster, 32, half=True)[1])
+    assert "exact up to 32 rows" in decide_kernels(faster, 32, half=True)[1]

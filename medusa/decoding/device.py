@@ -13,10 +13,11 @@ engine verifies at most that many rows per pass.
 The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
 GPU name), the torch version and the model's shape, so it is measured once.
 
-The linear kernels of a float32 model on a CPU are picked the same way (:func:`pick_kernels`,
-cached in ``kernels.json``): torch's default (MKL) or packed oneDNN (medusa/decoding/kernels.py),
-whichever times faster. bfloat16 linears already run oneDNN in torch, and their bit-exactness
-was probed with the default kernels, so a bfloat16 model keeps them.
+The linear kernels of a model on a CPU are picked the same way (:func:`pick_kernels`, cached
+in ``kernels.json``): torch's default (MKL for float32; oneDNN with the weight in its plain
+layout for bfloat16) or packed oneDNN weights (medusa/decoding/kernels.py), whichever times
+faster. A half-precision model keeps packed kernels only if they are exact too: the invariance
+probe runs again with them (:func:`exact_rows`), and the engine's pass cap comes from that run.
 
 The heads' dtype is picked apart from the target's (:func:`pick_draft_dtype`, cached in
 ``draft_dtype.json``): drafting only proposes and the target verifies every token in its own
@@ -31,6 +32,7 @@ import copy
 import json
 import os
 import platform
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -220,19 +222,26 @@ def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
                        entry.get("invariant_rows"))
 
 
-def exact_rows(model: PreTrainedModel, cache_file: Path) -> int:
-    """For a model asked for in half precision (no pick): the largest exact pass on this device,
-    probed once with exact attention (:func:`invariant_rows`) and cached beside the picks."""
+@contextmanager
+def _exact(model: PreTrainedModel):
+    """``model`` with exact attention on (how a half-precision engine runs it), then as it was."""
+    was = is_exact(model)
+    set_exact(model, True)
+    try:
+        yield model
+    finally:
+        set_exact(model, was)
+
+
+def exact_rows(model: PreTrainedModel, cache_file: Path, kernels: str = "default") -> int:
+    """For a half-precision model: the largest exact pass on this device with these linear
+    ``kernels``, probed once with exact attention (:func:`invariant_rows`) and cached."""
     device = model.get_output_embeddings().weight.device
-    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {KEY_VERSION}"
+    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels} | {KEY_VERSION}"
 
     def measure() -> dict:
-        was = is_exact(model)
-        set_exact(model, True)
-        try:
+        with _exact(model), (PackedLinears(model) if kernels == "onednn" else nullcontext()):
             return {"invariant_rows": invariant_rows(model)}
-        finally:
-            set_exact(model, was)
 
     return int(_cached(cache_file, key, measure)[0]["invariant_rows"])
 
@@ -255,45 +264,59 @@ class KernelChoice:
     kernels: str  # "default" or "onednn" (medusa/decoding/kernels.py)
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[str, dict[int, float]]  # kernels -> {new tokens: ms per pass}
+    invariant_rows: int | None = None  # half precision, packed: exact passes up to this many rows
 
 
-def decide_kernels(cost_ms: dict[str, dict[int, float]]) -> tuple[str, str]:
+def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = None,
+                   half: bool = False) -> tuple[str, str]:
     """``(kernels, reason)``: packed oneDNN linears only if their one-token pass plus 16-node
-    pass cost under ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU)."""
+    pass cost under ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU)
+    and, for a ``half``-precision model, passes of at least ``MIN_ROWS`` rows stay exact with
+    them (``invariant_rows``)."""
     if "onednn" not in cost_ms:
         return "default", "default linear kernels: this device has no packed oneDNN linears"
     detail = " vs ".join(f"{k} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for k, c in cost_ms.items())
     if sum(cost_ms["onednn"].values()) >= MARGIN * sum(cost_ms["default"].values()):
         return "default", f"default linear kernels: oneDNN's are not faster here by measurement, {detail}"
-    return "onednn", f"oneDNN linear kernels: faster here by measurement, {detail}"
+    if half and (invariant_rows is None or invariant_rows < MIN_ROWS):
+        return "default", (f"default linear kernels: oneDNN's are faster here ({detail}) but not exact: "
+                           f"a pass of {(invariant_rows or 1) + 1} rows differs from its one-token passes")
+    exact = f", exact up to {invariant_rows} rows" if half else ""
+    return "onednn", f"oneDNN linear kernels: faster here by measurement{exact}, {detail}"
 
 
 def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 3) -> dict[str, dict[int, float]]:
-    """Pass cost by new-token count with the default and with packed oneDNN linears."""
+    """Pass cost by new-token count with the default and with packed oneDNN linears (for a
+    half-precision model with exact attention, as its engine runs it)."""
     device = model.get_output_embeddings().weight.device
-    costs = {"default": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
-    if onednn_available(device):
-        with PackedLinears(model):
-            costs["onednn"] = measure_cost(model, list(SIZES), prefix=prefix, reps=reps)
+    with _exact(model) if model.dtype != torch.float32 else nullcontext():
+        costs = {"default": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
+        if onednn_available(device):
+            with PackedLinears(model):
+                costs["onednn"] = measure_cost(model, list(SIZES), prefix=prefix, reps=reps)
     return costs
 
 
-def pick_kernels(model: PreTrainedModel, cache_file: Path) -> KernelChoice:
+def pick_kernels(model: PreTrainedModel, cache_file: Path, rows_file: Path | None = None) -> KernelChoice:
     """The linear kernels for ``model`` (in its dtype) on its device: cached, else measured.
-    Not a CPU: the default kernels, unmeasured."""
+    A half-precision model's packed kernels are probed for exactness (:func:`exact_rows`,
+    cached in ``rows_file``, default ``cache_file``). Not a CPU: the default kernels, unmeasured."""
     device = model.get_output_embeddings().weight.device
     if not onednn_available(device):
         return KernelChoice("default", f"default linear kernels: packed oneDNN linears need a CPU, not {device}", {})
-    if model.dtype != torch.float32:
-        return KernelChoice("default", f"default linear kernels: {model.dtype} linears already run oneDNN", {})
     key = f"{device_key(device)} | {model_key(model)} | {model.dtype} | {KERNEL_KEY_VERSION}"
+    half = model.dtype != torch.float32
 
     def measure() -> dict:
         costs = measure_kernels(model)
-        return asdict(KernelChoice(*decide_kernels(costs), costs))
+        rows = None
+        if half and decide_kernels(costs, MIN_ROWS, half)[0] == "onednn":  # faster: is it exact?
+            rows = exact_rows(model, rows_file or cache_file, "onednn")
+        return asdict(KernelChoice(*decide_kernels(costs, rows, half), costs, rows))
 
     entry, cached = _cached(cache_file, key, measure)
-    return KernelChoice(entry["kernels"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry))
+    return KernelChoice(entry["kernels"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
+                        entry.get("invariant_rows"))
 
 
 @dataclass(frozen=True)
