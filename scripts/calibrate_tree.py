@@ -63,6 +63,11 @@ def measured_cost(args: argparse.Namespace, engine, prompts: list[list[int]], ma
                             compile=args.compile)
 
 
+def command(argv: list[str] | None) -> str:
+    """The command line that made an entry (each device/dtype entry keeps its own)."""
+    return "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 # (depth, topk) of the dynamic trees tried for eagle heads: narrow and shallow to wide and deep
 EAGLE_GRID = [(3, 2), (5, 3), (6, 4), (7, 8)]
 
@@ -80,7 +85,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
             curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size)
     cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
     size, expected, tps = choose_dynamic(curves, cost)
-    device = args.for_device or engine.device.type
+    # kept per device and dtype, as the Medusa trees below (the engine reads its dtype's first)
+    device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
     for (depth, topk), (acc, draft_ms) in curves.items():
         print(f"depth {depth} top-{topk}: drafting {draft_ms:.1f} ms/step; accepted drafts with N nodes: "
               + ", ".join(f"{n}:{a:.2f}" for n, a in enumerate(acc, start=1) if n in (1, 2, 4, 8, 16, 32, 64)))
@@ -96,10 +102,11 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
         "expected_tokens_per_pass": expected, "tokens_per_second": tps, "cost_ms": {str(k): v for k, v in cost.items()},
         "cost_measured": not args.cost, "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
         "curves": {f"{d}x{k}": {"accepted": acc, "draft_ms": ms} for (d, k), (acc, ms) in curves.items()},
+        "command": command(argv),
     }
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
-    record["command"] = "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record["command"] = command(argv)
     path.write_text(json.dumps(record) + "\n")
     print(f"wrote {path}")
     return 0
@@ -214,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "compiled": args.compile,
         "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
         "curve": [list(c) for c in choice.curve],
+        "command": command(argv),
     }
     record["accuracy"] = accuracy
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
-    record["command"] = "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record["command"] = command(argv)
     path.write_text(json.dumps(record) + "\n")
     print(f"wrote {path}")
     return 0

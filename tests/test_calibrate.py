@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.util
 import json
 from collections import Counter
@@ -59,24 +60,39 @@ def test_candidate_ranks_match_a_direct_computation():
             assert ranks[t, k] == (r if r < 5 else -1)
 
 
-def test_calibrate_script_end_to_end(tmp_path):
-    # A tiny random target with the embedded model's tokenizer and chat template.
+def _tiny_target(tmp_path: Path):
+    """A tiny random target (folder, model) with the embedded model's tokenizer and chat template."""
     tok_dir = default_model_dir()
-    model = tiny_model("llama", vocab_size=49152)
     target = tmp_path / "target"
+    model = tiny_model("llama", vocab_size=49152)
     model.save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tok_dir / name).is_file():
             (target / name).write_bytes((tok_dir / name).read_bytes())
-    heads_dir = save_heads(init_heads_for(model, num_heads=3), tmp_path / "heads")
+    return target, model
+
+
+def _conversations(tmp_path: Path) -> Path:
     data = tmp_path / "convs.jsonl"
     lines = [{"conversations": [{"from": "human", "value": f"Tell me about topic {i}."},
                                 {"from": "gpt", "value": f"Topic {i} is interesting because of reason {i}."}]}
              for i in range(12)]
     data.write_text("\n".join(json.dumps(x) for x in lines))
+    return data
+
+
+def _script():
     spec = importlib.util.spec_from_file_location("calibrate_tree", ROOT / "scripts" / "calibrate_tree.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_calibrate_script_end_to_end(tmp_path):
+    target, model = _tiny_target(tmp_path)
+    heads_dir = save_heads(init_heads_for(model, num_heads=3), tmp_path / "heads")
+    data = _conversations(tmp_path)
+    script = _script()
     rc = script.main(["--heads", str(heads_dir), "--model", str(target), "--prompts", str(data), "--samples", "4",
                       "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8",
                       "--device", "cpu"])
@@ -101,10 +117,40 @@ def test_calibrate_script_end_to_end(tmp_path):
     assert again["measured"]["cuda"]["accuracy_measured_on"] == "cpu"
 
 
+def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
+    # Dynamic-tree sizes of EAGLE heads are kept per device and dtype, like Medusa trees: a
+    # bfloat16 run must not overwrite the float32 entry, and each engine reads its own.
+    from medusa.decoding.eagle import DynamicTree
+    from medusa.models.eagle import init_eagle_for
+
+    target, model = _tiny_target(tmp_path)
+    heads_dir = save_heads(init_eagle_for(model), tmp_path / "eagle")
+    script = _script()
+    common = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(_conversations(tmp_path)),
+              "--samples", "3", "--max-new-tokens", "16", "--vocab-size", "500", "--reference-answers", "6",
+              "--max-nodes", "8", "--device", "cpu"]
+    path = heads_dir / "calibration.json"
+    assert script.main(common + ["--dtype", "float32", "--cost", "1:10,9:80"]) == 0
+    first = json.loads(path.read_text())
+    assert script.main(common + ["--dtype", "bfloat16", "--cost", "1:10,9:10"]) == 0
+    record = json.loads(path.read_text())
+    assert set(record["dynamic"]) == set(record["measured"]) == {"cpu", "cpu-bfloat16"}
+    assert record["dynamic"]["cpu"] == first["dynamic"]["cpu"]  # the float32 entry survived the bf16 run
+    assert record["measured"]["cpu"]["cost_ms"] == {"1": 10.0, "9": 80.0}
+    assert record["measured"]["cpu-bfloat16"]["cost_ms"] == {"1": 10.0, "9": 10.0}
+    assert "--dtype float32" in record["measured"]["cpu"]["command"]
+    assert "--dtype bfloat16" in record["measured"]["cpu-bfloat16"]["command"]
+    # random heads accept too little for either curve to pick a tree; give the dtypes other sizes
+    fp32, bf16 = DynamicTree(nodes=2, depth=2, topk=1), DynamicTree(nodes=6, depth=3, topk=2)
+    record["dynamic"] = {"cpu": dataclasses.asdict(fp32), "cpu-bfloat16": dataclasses.asdict(bf16)}
+    path.write_text(json.dumps(record))
+    for dtype, size in (("float32", fp32), ("bfloat16", bf16)):
+        eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype=dtype, kernels="default")
+        assert eng.proposer("eagle").size == size, dtype
+
+
 def test_cost_curve_argument():
-    spec = importlib.util.spec_from_file_location("calibrate_tree", ROOT / "scripts" / "calibrate_tree.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     assert script.parse_cost("1:61,2:94.5,16:111") == {1: 61.0, 2: 94.5, 16: 111.0}
     for bad in ("1-61", "2:94", "x:1"):
         try:
