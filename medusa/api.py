@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.device import KernelChoice, adopt_draft_dtype, adopt_picked_dtype, exact_rows, pick_kernels
+from medusa.decoding.device import (
+    DtypeChoice,
+    KernelChoice,
+    adopt_draft_dtype,
+    adopt_picked_dtype,
+    exact_rows,
+    pick_kernels,
+)
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
 from medusa.hub.hub import load_heads_from
@@ -38,6 +45,16 @@ def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model:
     if heads == "init":
         return init_heads_for(model)
     return load_heads_from(heads, model)
+
+
+def _exact_pass_rows(lm, picked: DtypeChoice | None, kernels: str) -> int | None:
+    """A half-precision target verifies at most the largest pass this device keeps exact with
+    these kernels (device.invariant_rows; probed by the dtype pick, else once and cached)."""
+    if lm.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if picked is not None and kernels == "default":
+        return picked.invariant_rows
+    return exact_rows(lm, cache_root() / "dtype.json", kernels)
 
 
 def load(
@@ -90,12 +107,7 @@ def load(
         choice = pick_kernels(lm, cache_root() / "kernels.json", rows_file=cache_root() / "dtype.json")
     else:
         choice = KernelChoice(kernels, "asked for", {})
-    max_rows = None
-    if lm.dtype in (torch.bfloat16, torch.float16):  # exact up to the largest pass this device keeps invariant
-        if picked is not None and choice.kernels == "default":
-            max_rows = picked.invariant_rows  # probed by the pick
-        else:
-            max_rows = exact_rows(lm, cache_root() / "dtype.json", choice.kernels)
+    max_rows = _exact_pass_rows(lm, picked, choice.kernels)
     heads = resolve_heads(heads, model, lm)
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,

@@ -13,7 +13,6 @@ from medusa.decoding.device import (
     adopt_picked_dtype,
     decide,
     device_key,
-    invariance_probe,
     model_key,
     pick_dtype,
 )
@@ -41,27 +40,6 @@ def test_decide_keeps_bfloat16_only_when_clearly_faster():
     assert decide(amx, invariant_rows=None)[0] == "float32"  # not probed
     dtype, reason = decide(amx, invariant_rows=32)  # exact up to 32 rows: the engine caps its passes there
     assert dtype == "bfloat16" and "at most 32 rows" in reason
-
-
-def test_invariance_probe_compares_a_many_token_pass_with_one_token_passes():
-    model = tiny_model("llama")
-    assert invariance_probe(model, rows=1) == 0  # a one-row pass is a one-token pass
-    n = invariance_probe(model, rows=12)
-    assert 0 <= n <= 12
-    # a model whose rows see each other (no causal mask inside the pass) cannot be invariant
-    from medusa.decoding import hf as kv
-
-    real_forward = kv.forward
-
-    def leaky(model, ids, pos, cache, mask, logits_rows=None):
-        logits, hidden = real_forward(model, ids, pos, cache, mask, logits_rows)
-        return logits + logits.mean(0, keepdim=True), hidden  # every row depends on the others
-
-    kv.forward = leaky
-    try:
-        assert invariance_probe(model, rows=12) == 12
-    finally:
-        kv.forward = real_forward
 
 
 def test_device_key_names_the_device_and_torch():

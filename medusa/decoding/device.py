@@ -109,32 +109,6 @@ def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PR
 
 
 @torch.inference_mode()
-def invariance_probe(model: PreTrainedModel, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX) -> int:
-    """How many of ``rows`` tokens get other logits (bitwise) in one ``rows``-token pass than in
-    one-token passes after the same prefix: 0 means verification cannot change a greedy token.
-    Run on ``model`` as it will decode (dtype, attention); the tokens are fixed, not random."""
-    from medusa.decoding import hf as kv
-
-    vocab = model.get_output_embeddings().weight.shape[0]
-    device = model.get_output_embeddings().weight.device
-    ids = (torch.arange(prefix + rows, device=device) * 7919 + 13) % max(vocab - 1, 1) + 1
-
-    def prefilled():
-        cache = kv.new_cache()
-        kv.forward(model, ids[None, :prefix], torch.arange(prefix, device=device)[None], cache, None)
-        return cache
-
-    many, _ = kv.forward(model, ids[None, prefix:], torch.arange(prefix, prefix + rows, device=device)[None],
-                         prefilled(), None)
-    cache, differing = prefilled(), 0
-    for i in range(rows):
-        one, _ = kv.forward(model, ids[None, prefix + i:prefix + i + 1], torch.tensor([[prefix + i]], device=device),
-                            cache, None)
-        differing += not torch.equal(one[0], many[i])
-    return differing
-
-
-@torch.inference_mode()
 def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int = PROBE_PREFIX) -> int:
     """The largest ``r <= limit`` such that a pass of every size ``2..r`` gives each of its rows
     bitwise the logits of that row's one-token pass (1: none does). A device's matmul kernels
