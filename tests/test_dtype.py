@@ -121,7 +121,7 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     # packed weights are other kernels: probed again with them, and the cap taken from that probe
     packed = medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="onednn")
     table = json.loads((tmp_path / "cache" / "dtype.json").read_text())
-    (key,) = [k for k in table if k.startswith("rows | ") and "| onednn |" in k]
+    (key,) = [k for k in table if k.startswith("rows | ") and "| onednn-p" in k]
     assert packed.max_rows == min(table[key]["invariant_rows"], EXACT_MAX_ROWS)
     own = packed.generate(ids, max_new_tokens=16, mode="baseline").tokens
     assert packed.generate(ids, max_new_tokens=16, mode="hybrid").tokens == own

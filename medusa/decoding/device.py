@@ -41,13 +41,13 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.calibrate import measure_cost
 from medusa.decoding.exact import is_exact, set_exact
-from medusa.decoding.kernels import PackedLinears, onednn_available
+from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, onednn_available
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (exact.py)
-KERNEL_KEY_VERSION = "k1"
+KERNEL_KEY_VERSION = "k2"  # k2: packed weights in the blocked layout (kernels.PACKING_VERSION 2)
 DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
@@ -211,7 +211,8 @@ def exact_rows(model: PreTrainedModel, cache_file: Path, kernels: str = "default
     """For a half-precision model: the largest exact pass on this device with these linear
     ``kernels``, probed once with exact attention (:func:`invariant_rows`) and cached."""
     device = model.get_output_embeddings().weight.device
-    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels} | {KEY_VERSION}"
+    packing = f"-p{PACKING_VERSION}" if kernels == "onednn" else ""
+    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels}{packing} | {KEY_VERSION}"
 
     def measure() -> dict:
         with _exact(model), (PackedLinears(model) if kernels == "onednn" else nullcontext()):

@@ -4,8 +4,13 @@ Why: a decoding pass of a small model on a CPU is its linear layers (81% of a Sm
 one-token pass in float32, profiled), and torch's float32 ``F.linear`` on the CPU goes to
 MKL, whose kernels are far from the memory bandwidth on some CPUs (on an AMD EPYC Zen 5 a
 one-token pass ran ~1.4x faster, a 64-token pass ~1.8x, with oneDNN's). torch ships oneDNN
-too; ``Tensor.to_mkldnn`` packs a weight once and ``torch.ops.mkldnn._linear_pointwise``
-multiplies by it (the op inductor's CPU fusion uses).
+too; ``torch.ops.mkldnn._reorder_linear_weight`` packs a weight once into the blocked layout
+its matmul kernels read and ``torch.ops.mkldnn._linear_pointwise`` multiplies by it (the ops
+inductor's CPU fusion uses). torch's own bfloat16 ``F.linear`` calls the same oneDNN kernel
+with the weight in its plain layout, so it repacks the weight at every call: on an AMX Xeon a
+one-token pass's 211 bfloat16 linears took 29 ms that way and 21 ms prepacked, with results
+bit-identical to torch's for every row count measured (1-32 rows). Packing with
+``Tensor.to_mkldnn`` (plain layout, this module's first version) kept the repacking: 33 ms.
 
 How: :class:`PackedLinears` holds a packed copy of every ``nn.Linear`` weight of the given
 modules and, while entered, points each layer's ``forward`` at it; on exit the layers are
@@ -20,10 +25,12 @@ which inductor keeps as an extern call between the elementwise work it fuses (no
 activations, residual adds). Eager passes call oneDNN directly (a custom op's dispatch costs
 ~5 us per call, ~1 ms over a pass of 211 linears).
 
-Exactness: oneDNN rounds differently from MKL (both are within ~1e-6 of float64 here) and,
-like MKL in float32, a row's result depends on the number of rows, so it is not bit-identical
+Exactness: in float32 oneDNN rounds differently from MKL (both are within ~1e-6 of float64
+here) and, like MKL, a row's result depends on the number of rows, so it is not bit-identical
 to stock transformers; identity to ``generate`` is measured by the bench (README "oneDNN
-linear kernels"). Whether it is used is decided per device by timing (medusa/decoding/device.py).
+linear kernels"). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
+compute what stock transformers computes, bit for bit where measured; a half-precision model
+keeps them only if the device's exactness probe passes with them (medusa/decoding/device.py). Whether it is used is decided per device by timing (medusa/decoding/device.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from torch import nn
 
 KERNELS = ("default", "onednn")
+PACKING_VERSION = 2  # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked). Part of cache keys.
 
 # key -> packed weight, for the custom op (an opaque-layout tensor cannot be a traced input).
 # Entries live as long as the PackedLinears that made them.
@@ -55,6 +63,15 @@ def onednn_available(device: torch.device | str = "cpu") -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([out, in]) in oneDNN's blocked layout for ``_linear_pointwise``; the plain
+    layout where this build cannot block it (a dtype the CPU has no kernels for)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    except (RuntimeError, NotImplementedError):
+        return weight.to_mkldnn()
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +123,7 @@ class PackedLinears:
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
         with torch.no_grad():
-            self._packed = [(layer, next(_KEYS), layer.weight.detach().to_mkldnn(),
+            self._packed = [(layer, next(_KEYS), pack(layer.weight.detach()),
                              None if layer.bias is None else layer.bias.detach())
                             for layer in _linears([m for m in modules if m is not None])]
         for _, key, packed, _ in self._packed:
