@@ -100,7 +100,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     record.setdefault("dynamic", {})[device] = dataclasses.asdict(size)
     record.setdefault("measured", {})[device] = {
         "expected_tokens_per_pass": expected, "tokens_per_second": tps, "cost_ms": {str(k): v for k, v in cost.items()},
-        "cost_measured": not args.cost, "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
+        "cost_measured": not args.cost, "kernels": engine.kernels, "threads": torch.get_num_threads(),
+        "accuracy_measured_on": engine.device.type,
         "curves": {f"{d}x{k}": {"accepted": acc, "draft_ms": ms} for (d, k), (acc, ms) in curves.items()},
         "command": command(argv),
     }
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     record.setdefault("measured", {})[device] = {
         "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
         "cost_ms": {str(k): v for k, v in cost.items()}, "cost_measured": not args.cost, "compiled": args.compile,
-        "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
+        "kernels": engine.kernels, "threads": torch.get_num_threads(), "accuracy_measured_on": engine.device.type,
         "curve": [list(c) for c in choice.curve],
         "command": command(argv),
     }
