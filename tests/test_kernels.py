@@ -19,7 +19,7 @@ from medusa.decoding.device import (
     model_key,
     pick_kernels,
 )
-from medusa.decoding.engine import Engine
+from medusa.decoding.engine import PACKED_ROWS, Engine
 from medusa.decoding.exact import is_exact
 from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, onednn_available, pack
 from medusa.decoding.proposers import ProposerConfig
@@ -83,6 +83,26 @@ def test_packed_weights_multiply_like_the_stock_ones(dtype):
     out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=tol, rtol=tol)
+
+
+def test_inputs_of_more_rows_than_stock_above_run_the_stock_kernels():
+    model = tiny_model("llama").to(torch.bfloat16)
+    packed = PackedLinears(model, stock_above=8)
+    with torch.no_grad(), packed:
+        _, short = logits_and_ops(model, torch.tensor([PROMPT[:8]]))
+        _, long = logits_and_ops(model, torch.tensor([PROMPT]))  # 12 rows: a prefill
+    assert "mkldnn::_linear_pointwise" in short and not {"aten::mm", "aten::addmm"} & short
+    assert "mkldnn::_linear_pointwise" not in long and {"aten::mm", "aten::addmm"} & long
+    # the engine packs a half-precision model's decoding passes only; float32 ones everywhere
+    engine = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    with engine.kernel_scope():
+        _, prefill = logits_and_ops(model, torch.tensor([list(range(1, PACKED_ROWS + 2))]))
+        _, step = logits_and_ops(model, torch.tensor([PROMPT[:1]]))
+    assert "mkldnn::_linear_pointwise" not in prefill and "mkldnn::_linear_pointwise" in step
+    full = tiny_model("llama")
+    with Engine(full, heads=random_heads(full), tree=TREE, kernels="onednn").kernel_scope():
+        _, prefill = logits_and_ops(full, torch.tensor([list(range(1, PACKED_ROWS + 2))]))
+    assert "mkldnn::_linear_pointwise" in prefill
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])

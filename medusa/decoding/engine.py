@@ -126,6 +126,7 @@ def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int
 # Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
 # 1.5x the rows), so one process compiles a handful of graphs whatever the proposals are.
 PASS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+PACKED_ROWS = 64  # half precision: passes of more rows (a prefill) use torch's linear kernels
 
 
 def pass_bucket(n: int) -> int:
@@ -235,7 +236,11 @@ class Engine:
         if not onednn_available(self.device):
             raise MedusaError(f"kernels='onednn' needs a CPU torch build with oneDNN, not {self.device}: "
                               "use kernels='default'")
-        return PackedLinears(self.model, self.draft, heads)
+        # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
+        # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
+        # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
+        half = self.model.dtype in (torch.bfloat16, torch.float16)
+        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None)
 
     def kernel_scope(self):
         """A context in which the target (and draft, heads) run the engine's linear kernels:

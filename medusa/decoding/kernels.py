@@ -96,7 +96,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int
 
 
 def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torch.Tensor | None,
-                    x: torch.Tensor) -> torch.Tensor:
+                    stock_above: int | None, x: torch.Tensor) -> torch.Tensor:
+    if stock_above is not None and x.numel() > stock_above * x.shape[-1]:
+        return nn.functional.linear(x, layer.weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.medusa.packed_linear(x, layer.weight, bias, key)
     return _linear(x, packed, layer.weight, bias)
@@ -117,9 +119,14 @@ def _linears(modules: list[nn.Module]) -> list[nn.Linear]:
 class PackedLinears:
     """Inside ``with packed:``, the linear layers of ``modules`` run oneDNN with packed weights.
 
-    Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
+    ``stock_above``: inputs of more rows than this run the stock ``F.linear`` (a prompt's
+    prefill). In bfloat16 the packed kernels matched torch's bit for bit for 1-288 rows on an
+    AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
+    layers differed from 289 rows), so an engine that promises stock transformers' tokens
+    packs only its decoding passes. Entering twice (nested) is allowed; the layers are
+    restored when the outermost exits."""
 
-    def __init__(self, *modules: nn.Module | None) -> None:
+    def __init__(self, *modules: nn.Module | None, stock_above: int | None = None) -> None:
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
         with torch.no_grad():
@@ -131,7 +138,7 @@ class PackedLinears:
         weakref.finalize(self, _release, [key for _, key, _, _ in self._packed])
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
-        self._forwards = [functools.partial(_packed_forward, layer, key, packed, bias)
+        self._forwards = [functools.partial(_packed_forward, layer, key, packed, bias, stock_above)
                           for layer, key, packed, bias in self._packed]
         self._depth = 0
 
