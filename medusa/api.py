@@ -81,7 +81,9 @@ def load(
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
-    backend). The first generation then pays the compilation, once per tree size.
+    backend). The first generation then pays the compilation, once per tree size. Compiled
+    passes are exact in float32 only: with ``compile`` the dtype pick is skipped (the target
+    stays in the dtype it loads in), and a bfloat16/float16 target is refused.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the
@@ -97,7 +99,11 @@ def load(
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     # the fastest dtype that keeps the promise on this device, measured once (device.py)
-    picked = adopt_picked_dtype(lm, cache_root() / "dtype.json") if dtype is None else None
+    picked = adopt_picked_dtype(lm, cache_root() / "dtype.json") if dtype is None and not compile else None
+    if dtype is None and compile:  # compiled passes are exact in float32 only (Engine refuses the others)
+        lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."),
+                                      "compile=True: the loaded dtype is kept (compiled passes are not exact in "
+                                      "bfloat16 yet, README \"Compiled\")", {})
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)
