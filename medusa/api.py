@@ -57,6 +57,17 @@ def _exact_pass_rows(lm, picked: DtypeChoice | None, kernels: str) -> int | None
     return exact_rows(lm, cache_root() / "dtype.json", kernels)
 
 
+def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
+    """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``;
+    with ``compile`` none is picked: compiled passes are exact in float32 only (the Engine
+    refuses exact attention with them), so the loaded dtype is kept."""
+    if not compile:
+        return adopt_picked_dtype(lm, cache_root() / "dtype.json")
+    lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), "compile=True: the loaded dtype is kept "
+                                  "(compiled passes are not exact in bfloat16 yet, README \"Compiled\")", {})
+    return None
+
+
 def load(
     model: str | None = None,
     heads: str | MedusaHeads | None = None,
@@ -99,11 +110,7 @@ def load(
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     # the fastest dtype that keeps the promise on this device, measured once (device.py)
-    picked = adopt_picked_dtype(lm, cache_root() / "dtype.json") if dtype is None and not compile else None
-    if dtype is None and compile:  # compiled passes are exact in float32 only (Engine refuses the others)
-        lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."),
-                                      "compile=True: the loaded dtype is kept (compiled passes are not exact in "
-                                      "bfloat16 yet, README \"Compiled\")", {})
+    picked = _picked_dtype(lm, compile) if dtype is None else None
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
         trust_remote_code=trust_remote_code)

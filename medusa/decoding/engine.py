@@ -158,6 +158,25 @@ def pass_rows(exact: bool, max_rows: int | None) -> int | None:
     return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
 
 
+def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
+    """Set ``model``'s attention batch-invariant or not and return which (medusa/decoding/exact.py:
+    a tree row equals its one-token pass bit for bit). None: on in half precision, where
+    kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
+    vary with the row count anyway (README "Exactness in bfloat16")."""
+    if exact is None:
+        exact = model.dtype in (torch.bfloat16, torch.float16)
+    if compile and exact:
+        # exact attention's per-pass plan is data-dependent Python (graph breaks per layer), and
+        # inductor's fused norms round otherwise than eager: on the AMX Xeon in bf16, compiled
+        # baseline answers differed from eager ones (3 of 3 prompts) and ran slower
+        raise MedusaError("compile=True is not supported with exact attention (a bfloat16/float16 target) yet: "
+                          "compiled passes are not bit-identical to eager ones; load the target in float32 "
+                          "(dtype='float32') or drop compile")
+    if exact != is_exact(model):
+        set_exact(model, exact)
+    return exact
+
+
 def truncate(proposal: Proposal, rows: int) -> Proposal:
     """``proposal``'s first ``rows`` nodes: nodes are laid out by depth (compile_tree), so every
     kept node's ancestors are kept and node indices stay those of the proposer."""
@@ -184,22 +203,7 @@ class Engine:
         max_rows: int | None = None,
     ) -> None:
         kv.check_target(model)  # refuses models a tree cannot verify, or whose logits we cannot reproduce
-        # Batch-invariant attention (medusa/decoding/exact.py): a tree row equals its one-token
-        # pass bit for bit. None: on in half precision, where kernels' row-count-dependent
-        # rounding flips near-ties; off in float32, whose linear kernels vary with the row
-        # count anyway (README "Exactness in bfloat16").
-        if exact is None:
-            exact = model.dtype in (torch.bfloat16, torch.float16)
-        if exact != is_exact(model):
-            set_exact(model, exact)
-        if compile and exact:
-            # exact attention's per-pass plan is data-dependent Python (graph breaks per layer),
-            # and inductor's fused norms round otherwise than eager: measured on the AMX Xeon in
-            # bf16, compiled baseline answers differed from eager ones (3 of 3 prompts) and ran slower
-            raise MedusaError("compile=True is not supported with exact attention (a bfloat16/float16 target) yet: "
-                              "compiled passes are not bit-identical to eager ones; load the target in float32 "
-                              "(dtype='float32') or drop compile")
-        self.exact = exact
+        self.exact = exact = use_exact(model, exact, compile)
         self.max_rows = pass_rows(exact, max_rows)
         self.model = model
         self.tokenizer = tokenizer
