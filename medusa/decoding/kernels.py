@@ -9,7 +9,7 @@ its matmul kernels read and ``torch.ops.mkldnn._linear_pointwise`` multiplies by
 inductor's CPU fusion uses). torch's own bfloat16 ``F.linear`` calls the same oneDNN kernel
 with the weight in its plain layout, so it repacks the weight at every call: on an AMX Xeon a
 one-token pass's 211 bfloat16 linears took 29 ms that way and 21 ms prepacked, with results
-bit-identical to torch's for every row count measured (1-32 rows). Packing with
+bit-identical to torch's for 1-288 rows (not always above: see ``stock_above``). Packing with
 ``Tensor.to_mkldnn`` (plain layout, this module's first version) kept the repacking: 33 ms.
 
 How: :class:`PackedLinears` holds a packed copy of every ``nn.Linear`` weight of the given
@@ -29,8 +29,9 @@ Exactness: in float32 oneDNN rounds differently from MKL (both are within ~1e-6 
 here) and, like MKL, a row's result depends on the number of rows, so it is not bit-identical
 to stock transformers; identity to ``generate`` is measured by the bench (README "oneDNN
 linear kernels"). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
-compute what stock transformers computes, bit for bit where measured; a half-precision model
-keeps them only if the device's exactness probe passes with them (medusa/decoding/device.py). Whether it is used is decided per device by timing (medusa/decoding/device.py).
+compute what stock transformers computes, bit for bit where measured. Whether they are used is
+decided per device by timing, and for a half-precision model by the exactness probe too
+(medusa/decoding/device.py).
 """
 
 from __future__ import annotations
@@ -55,23 +56,18 @@ def onednn_available(device: torch.device | str = "cpu") -> bool:
     """Whether this torch build can run packed oneDNN linears on ``device`` (CPU only)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")):
         return False
-    try:
-        weight = torch.ones(2, 2).to_mkldnn()
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), weight, None, "none", [], "")
+    try:  # a build without oneDNN kernels for this CPU raises here, not at the first pass
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), pack(torch.ones(2, 2)), None, "none", [], "")
     except (RuntimeError, NotImplementedError):
         return False
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([out, in]) in oneDNN's blocked layout for ``_linear_pointwise``; the plain
-    layout where this build cannot block it (a dtype the CPU has no kernels for)."""
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
-    except (RuntimeError, NotImplementedError):
-        return weight.to_mkldnn()
+    """``weight`` ([out, in]) in oneDNN's blocked layout, once, for ``_linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
