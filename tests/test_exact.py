@@ -11,9 +11,9 @@ from test_engine import random_heads
 from tiny import tiny_model
 
 from medusa.decoding import hf as kv
-from medusa.decoding.device import MIN_ROWS, decide, invariant_rows
+from medusa.decoding.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
 from medusa.decoding.engine import Engine
-from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
+from medusa.decoding.exact import EXACT_MAX_ROWS, exact_attention, is_exact, set_exact
 from medusa.decoding.kernels import PackedLinears
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
@@ -71,6 +71,36 @@ def test_tree_rows_equal_one_token_passes_bit_for_bit(arch, static, prefix):
     assert differing == 0  # attention was the only row-count dependent op, and exact attention fixes it
 
 
+WIDE = [(i,) for i in range(6)] + [(i, j) for i in range(4) for j in range(4)] + [(0, 0, k) for k in range(5)] \
+    + [(0, 0, 0, 0), (0, 0, 0, 0, 0)]  # 30 nodes
+
+
+@pytest.mark.parametrize("paths", [PATHS, WIDE], ids=["10-nodes", "30-nodes"])
+@pytest.mark.parametrize("prefix", [40, 150, 700])  # 150, 700: rows share a head of prompt keys
+@pytest.mark.parametrize("kv_heads,g,dim", [(3, 3, 64), (4, 4, 128), (2, 1, 64), (2, 8, 128), (1, 2, 256)])
+def test_exact_attention_rows_equal_one_token_rows_for_real_head_shapes(kv_heads, g, dim, prefix, paths):
+    # The attention function alone, on the head shapes of real targets (SmolLM2: 3 KV heads of
+    # 3 queries, D 64; Llama-3-8B and Mistral-7B: g 4, D 128; MHA; Gemma: D 256): each node's
+    # output row in the tree pass is bit-identical to its one-token pass over prompt + ancestors.
+    # A product with the shared head of g rows in a one-token pass against g x nodes rows in the
+    # tree pass rounded differently on CPUs (exact._shared_product), which tiny models (D 16) miss.
+    tree = compile_tree(paths)
+    n, length = tree.num_nodes, prefix + tree.num_nodes
+    gen = torch.Generator().manual_seed(prefix + dim)
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=gen).bfloat16() for _ in range(2))
+    query = torch.randn(1, kv_heads * g, n, dim, generator=gen).bfloat16()
+    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tree.ancestor.bool()], 1)
+    mask = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    tree_out, _ = exact_attention(None, query, key, value, mask[None, None])  # [1, n, H, D]
+    differing = []
+    for node in range(n):
+        keys = torch.cat([torch.arange(prefix), prefix + tree.ancestor[node].nonzero()[:, 0]])
+        one, _ = exact_attention(None, query[:, :, node:node + 1], key[:, :, keys], value[:, :, keys], None)
+        if not torch.equal(one[0, 0], tree_out[0, node]):
+            differing.append(node)
+    assert differing == []
+
+
 def test_sdpa_tree_rows_differ_in_bfloat16():
     # The probe above can fail: with the stock SDPA kernel some tree rows round differently
     # from their one-token passes (the query length changes the kernel's blocking).
@@ -90,7 +120,7 @@ def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
     # the largest pass whose rows all equal their one-token passes on this device with these
     # kernels (they may block differently past some row count); the engine verifies at most that
     with PackedLinears(model) if kernels == "onednn" else contextlib.nullcontext():
-        rows = invariant_rows(model, limit=24, prefix=PREFIX)
+        rows = invariant_rows(model, limit=24, prefix=PREFIX, kernels=kernels)
     if rows < MIN_ROWS:
         # bfloat16 cannot be exact here even for small trees: the dtype pick must refuse it
         assert decide({"float32": {1: 38.7, 16: 77.7}, "bfloat16": {1: 36.1, 16: 43.0}}, rows)[0] == "float32"
@@ -152,6 +182,34 @@ def test_invariant_rows_finds_the_first_pass_size_that_differs():
         assert invariant_rows(model, limit=12) == min(4, real_rows)
     finally:
         kv_mod.forward = real_forward
+
+
+def test_linear_probe_inputs_change_with_any_summation_order():
+    # linear_invariant_rows relies on its inputs exposing a kernel's changed summation order
+    # (on random activations a changed order shows only where a bf16 rounding flips): summed
+    # left to right, in 16 lanes (AVX-512) or in 8-term blocks, nearly every row gives another result.
+    x = _order_sensitive(16, 576, torch.Generator().manual_seed(3))
+    sequential = torch.zeros(16)
+    for k in range(576):
+        sequential += x[:, k]
+    lanes = torch.zeros(16, 16)
+    for k in range(0, 576, 16):
+        lanes += x[:, k:k + 16]
+    blocks = torch.zeros(16)
+    for k in range(0, 576, 8):
+        part = torch.zeros(16)
+        for j in range(k, k + 8):
+            part += x[:, j]
+        blocks += part
+    for a, b in ((sequential, lanes.sum(1)), (sequential, blocks), (blocks, lanes.sum(1))):
+        assert (a != b).sum() >= 12  # of 16 rows (two orders may agree by chance, e.g. both 0)
+    assert torch.equal(x.bfloat16().float(), x)  # exact in bfloat16: the probe tests the kernel, not the input's rounding
+
+
+def test_invariant_rows_is_at_most_the_linear_probe():
+    model = tiny_model("llama").to(torch.bfloat16)
+    set_exact(model, True)
+    assert 1 <= invariant_rows(model, limit=12) <= linear_invariant_rows(model, limit=12) <= 12
 
 
 def test_exact_is_off_by_default_in_float32_and_can_be_forced():

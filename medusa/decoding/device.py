@@ -8,8 +8,10 @@ keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when its 1
 pass (what speculation verifies) is clearly faster **and** exact here: exact attention makes
 attention batch-invariant, but whether the linear layers are depends on the device's kernels
 (bit-identical up to 32 rows on one AMX Xeon, not above; rows differing from 8 rows up on an
-AMD EPYC), so :func:`invariant_rows` finds the largest exact pass on the model itself and the
-engine verifies at most that many rows per pass.
+AMD EPYC), so :func:`invariant_rows` finds the largest exact pass on the model itself and on
+its linear layers' shapes with inputs that expose any change of summation order (a changed
+order shows on real activations only where a rounding happens to flip), and the engine
+verifies at most that many rows per pass.
 The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
 GPU name), the torch version and the model's shape, so it is measured once.
 
@@ -41,7 +43,7 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.calibrate import measure_cost
 from medusa.decoding.exact import is_exact, set_exact
-from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, onednn_available
+from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
@@ -51,7 +53,7 @@ KERNEL_KEY_VERSION = "k2"  # k2: packed weights in the blocked layout (kernels.P
 DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
-KEY_VERSION = "v4"  # v3: the pick records the largest exact pass; v4: decided on the 16-row pass
+KEY_VERSION = "v5"  # v3: the pick records the largest exact pass; v4: decided on the 16-row pass; v5: linear probe
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 
@@ -108,14 +110,68 @@ def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PR
                         f"measurement and batch-invariant, {detail}")
 
 
+def _order_sensitive(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``[rows, k]`` float32 inputs whose dot product with a row of ones depends on the order
+    of summation: small terms (+-1 to +-32) between pairs of +-2^30 at random places, so a
+    running sum that holds a big term absorbs the small ones and another order (other lanes,
+    blocking or unrolling) absorbs others. On random activations a kernel's changed order shows
+    only when a bf16 rounding happens to flip (an AMD EPYC's 64x64 bf16 linear differed from 2
+    rows with these inputs, on the model's own activations only at some prompts)."""
+    x = torch.randint(0, 6, (rows, k), generator=gen).float().exp2() * (torch.randint(0, 2, (rows, k), generator=gen) * 2 - 1)
+    big = max(2, k // 16) // 2 * 2
+    where = torch.rand(rows, k, generator=gen).argsort(-1)[:, :big]
+    return x.scatter(1, where, (2.0 ** 30 * torch.tensor([1.0, -1.0])).repeat(big // 2).expand(rows, big).contiguous())
+
+
+def _linear_of_ones(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device, kernels: str):
+    """``x -> x @ ones.T`` by torch's ``F.linear`` or (``kernels="onednn"``) a packed oneDNN weight."""
+    weight = torch.ones(out_features, in_features, dtype=dtype, device=device)
+    if kernels == "onednn":
+        packed = pack(weight)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: torch.nn.functional.linear(x, weight)
+
+
 @torch.inference_mode()
-def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int = PROBE_PREFIX) -> int:
+def linear_invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, kernels: str = "default") -> int:
+    """The largest ``r <= limit`` such that every linear layer shape of ``model``, run by these
+    ``kernels`` in the model's dtype, gives each row of an ``n``-row product (``n`` in ``2..r``)
+    bitwise its one-row result, on :func:`_order_sensitive` inputs (weights of ones). Only CPU
+    layers are probed (a GPU model: ``limit``, the model probe decides)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {(layer.weight.shape, layer.weight.dtype, layer.weight.device) for layer in linear_layers([model])}
+    rows = limit
+    for (out_features, in_features), dtype, device in sorted(shapes, key=str):
+        linear = _linear_of_ones(out_features, in_features, dtype, device, kernels)
+        x = _order_sensitive(rows, in_features, gen).to(device=device, dtype=dtype)
+        ones = [linear(x[i:i + 1])[0] for i in range(rows)]
+        for n in range(2, rows + 1):
+            many = linear(x[:n])
+            if any(not torch.equal(ones[i], many[i]) for i in range(n)):
+                rows = n - 1
+                break
+        if rows == 1:
+            break
+    return rows
+
+
+@torch.inference_mode()
+def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int = PROBE_PREFIX,
+                   kernels: str = "default") -> int:
     """The largest ``r <= limit`` such that a pass of every size ``2..r`` gives each of its rows
     bitwise the logits of that row's one-token pass (1: none does). A device's matmul kernels
     may change blocking with the row count (one AMX Xeon: bf16 linears invariant up to 32 rows,
-    not above), so the engine verifies at most this many rows per pass. One-token passes are
-    run once; the many-token passes stop at the first size that differs."""
+    not above), so the engine verifies at most this many rows per pass. Two probes, the smaller
+    wins: the model itself (one-token passes run once; the many-token passes stop at the first
+    size that differs), whose rows differ only where a rounding happens to flip on this prompt,
+    and its linear layers' shapes on inputs that show any change of summation order
+    (:func:`linear_invariant_rows`, with the ``kernels`` the model runs: "onednn" inside
+    :class:`~medusa.decoding.kernels.PackedLinears`)."""
     from medusa.decoding import hf as kv
+
+    limit = linear_invariant_rows(model, limit, kernels)
+    if limit == 1:
+        return 1
 
     vocab = model.get_output_embeddings().weight.shape[0]
     device = model.get_output_embeddings().weight.device
@@ -216,7 +272,7 @@ def exact_rows(model: PreTrainedModel, cache_file: Path, kernels: str = "default
 
     def measure() -> dict:
         with _exact(model), (PackedLinears(model) if kernels == "onednn" else nullcontext()):
-            return {"invariant_rows": invariant_rows(model)}
+            return {"invariant_rows": invariant_rows(model, kernels=kernels)}
 
     return int(_cached(cache_file, key, measure)[0]["invariant_rows"])
 

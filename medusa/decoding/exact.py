@@ -12,10 +12,13 @@ How: every row is computed from the list of keys it may see, in cache order (the
 its ancestors) - exactly the list its one-token pass sees - with the same shapes in every pass:
 the first keys, a multiple of 32 that leaves 33-64, are the prompt's cache slots, read in place
 and shared by all rows of the pass; the rest are gathered per row and padded to 64. Scores and
-weighted values are float32 matmuls whose rows were measured not to depend on the number of
-rows or on the batch; the reduction over keys always has the same length for the same row
-(a matmul's result depended on it: 3 of 315 random cases differed by key count in bf16). So a
-row's result depends neither on the other rows nor on masked slots between its keys. The
+weighted values are float32 matmuls: the per-row ones (the gathered keys) have ``g`` rows (the
+query heads of a KV head) in every pass, batched, and a batched matmul's rows did not depend on
+the batch; the products with the shared head take ``g`` rows per query row and are padded to
+at least 16 rows, because a small product's rows did depend on the row count (other kernels
+for a few rows: ``_shared_product``). The reduction over keys always has the same length for
+the same row (a matmul's result depended on it: 3 of 315 random cases differed by key count in
+bf16). So a row's result depends neither on the other rows nor on masked slots between its keys. The
 prompt, a tree and a one-token step all run through this one function.
 
 It is registered with transformers' ``AttentionInterface`` as ``"medusa_exact"`` (masks built
@@ -41,6 +44,7 @@ _TAIL = 64  # keys a row gathers past its shared head (a tree must be shallower 
 # bf16 kernels did): 32 unless a device's probe found fewer (medusa/decoding/device.py).
 EXACT_MAX_ROWS = min(32, _TAIL - _KEY_BUCKET + 1)
 _HEAD_ROWS = 32  # matmul rows per product with the shared head's values
+_MIN_ROWS = 16  # matmul rows of a product with the shared head, at least (see _shared_product)
 
 
 def _visible(mask: torch.Tensor | None, n: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +136,22 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.stack([x[i].index_select(1, flat[i]) for i in range(x.shape[0])]).unflatten(2, slots.shape[1:])
 
 
+def _shared_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a`` ``[..., M, K]``, zero rows padding ``M`` to at least ``_MIN_ROWS``.
+
+    A CPU float32 matmul's result for a row depends on the row count when it is small (other
+    kernels for the remainder rows): measured, an AMD EPYC's rows differed from those of a
+    larger product for M in 1-3, 5-7 and 9-11 (equal for 4, 8 and every M >= 12, D 16-256,
+    K up to 3000), an AMX Xeon's for M up to 2-11 by shape. A one-token pass of a model with
+    ``g`` query heads per KV head multiplies ``g`` rows, its tree pass ``g`` per node, so
+    without the padding a row of the one differs from the same row of the other."""
+    m = a.shape[-2]
+    if m >= _MIN_ROWS:
+        return torch.matmul(a, b)
+    a = torch.cat([a, a.new_zeros(*a.shape[:-2], _MIN_ROWS - m, a.shape[-1])], -2)
+    return torch.matmul(a, b)[..., :m, :]
+
+
 def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: _Group,
                      scaling: float, softcap: float | None) -> torch.Tensor:
     """Attention for a group's rows: q ``[B, Hkv, r, g, D]`` -> ``[B, Hkv, r, g, D]``."""
@@ -146,7 +166,7 @@ def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gr
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, r, g, W]
     if h:
         # the shared head: one matmul for all rows (each score is a dot product over D)
-        shared = torch.matmul(q.reshape(b, kv_heads, r * g, dim), head_keys.transpose(-1, -2))
+        shared = _shared_product(q.reshape(b, kv_heads, r * g, dim), head_keys.transpose(-1, -2))
         scores = torch.cat([shared.view(b, kv_heads, r, g, h), scores], -1)
     scores = scores * scaling
     if softcap is not None:
@@ -158,7 +178,7 @@ def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gr
         # the head's weighted values, at most _HEAD_ROWS matmul rows at a time: a long
         # reduction's kernel may block differently for more rows
         step = max(1, _HEAD_ROWS // g)
-        parts = [torch.matmul(probs[:, :, s:s + step, :, :h].reshape(b, kv_heads, -1, h), head_values)
+        parts = [_shared_product(probs[:, :, s:s + step, :, :h].reshape(b, kv_heads, -1, h), head_values)
                  for s in range(0, r, step)]
         out = torch.cat(parts, 2).view(b, kv_heads, r, g, dim) + out
     return out

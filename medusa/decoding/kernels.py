@@ -100,7 +100,7 @@ def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torc
     return _linear(x, packed, layer.weight, bias)
 
 
-def _linears(modules: list[nn.Module]) -> list[nn.Linear]:
+def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
     """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules``, each once (tied or shared
     layers appear in several)."""
     seen: dict[int, nn.Linear] = {}
@@ -128,7 +128,7 @@ class PackedLinears:
         with torch.no_grad():
             self._packed = [(layer, next(_KEYS), pack(layer.weight.detach()),
                              None if layer.bias is None else layer.bias.detach())
-                            for layer in _linears([m for m in modules if m is not None])]
+                            for layer in linear_layers([m for m in modules if m is not None])]
         for _, key, packed, _ in self._packed:
             _PACKED[key] = packed
         weakref.finalize(self, _release, [key for _, key, _, _ in self._packed])
