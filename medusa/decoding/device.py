@@ -7,8 +7,8 @@ tree calibration uses) in float32 and in bfloat16 *with exact attention* (the bf
 keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when its 16-token
 pass (what speculation verifies) is clearly faster **and** exact here: exact attention makes
 attention batch-invariant, but whether the linear layers are depends on the device's kernels
-(bit-identical up to 32 rows on one AMX Xeon, not above; rows differing from 8 rows up on an
-AMD EPYC), so :func:`invariant_rows` finds the largest exact pass on the model itself and on
+(bit-identical up to 32 rows on one AMX Xeon, not above; on an AMD EPYC Zen 5 a one-row bf16
+product differed from the same row in 2+ rows), so :func:`invariant_rows` finds the largest exact pass on the model itself and on
 its linear layers' shapes with inputs that expose any change of summation order (a changed
 order shows on real activations only where a rounding happens to flip), and the engine
 verifies at most that many rows per pass.
@@ -43,7 +43,14 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.calibrate import measure_cost
 from medusa.decoding.exact import is_exact, set_exact
-from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack
+from medusa.decoding.kernels import (
+    PACKING_VERSION,
+    PackedLinears,
+    linear_layers,
+    onednn_available,
+    pack,
+    packed_product,
+)
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
@@ -128,7 +135,7 @@ def _linear_of_ones(out_features: int, in_features: int, dtype: torch.dtype, dev
     weight = torch.ones(out_features, in_features, dtype=dtype, device=device)
     if kernels == "onednn":
         packed = pack(weight)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return lambda x: packed_product(x, packed, weight, None)
     return lambda x: torch.nn.functional.linear(x, weight)
 
 

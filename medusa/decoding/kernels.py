@@ -70,7 +70,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by oneDNN with ``packed`` (:func:`pack` of ``weight``): the
+    product every packed layer and the exactness probe (device.py) run."""
     try:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     except RuntimeError:
@@ -83,7 +85,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: t
 @torch.library.custom_op("medusa::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` registered as ``key``."""
-    return _linear(x, _PACKED[key], weight, bias)
+    return packed_product(x, _PACKED[key], weight, bias)
 
 
 @packed_linear.register_fake
@@ -97,7 +99,7 @@ def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torc
         return nn.functional.linear(x, layer.weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.medusa.packed_linear(x, layer.weight, bias, key)
-    return _linear(x, packed, layer.weight, bias)
+    return packed_product(x, packed, layer.weight, bias)
 
 
 def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
