@@ -226,6 +226,53 @@ def run_eagle_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -
     return _engine_run(_eagle_engine(engine, args), ids, args, name="hybrid")
 
 
+COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
+
+
+def _engine_and_name(engine: Engine, name: str, args: argparse.Namespace) -> tuple[Engine, str] | None:
+    """The engine a bench mode runs on and the engine's own mode name (None: not an engine mode)."""
+    compiled = name.endswith(COMPILED)
+    base = name.removesuffix(COMPILED)
+    if base in ("eagle", "eagle-hybrid"):
+        eng = (args.compiled_eagle_engine or args.compiled_engine) if compiled else _eagle_engine(engine, args)
+        return eng, "eagle" if base == "eagle" else "hybrid"
+    if base in ENGINE_MODES:
+        return (args.compiled_engine if compiled else engine), base
+    return None
+
+
+def _compiled_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, base: str) -> Run:
+    """``base`` on the compiled twin of the engine (same loaded target and heads)."""
+    twin = argparse.Namespace(**{**vars(args), "eagle_engine": args.compiled_eagle_engine})
+    return MODES[base](args.compiled_engine, ids, twin)
+
+
+def _register_compiled(modes: list[str]) -> None:
+    for name in modes:
+        base = name.removesuffix(COMPILED)
+        if name.endswith(COMPILED) and (base in ENGINE_MODES or base in ("eagle", "eagle-hybrid")):
+            MODES[name] = functools.partial(_compiled_run, base=base)
+
+
+def _compiled_twin(engine: Engine, heads, args: argparse.Namespace, proposers: ProposerConfig) -> Engine:
+    return Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
+                  proposer_config=proposers, kernels=engine.kernels)
+
+
+def precompile(engine: Engine, modes: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """Compile, before any timing, every pass size each compiled mode can use; seconds per mode."""
+    seconds = {}
+    for name in modes:
+        target = _engine_and_name(engine, name, args)
+        if target is None or not target[0].compiled:
+            continue
+        t0 = time.perf_counter()
+        buckets = target[0].precompile(target[1], args.tree)
+        seconds[name] = time.perf_counter() - t0
+        print(f"{name}: compiled pass sizes {', '.join(map(str, buckets))} in {seconds[name]:.1f} s", file=sys.stderr)
+    return seconds
+
+
 @mode("hf-assisted")
 def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     """transformers' assisted generation with the same draft and draft length as ``draft``."""
@@ -342,7 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--static-cache", action="store_true", help="engine modes keep the KV cache in fixed tensors")
     ap.add_argument("--compile", action="store_true",
                     help="engine modes: static cache and a torch.compile'd verification pass (CUDA graphs on CUDA); "
-                         "compiled in the warm-up, outside the timing")
+                         "every pass size is compiled before the timing (the seconds are reported). A mode named "
+                         "MODE+compile (e.g. eagle-hybrid+compile) runs compiled beside the eager MODE in one run")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kernels", choices=KERNELS, default=None,
                     help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
@@ -378,20 +426,23 @@ def main(argv: list[str] | None = None) -> int:
         args.sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                   seed=args.seed, acceptance=args.acceptance)
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        _register_compiled(modes)
         unknown = [m for m in modes if m not in MODES]
         if unknown:
-            raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+            raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)} "
+                              f"(an engine mode with {COMPILED} runs it compiled)")
         if args.out:
             require_extra("bench")  # the report's plots need matplotlib: say so before the run, not after
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
-        uses_heads = sorted({"medusa", "hybrid"} & set(modes))
-        uses_eagle = bool({"eagle", "eagle-hybrid"} & set(modes))
+        bases = {m.removesuffix(COMPILED) for m in modes}
+        uses_heads = sorted({"medusa", "hybrid"} & bases)
+        uses_eagle = bool({"eagle", "eagle-hybrid"} & bases)
         heads = args.heads
         if heads is None and uses_heads and args.model is None:
             from medusa.api import SHIPPED_HEADS
 
             heads = str(SHIPPED_HEADS)  # modes medusa and hybrid: the shipped Medusa heads
-        draft = args.draft or ("default" if {"draft", "hf-assisted"} & set(modes) else None)
+        draft = args.draft or ("default" if {"draft", "hf-assisted"} & bases else None)
         proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
                                    draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
                                    lookup_ngram=args.lookup_ngram)
@@ -405,11 +456,17 @@ def main(argv: list[str] | None = None) -> int:
             args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
                                        static_cache=args.static_cache, compile=args.compile, proposer_config=proposers,
                                        kernels=engine.kernels)
+        args.compiled_engine = args.compiled_eagle_engine = None
+        if any(m.endswith(COMPILED) for m in modes):
+            args.compiled_engine = _compiled_twin(engine, engine.heads, args, proposers)
+            if args.eagle_engine is not None:
+                args.compiled_eagle_engine = _compiled_twin(args.eagle_engine, args.eagle_engine.heads, args, proposers)
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None
         print(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, modes: {', '.join(modes)}",
               file=sys.stderr)
+        args.compile_seconds = precompile(engine, modes, args)  # compiled passes: every size, before any timing
         for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
             MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
         runs: dict[str, list[Run]] = {m: [] for m in modes}
@@ -431,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
             "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
-            "tree_nodes": _tree_nodes(engine, args.tree)}
+            "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds}
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -320,3 +320,16 @@ def test_show_accepted_colours_the_drafted_tokens(engine):
     assert sum(stats.accepted) > stats.steps  # some drafted tokens were accepted ...
     assert segments and all(segments) and len(segments) <= stats.steps  # ... and coloured, one run per step at most
     assert turn.answer_ids == fresh(engine, turn.prompt_ids, 16)
+
+
+def test_compile_compiles_every_pass_size_before_the_first_answer(engine, tmp_path):
+    message = "Name a colour."
+    done = run_cli(["--compile", "--mode", "baseline", "--prompt", message, "--max-new-tokens", "8"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    compiled = next(i for i, line in enumerate(lines) if re.match(r"compiled 1 pass size in [\d.]+ s", line))
+    assert any(re.match(r"\s+1 rows: [\d.]+ s", line) for line in lines[:compiled])
+    assert STATS.search("\n".join(lines[compiled:]))  # the answer comes after the compilation
+    expected = fresh(engine, template_ids(engine, [{"role": "user", "content": message}]), 8)
+    assert done.stdout.strip() == decode(engine, expected)

@@ -8,6 +8,7 @@ from tiny import ARCHS, hf_greedy, tiny_model
 
 from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
 from medusa.models.heads import init_heads_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,9 +127,9 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     sizes = []
     compiled = eng._pass
 
-    def recording(model, ids, *args):
+    def recording(model, ids, *args, **kwargs):
         sizes.append(ids.shape[1])
-        return compiled(model, ids, *args)
+        return compiled(model, ids, *args, **kwargs)
 
     eng._pass = recording
     for prompt, n in ((PROMPT, 30), (PROMPT[:-1] + [7, 7, 7, 9], 21), ([3, 4, 5] * 4, 17)):
@@ -138,6 +139,80 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     assert set(sizes) <= set(PASS_BUCKETS) and len(set(sizes)) <= 6, sorted(set(sizes))
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_precompile_covers_every_pass_and_capacity(arch):
+    # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
+    # capacity (a long prompt, a regrown cache), compiles nothing more and stays exact.
+    from medusa.decoding.engine import PASS_BUCKETS
+
+    torch._dynamo.reset()
+    kwargs = {"sliding_window": 8} if arch == "gemma3" else {}
+    model = tiny_model(arch, max_position_embeddings=2048, **kwargs)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    before = _graphs()
+    buckets = eng.precompile("hybrid")
+    rows = len(TREE) + 1 + eng.proposer_config.lookup_tokens  # root, tree, lookup chain
+    assert buckets == [b for b in PASS_BUCKETS if b < rows] + [next(b for b in PASS_BUCKETS if b >= rows)]
+    assert _graphs() - before == len(buckets)
+    assert eng.precompile("hybrid") == buckets and _graphs() - before == len(buckets)  # already compiled
+    capacities = set()
+    for prompt, n in ((PROMPT, 40), ([3, 4, 5, 6] * 80, 30), (PROMPT[:-1] + [7, 7, 7, 9], 300)):
+        for mode in ("baseline", "lookup", "hybrid", "medusa"):
+            res = eng.generate(prompt, max_new_tokens=n, mode=mode)
+            assert res.tokens == hf_greedy(model, prompt, n), (mode, len(prompt))
+            capacities.add(kv.capacity(res.state.cache))
+    assert len(capacities) >= 2  # 512 and 1024 slots: both served by the precompiled graphs
+    assert _graphs() - before == len(buckets)
+
+
+def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity():
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", max_position_embeddings=2048)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    sizes, compiled = set(), eng._pass
+
+    def recording(model, ids, *args, **kwargs):
+        sizes.add(ids.shape[1])
+        return compiled(model, ids, *args, **kwargs)
+
+    eng._pass = recording
+    before = _graphs()
+    capacities = set()
+    for prompt in (PROMPT, [3, 4, 5, 6] * 80, [9, 8] * 250):  # 256, 512 and 1024 slots
+        res = eng.generate(prompt, max_new_tokens=24, mode="medusa")
+        assert res.tokens == hf_greedy(model, prompt, 24)
+        capacities.add(kv.capacity(res.state.cache))
+    assert len(capacities) == 3
+    assert _graphs() - before == len(sizes)
+
+
+def test_precompile_rows_come_from_the_proposer():
+    model = tiny_model("llama")
+    heads = init_heads_for(model, num_heads=3)
+    eng = Engine(model, heads=heads, tree=TREE, compile="aot_eager")
+    assert eng.proposer("baseline").max_rows == 1
+    assert eng.proposer("medusa").max_rows == len(TREE) + 1
+    assert eng.proposer("lookup").max_rows == 1 + eng.proposer_config.lookup_tokens
+    assert eng.proposer("hybrid").max_rows == len(TREE) + 1 + eng.proposer_config.lookup_tokens
+    assert Engine(model, heads=heads, tree=TREE).precompile("hybrid") == []  # nothing to compile eagerly
+
+    class Silent:  # a user's proposer that does not say how large it gets
+        def begin(self, state): ...
+        def propose(self, state): ...
+        def update(self, state, outcome): ...
+
+    with pytest.raises(MedusaError, match="max_rows"):
+        eng.precompile(Silent())
+    torch._dynamo.reset()
+    assert eng.precompile(Silent(), rows=3) == [1, 2, 4]
+
+
 def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     kv.persist_compiled(tmp_path / "medusa")
@@ -145,3 +220,26 @@ def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     kv.persist_compiled(tmp_path / "medusa")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "medusa")
+
+
+def test_the_bench_runs_compiled_modes_beside_eager_ones(tmp_path):
+    # MODE+compile: the same mode on a compiled twin engine, in the same run; its pass sizes
+    # compile before the timing and the seconds are reported.
+    import json
+
+    from train_fixtures import tiny_target
+
+    from infer import bench
+
+    torch._dynamo.reset()
+    out = tmp_path / "bench.json"
+    args = ["--model", str(tiny_target(tmp_path / "model")), "--limit", "2", "--max-new-tokens", "10",
+            "--lookup-tokens", "2", "--modes", "hf,lookup,lookup+compile", "--json", str(out)]
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert set(modes) == {"hf", "lookup", "lookup+compile"}
+    for name in ("lookup", "lookup+compile"):
+        assert modes[name]["identical"] == 2, name
+    assert set(result["meta"]["compile_seconds"]) == {"lookup+compile"}
+    assert bench.main(["--model", str(tmp_path / "model"), "--modes", "hf+compile"]) == 1  # not an engine mode

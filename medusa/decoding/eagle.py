@@ -87,6 +87,12 @@ class EagleProposer:
         self.start = 0  # position of the first pair the head has seen
         self.last: torch.Tensor | None = None  # [H] the head's prediction of the root's feature
         self.ranked: list[Path_] = []  # the last proposal's nodes, best first
+        self.scores: list[float] = []  # and their cumulative draft log-probabilities
+
+    @property
+    def max_rows(self) -> int:
+        """The largest proposal, root included (Engine.precompile reads it)."""
+        return 1 + self.size.nodes
 
     # -- the head's cache of accepted pairs ---------------------------------------------
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
@@ -117,7 +123,7 @@ class EagleProposer:
         size = self.size
         depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
-            self.ranked = []
+            self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
         vocab = self.heads.draft_vocab
         root = state.length  # the root's position; draft tokens follow it
@@ -161,6 +167,7 @@ class EagleProposer:
         score_list = torch.stack(scores).tolist()  # the drafting's one host sync
         keep = select(paths, score_list, min(size.nodes, len(paths)))
         self.ranked = [paths[i] for i in keep]  # best first (calibration reads it)
+        self.scores = [score_list[i] for i in keep]  # their cumulative draft log-probabilities
         tree = _compiled(tuple(sorted(self.ranked, key=lambda p: (len(p), p)))).to(self.device)
         index = {p: i for i, p in enumerate(paths)}
         order = torch.tensor([index[p] for p in tree.paths], device=self.device)

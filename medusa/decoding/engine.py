@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Collection, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +129,9 @@ PASS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PACKED_ROWS = 64  # half precision: passes of more rows (a prefill) use torch's linear kernels
 
 
+SLOT_STEP = 64  # static cache growth of a CPU-compiled engine (Engine._slot_step)
+
+
 def pass_bucket(n: int) -> int:
     """The compiled pass size for ``n`` rows (``n`` itself past the largest bucket)."""
     return next((b for b in PASS_BUCKETS if b >= n), n)
@@ -225,6 +228,12 @@ class Engine:
         self._pass = kv.forward
         self._clone_outputs = False
         self._compiled = bool(compile)
+        self._cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
+        # Static cache growth: powers of two, except for a pass compiled for the CPU (the
+        # capacity is symbolic there, so any size reuses the graph): SLOT_STEP slots at a
+        # time, keeping the slots attention reads close to the length. CUDA graphs record
+        # one graph per capacity: powers of two there, as for an uncompiled static cache.
+        self._slot_step = SLOT_STEP if compile and self.device.type == "cpu" else None
         if compile:
             from medusa.models.target import cache_root
 
@@ -252,6 +261,11 @@ class Engine:
         # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
         half = self.model.dtype in (torch.bfloat16, torch.float16)
         return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the verification pass is compiled (``compile``)."""
+        return self._compiled
 
     def kernel_scope(self):
         """A context in which the target (and draft, heads) run the engine's linear kernels:
@@ -314,6 +328,43 @@ class Engine:
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype)
 
+    def precompile(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
+                   rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:
+        """Compile the verification pass for every size ``mode``'s proposals can take, now,
+        instead of inside the first answers (an engine built with ``compile``; otherwise a
+        no-op). ``rows``: the largest proposal, root included (default: the proposer's
+        ``max_rows``). Each pass bucket up to it compiles once, on a throwaway cache; the
+        capacity is symbolic (:func:`medusa.decoding.hf.mark_capacity_dynamic`), so no
+        prompt length recompiles later. ``progress(bucket, seconds)`` is called after each.
+        Returns the buckets compiled (or already compiled: then each takes milliseconds)."""
+        if not self._compiled:
+            return []
+        if rows is None:
+            rows = getattr(self.proposer(mode, tree), "max_rows", None)
+            if rows is None:
+                raise MedusaError(f"{type(mode).__name__} does not say how large its proposals get (no max_rows): "
+                                  "pass precompile(rows=N)")
+        if self.max_rows is not None:
+            rows = min(rows, self.max_rows)
+        buckets = sorted({pass_bucket(n) for n in range(1, max(rows, 1) + 1)})
+        dtype, prefix = self.model.dtype, 4
+        with torch.inference_mode(), self._kernels:
+            cache = kv.new_static_cache(self.model, 256)
+            ids = torch.zeros(1, prefix, dtype=torch.long, device=self.device)
+            positions = torch.arange(prefix, device=self.device)[None]
+            kv.forward(self.model, ids, positions, cache, kv.causal_mask(self.model, 0, prefix, dtype, self.device, 256))
+            for b in buckets:
+                t0 = time.perf_counter()
+                depth = torch.arange(b, device=self.device)
+                ancestor = torch.ones(b, b, dtype=torch.bool, device=self.device).tril_()
+                mask = kv.tree_attention_mask(self.model, prefix, ancestor, depth, dtype, 256)
+                kv.mark_capacity_dynamic(cache, mask)
+                self._pass(self.model, ids.new_zeros(1, b), (prefix + depth)[None], cache, mask, cache_arg=self._cache_arg)
+                kv.crop(cache, prefix)
+                if progress is not None:
+                    progress(b, time.perf_counter() - t0)
+        return buckets
+
     def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
         """The tree to use: the argument, else the engine's, else the default for the device.
         Paths deeper than the heads are dropped, so any tree works with any heads."""
@@ -349,9 +400,10 @@ class Engine:
         pos = torch.arange(start, len(ids), device=self.device)[None]
         mask = None
         if self.static_cache:
-            # room for the answer and a large tree, so that decoding rarely regrows the cache
-            room = len(ids) + max_new_tokens + 64
-            kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room)
+            # room for the answer and a large tree, so that decoding rarely regrows the cache;
+            # a compiled CPU pass takes any capacity, so there the cache grows as it fills
+            room = len(ids) + (SLOT_STEP if self._slot_step else max_new_tokens + 64)
+            kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room, self._slot_step)
             mask = kv.causal_mask(self.model, start, len(ids) - start, self.model.dtype, self.device, kv.capacity(cache))
         logits, hidden = kv.forward(self.model, new, pos, cache, mask, logits_rows=slice(-1, None))
         generator = sampling.generator(self.device)
@@ -370,14 +422,18 @@ class Engine:
         tokens, depth, ancestor = proposal.tokens, tree.depth, tree.ancestor
         if self._compiled:
             tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(n))
+            if not tokens.is_inference():  # a proposer's own tensor: guards tell the two kinds apart
+                tokens = tokens.clone()
         positions = (start + depth)[None]
         if self.static_cache:
-            kv.reserve(state.cache, start + tokens.shape[0])
+            kv.reserve(state.cache, start + tokens.shape[0], self._slot_step)
             mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(state.cache))
+            if self._compiled:
+                kv.mark_capacity_dynamic(state.cache, mask)  # one graph per bucket, whatever the capacity
         else:
             mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,
                                                                          self.model.dtype)
-        logits, hidden = self._pass(self.model, tokens[None], positions, state.cache, mask)
+        logits, hidden = self._pass(self.model, tokens[None], positions, state.cache, mask, cache_arg=self._cache_arg)
         logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified
         if self._clone_outputs:
             logits, hidden = logits.clone(), hidden.clone()

@@ -102,12 +102,16 @@ def capacity(cache: Cache) -> int | None:
     return cache.layers[0].max_cache_len if is_static(cache) else None
 
 
-def reserve(cache: Cache, needed: int) -> None:
-    """Make a static cache hold at least ``needed`` positions: a larger one (a power of two)
-    replaces each layer's tensors, keeping the cached entries. Dynamic caches grow alone."""
+def reserve(cache: Cache, needed: int, step: int | None = None) -> None:
+    """Make a static cache hold at least ``needed`` positions: a larger one replaces each
+    layer's tensors, keeping the cached entries. Dynamic caches grow alone. The new size is
+    the next power of two (at least 256), or with ``step`` the next multiple of it (at least
+    256): attention reads every slot, so a capacity close to the length costs less per pass,
+    where the capacity is symbolic in the compiled pass (:func:`mark_capacity_dynamic`)."""
     if not is_static(cache) or cache.layers[0].max_cache_len >= needed:
         return
-    size = 1 << (max(needed, 256) - 1).bit_length()
+    needed = max(needed, 256)
+    size = -(-needed // step) * step if step else 1 << (needed - 1).bit_length()
     with torch.inference_mode():
         _regrow(cache, size)
 
@@ -326,6 +330,12 @@ def _cache_name(function) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which ``model``'s decoder takes its KV cache (see :func:`cache_kwarg`)."""
+    forward = model.get_decoder().forward
+    return _cache_name(getattr(forward, "__func__", forward))
+
+
 def cache_kwarg(method, cache: Cache | None) -> dict:
     """``{name: cache}`` for ``method`` (a model's, a layer's or ``generate``): transformers
     renamed ``past_key_values`` to ``cache`` (5.24 warns on the old name), older 5.x only
@@ -340,6 +350,7 @@ def forward(
     cache: Cache,
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
     logits_rows: torch.Tensor | slice | None = None,
+    cache_arg: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over ``[1, n]`` new tokens; appends them to ``cache``.
 
@@ -347,10 +358,13 @@ def forward(
     hidden state the ``lm_head`` reads and ``logits`` covers only ``logits_rows`` (all rows
     by default): projecting every prompt position to the vocabulary would be wasted work.
     ``attention_mask=None`` means plain causal attention (transformers builds it).
+    ``cache_arg``: the decoder's name for the cache argument (:func:`cache_argument`), given
+    by compiled callers so that the traced pass does not inspect signatures.
     """
     base = model.get_decoder()
+    kwargs = {cache_arg: cache} if cache_arg is not None else cache_kwarg(base.forward, cache)
     out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
-               **cache_kwarg(base.forward, cache))
+               **kwargs)
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
     return lm_logits(model, rows).float(), hidden  # logits [r, V]
@@ -368,6 +382,21 @@ def persist_compiled(path: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
+def mark_capacity_dynamic(cache: Cache, mask: torch.Tensor | dict[str, torch.Tensor]) -> None:
+    """Let a compiled pass take any static-cache capacity: the slot dimension of every layer's
+    keys and values and the mask's key dimension become symbolic, so one graph per pass size
+    serves every capacity (a regrown cache, a longer prompt) instead of one per (size,
+    capacity). Measured on the CPU: passes cost the same as with the capacity baked in."""
+    import torch._dynamo
+
+    for layer in cache.layers:
+        if layer.is_initialized:
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+    for m in (mask.values() if isinstance(mask, dict) else (mask,)):
+        torch._dynamo.mark_dynamic(m, m.dim() - 1)
+
+
 def compiled_forward(device: torch.device, compile: bool | str = True):
     """:func:`forward` through ``torch.compile`` (``compile``: True for inductor, with CUDA
     graphs on CUDA, or another backend's name), for static caches. Shapes are static: each
@@ -375,8 +404,8 @@ def compiled_forward(device: torch.device, compile: bool | str = True):
     next replay, so callers that keep them clone them."""
     import torch._dynamo
 
-    # one graph per (pass bucket, cache capacity): more than dynamo's default of 8 (past it,
-    # new shapes silently run eager)
+    # one graph per pass bucket (the capacity is symbolic: mark_capacity_dynamic), and up to
+    # 64 of them, more than dynamo's default of 8 (past it, new shapes silently run eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     backend = compile if isinstance(compile, str) else "inductor"
     mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None

@@ -35,6 +35,7 @@ class Autoregressive:
 
     def __init__(self, device: torch.device) -> None:
         self.tree = compile_tree([]).to(device)
+        self.max_rows = 1  # the largest proposal, root included (Engine.precompile reads it)
 
     def begin(self, state: DecodeState) -> None:
         pass
@@ -56,6 +57,7 @@ class MedusaProposer:
         self.heads = heads
         self.device = device
         self.tree = tree.to(device)
+        self.max_rows = tree.num_nodes
         self.width = max(tree.topk, default=1)
         # the tree cut to each depth the token budget allows, built once per depth:
         # depth -> (tree, candidate index [N-1] into the flattened [D, width] top-k, is_chain)
@@ -133,6 +135,10 @@ class DraftModel:
         self.cached: list[int] = []  # the tokens whose KV entries are in ``cache``
         self.pending: torch.Tensor | None = None  # [k - 1] draft tokens fed in the last propose
         self.drafted = 0  # chain length of the last proposal
+
+    @property
+    def max_rows(self) -> int:
+        return 1 + (self.max_tokens if self.adaptive else self.k)
 
     def begin(self, state: DecodeState) -> None:
         self.cache = kv.new_cache()
@@ -215,6 +221,7 @@ class PromptLookup:
         self.trees: dict[int, TreeBuffers] = {}
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self.indexed = 0  # n-grams ending at or before this position are indexed
+        self.max_rows = 1 + num_tokens
 
     def begin(self, state: DecodeState) -> None:
         self.index = {}
@@ -275,6 +282,8 @@ class Hybrid:
 
     def __init__(self, heads: Proposer, lookup: PromptLookup, device: torch.device) -> None:
         self.heads, self.lookup, self.device = heads, lookup, device
+        rows = getattr(heads, "max_rows", None)  # None: a heads proposer that does not say
+        self.max_rows = None if rows is None else rows + lookup.k
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
