@@ -12,6 +12,11 @@ Modes ``eagle`` and ``eagle-hybrid`` (the eagle tree plus the lookup chain) run 
 heads of ``--eagle-heads`` (default: those shipped for the embedded model) on the same loaded
 target, so that Medusa heads (``medusa``, ``hybrid``) and EAGLE heads compare in one run.
 
+Any engine mode with ``+compile`` (``baseline+compile``, ``eagle-hybrid+compile``) runs the
+same mode on a twin engine with a compiled verification pass, beside the eager one; every
+compiled pass size is compiled in the warm-up, outside the timing (the seconds are printed
+and kept in the results' ``meta``).
+
 With ``--temperature`` above 0 every mode samples (``hf`` through transformers' own
 sampling with the same temperature, top-p and top-k); outputs then differ run to run by
 design, so the identical-output column reads n/a while tau and speedup still compare.
