@@ -192,6 +192,25 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
     assert _graphs() - before == len(sizes)
 
 
+def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
+    # A CPU-compiled engine reserves the prompt plus SLOT_STEP slots and grows SLOT_STEP at a
+    # time (attention reads every slot); a reused state keeps growing; tokens stay exact.
+    from medusa.decoding.engine import SLOT_STEP
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", max_position_embeddings=2048)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    prompt = [3, 4, 5, 6] * 70  # 280 tokens
+    first = eng.generate(prompt, max_new_tokens=100, mode="hybrid")
+    assert first.tokens == hf_greedy(model, prompt, 100)
+    cap = kv.capacity(first.state.cache)
+    assert cap % SLOT_STEP == 0 and len(prompt) + 100 <= cap < len(prompt) + 100 + SLOT_STEP + 16  # not 512
+    follow = prompt + first.tokens + [7, 8, 9]
+    second = eng.generate(follow, max_new_tokens=90, mode="hybrid", state=first.state)
+    assert second.tokens == hf_greedy(model, follow, 90)
+    assert kv.capacity(second.state.cache) % SLOT_STEP == 0 and kv.capacity(second.state.cache) > cap
+
+
 def test_precompile_rows_come_from_the_proposer():
     model = tiny_model("llama")
     heads = init_heads_for(model, num_heads=3)
