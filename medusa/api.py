@@ -92,9 +92,11 @@ def load(
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
-    backend). The first generation then pays the compilation, once per tree size. Compiled
-    passes are exact in float32 only: with ``compile`` the dtype pick is skipped (the target
-    stays in the dtype it loads in), and a bfloat16/float16 target is refused.
+    backend). Each pass size compiles once, at its first use or up front with
+    ``engine.precompile(mode)`` (every size the mode can use; the cache capacity never
+    recompiles). Compiled passes are exact in float32 only: with ``compile`` the dtype pick
+    is skipped (the target stays in the dtype it loads in), and a bfloat16/float16 target is
+    refused.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the
