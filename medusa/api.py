@@ -92,11 +92,9 @@ def load(
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
-    backend). Each pass size compiles once, at its first use or up front with
-    ``engine.precompile(mode)`` (every size the mode can use; the cache capacity never
-    recompiles). Compiled passes are exact in float32 only: with ``compile`` the dtype pick
-    is skipped (the target stays in the dtype it loads in), and a bfloat16/float16 target is
-    refused.
+    backend); each pass size compiles once (``engine.precompile(mode)``: all of a mode's, now).
+    Compiled passes are exact in float32 only: the dtype pick is skipped (the target keeps
+    its loaded dtype), and a bfloat16/float16 target is refused.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the
