@@ -231,6 +231,7 @@ def run_eagle_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -
     return _engine_run(_eagle_engine(engine, args), ids, args, name="hybrid")
 
 
+EAGLE_MODES = ("eagle", "eagle-hybrid")  # bench modes on the engine holding eagle heads
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
 
 
@@ -238,7 +239,7 @@ def _engine_and_name(engine: Engine, name: str, args: argparse.Namespace) -> tup
     """The engine a bench mode runs on and the engine's own mode name (None: not an engine mode)."""
     compiled = name.endswith(COMPILED)
     base = name.removesuffix(COMPILED)
-    if base in ("eagle", "eagle-hybrid"):
+    if base in EAGLE_MODES:
         eng = (args.compiled_eagle_engine or args.compiled_engine) if compiled else _eagle_engine(engine, args)
         return eng, "eagle" if base == "eagle" else "hybrid"
     if base in ENGINE_MODES:
@@ -255,11 +256,11 @@ def _compiled_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, b
 def _register_compiled(modes: list[str]) -> None:
     for name in modes:
         base = name.removesuffix(COMPILED)
-        if name.endswith(COMPILED) and (base in ENGINE_MODES or base in ("eagle", "eagle-hybrid")):
+        if name.endswith(COMPILED) and (base in ENGINE_MODES or base in EAGLE_MODES):
             MODES[name] = functools.partial(_compiled_run, base=base)
 
 
-def _compiled_twin(engine: Engine, heads, args: argparse.Namespace, proposers: ProposerConfig) -> Engine:
+def _compiled_twin(engine: Engine, heads, proposers: ProposerConfig) -> Engine:
     return Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
                   proposer_config=proposers, kernels=engine.kernels)
 
@@ -463,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                                        kernels=engine.kernels)
         args.compiled_engine = args.compiled_eagle_engine = None
         if any(m.endswith(COMPILED) for m in modes):
-            args.compiled_engine = _compiled_twin(engine, engine.heads, args, proposers)
+            args.compiled_engine = _compiled_twin(engine, engine.heads, proposers)
             if args.eagle_engine is not None:
-                args.compiled_eagle_engine = _compiled_twin(args.eagle_engine, args.eagle_engine.heads, args, proposers)
+                args.compiled_eagle_engine = _compiled_twin(args.eagle_engine, args.eagle_engine.heads, proposers)
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None
