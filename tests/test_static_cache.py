@@ -149,7 +149,7 @@ def _graphs() -> int:
 def test_precompile_covers_every_pass_and_capacity(arch):
     # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
     # capacity (a long prompt, a regrown cache), compiles nothing more and stays exact.
-    from medusa.decoding.engine import PASS_BUCKETS
+    from medusa.decoding.engine import PASS_BUCKETS, pass_bucket
 
     torch._dynamo.reset()
     kwargs = {"sliding_window": 8} if arch == "gemma3" else {}
@@ -158,9 +158,14 @@ def test_precompile_covers_every_pass_and_capacity(arch):
     before = _graphs()
     buckets = eng.precompile("hybrid")
     rows = len(TREE) + 1 + eng.proposer_config.lookup_tokens  # root, tree, lookup chain
-    assert buckets == [b for b in PASS_BUCKETS if b < rows] + [next(b for b in PASS_BUCKETS if b >= rows)]
+    least = pass_bucket(len(TREE) + 1)  # the whole tree without a chain: smaller passes pad up to it
+    assert buckets == [b for b in PASS_BUCKETS if least <= b < rows] + [pass_bucket(rows)]
     assert _graphs() - before == len(buckets)
     assert eng.precompile("hybrid") == buckets and _graphs() - before == len(buckets)  # already compiled
+    chains = eng.precompile("lookup")  # lookup (and baseline): every size from the root alone
+    assert chains == [b for b in PASS_BUCKETS if b <= pass_bucket(1 + eng.proposer_config.lookup_tokens)]
+    buckets = sorted(set(buckets) | set(chains))
+    assert _graphs() - before == len(buckets)
     capacities = set()
     for prompt, n in ((PROMPT, 40), ([3, 4, 5, 6] * 80, 30), (PROMPT[:-1] + [7, 7, 7, 9], 300)):
         for mode in ("baseline", "lookup", "hybrid", "medusa"):
@@ -219,6 +224,8 @@ def test_precompile_rows_come_from_the_proposer():
     assert eng.proposer("medusa").max_rows == len(TREE) + 1
     assert eng.proposer("lookup").max_rows == 1 + eng.proposer_config.lookup_tokens
     assert eng.proposer("hybrid").max_rows == len(TREE) + 1 + eng.proposer_config.lookup_tokens
+    # the smallest proposal but for a budget cut: a compiled pass pads smaller ones up to it
+    assert [eng.proposer(m).min_rows for m in ("baseline", "medusa", "lookup", "hybrid")] == [1, 7, 1, 7]
     assert Engine(model, heads=heads, tree=TREE).precompile("hybrid") == []  # nothing to compile eagerly
 
     class Silent:  # a user's proposer that does not say how large it gets
@@ -230,6 +237,33 @@ def test_precompile_rows_come_from_the_proposer():
         eng.precompile(Silent())
     torch._dynamo.reset()
     assert eng.precompile(Silent(), rows=3) == [1, 2, 4]
+
+
+def test_a_tree_cut_short_by_the_budget_pads_up_to_the_precompiled_sizes():
+    # precompile("hybrid") compiles from the whole tree's size up; steps near the end of an
+    # answer, whose tree the token budget cuts to 1-3 rows, run padded into those graphs:
+    # nothing compiles during the answers, and the tokens stay exact.
+    from medusa.decoding.engine import pass_bucket
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", max_position_embeddings=2048)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    buckets = eng.precompile("hybrid")
+    assert buckets[0] == pass_bucket(len(TREE) + 1) > 1
+    sizes, compiled = [], eng._pass
+
+    def recording(model, ids, *args, **kwargs):
+        sizes.append(ids.shape[1])
+        return compiled(model, ids, *args, **kwargs)
+
+    eng._pass = recording
+    before = _graphs()
+    for prompt, n in ((PROMPT, 1), (PROMPT, 2), (PROMPT[:-1] + [7, 7, 7, 9], 3), ([3, 4, 5] * 4, 13)):
+        assert eng.generate(prompt, max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, prompt, n)
+    assert sizes and set(sizes) <= set(buckets)  # budget-cut trees included (n = 2, 3)
+    assert _graphs() == before
+    eng.generate(PROMPT, max_new_tokens=4, mode="baseline")  # another mode's sizes still compile on use
+    assert 1 in sizes and _graphs() == before + 1
 
 
 def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):

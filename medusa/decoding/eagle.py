@@ -94,6 +94,11 @@ class EagleProposer:
         """The largest proposal, root included (Engine.precompile reads it)."""
         return 1 + self.size.nodes
 
+    @property
+    def min_rows(self) -> int:
+        """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
+        return 1 + self.size.nodes
+
     # -- the head's cache of accepted pairs ---------------------------------------------
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
         """Append pairs ``(features[i], tokens[i])`` at positions ``first + i``."""

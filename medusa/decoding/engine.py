@@ -333,20 +333,25 @@ class Engine:
         """Compile the verification pass for every size ``mode``'s proposals can take, now,
         instead of inside the first answers (an engine built with ``compile``; otherwise a
         no-op). ``rows``: the largest proposal, root included (default: the proposer's
-        ``max_rows``). Each pass bucket up to it compiles once, on a throwaway cache; the
+        ``max_rows``; given with a mode's name, every size from 1 up compiles). Sizes from the
+        proposer's ``min_rows`` up compile: a smaller pass (a tree the answer's budget cut
+        short) pads up to it. Each pass bucket compiles once, on a throwaway cache; the
         capacity is symbolic (:func:`medusa.decoding.hf.mark_capacity_dynamic`), so no
         prompt length recompiles later. ``progress(bucket, seconds)`` is called after each.
         Returns the buckets compiled (or already compiled: then each takes milliseconds)."""
         if not self._compiled:
             return []
+        # rows given with a mode's name: every size up to it (the mode may need what is absent)
+        proposer = None if rows is not None and isinstance(mode, str) else self.proposer(mode, tree)
         if rows is None:
-            rows = getattr(self.proposer(mode, tree), "max_rows", None)
+            rows = getattr(proposer, "max_rows", None)
             if rows is None:
                 raise MedusaError(f"{type(mode).__name__} does not say how large its proposals get (no max_rows): "
                                   "pass precompile(rows=N)")
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
-        buckets = sorted({pass_bucket(n) for n in range(1, max(rows, 1) + 1)})
+        least = min(getattr(proposer, "min_rows", 1), max(rows, 1))  # smaller passes pad up to it (step)
+        buckets = sorted({pass_bucket(n) for n in range(least, max(rows, 1) + 1)})
         dtype, prefix = self.model.dtype, 4
         with torch.inference_mode(), self._kernels:
             cache = kv.new_static_cache(self.model, 256)
@@ -415,13 +420,15 @@ class Engine:
         return new_state
 
     @torch.inference_mode()
-    def step(self, state: DecodeState, proposal: Proposal) -> StepOutcome:
-        """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted."""
+    def step(self, state: DecodeState, proposal: Proposal, min_rows: int = 1) -> StepOutcome:
+        """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted.
+        ``min_rows``: a compiled pass of fewer rows runs padded to that size's bucket (the
+        proposer's usual size: a tree cut short by the budget reuses the usual graph)."""
         tree, start = proposal.tree, state.length
         n = proposal.tokens.shape[0]
         tokens, depth, ancestor = proposal.tokens, tree.depth, tree.ancestor
         if self._compiled:
-            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(n))
+            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(max(n, min_rows)))
             if not tokens.is_inference():  # a proposer's own tensor: guards tell the two kinds apart
                 tokens = tokens.clone()
         positions = (start + depth)[None]
@@ -470,12 +477,13 @@ class Engine:
         yield chunk, 0
         with self._kernels:
             proposer.begin(state)
+        least = min(getattr(proposer, "min_rows", 1), self.max_rows or PASS_BUCKETS[-1])
         while reason is None:
             reason = self._stop_reason(state, stop)
             if reason is not None:
                 break
             with self._kernels:
-                outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)))
+                outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)), least)
                 proposer.update(state, outcome)
             chunk, reason = cut_chunk(outcome.tokens, self.eos, max_new_tokens - len(emitted))
             emitted += chunk

@@ -36,6 +36,7 @@ class Autoregressive:
     def __init__(self, device: torch.device) -> None:
         self.tree = compile_tree([]).to(device)
         self.max_rows = 1  # the largest proposal, root included (Engine.precompile reads it)
+        self.min_rows = 1  # the smallest but for a budget cut (a compiled pass pads up to it)
 
     def begin(self, state: DecodeState) -> None:
         pass
@@ -57,7 +58,7 @@ class MedusaProposer:
         self.heads = heads
         self.device = device
         self.tree = tree.to(device)
-        self.max_rows = tree.num_nodes
+        self.max_rows = self.min_rows = tree.num_nodes
         self.width = max(tree.topk, default=1)
         # the tree cut to each depth the token budget allows, built once per depth:
         # depth -> (tree, candidate index [N-1] into the flattened [D, width] top-k, is_chain)
@@ -139,6 +140,10 @@ class DraftModel:
     @property
     def max_rows(self) -> int:
         return 1 + (self.max_tokens if self.adaptive else self.k)
+
+    @property
+    def min_rows(self) -> int:
+        return 1 if self.adaptive else 1 + self.k
 
     def begin(self, state: DecodeState) -> None:
         self.cache = kv.new_cache()
@@ -222,6 +227,7 @@ class PromptLookup:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self.indexed = 0  # n-grams ending at or before this position are indexed
         self.max_rows = 1 + num_tokens
+        self.min_rows = 1  # no match: the root alone
 
     def begin(self, state: DecodeState) -> None:
         self.index = {}
@@ -284,6 +290,7 @@ class Hybrid:
         self.heads, self.lookup, self.device = heads, lookup, device
         rows = getattr(heads, "max_rows", None)  # None: a heads proposer that does not say
         self.max_rows = None if rows is None else rows + lookup.k
+        self.min_rows = getattr(heads, "min_rows", 1)
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
