@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         if uses_heads and engine.heads is None:
             raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         args.eagle_engine = None
-        if uses_eagle and not (engine.heads is not None and engine.heads.config.kind == "eagle"):
+        own_eagle = engine.heads is not None and engine.heads.config.kind == "eagle"
+        if uses_eagle and (args.eagle_heads is not None or not own_eagle):  # --eagle-heads wins over --heads
             args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
                                        static_cache=args.static_cache, compile=args.compile, proposer_config=proposers,
                                        kernels=engine.kernels)
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
             "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
-            "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds}
+            "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds,
+            "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None}
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

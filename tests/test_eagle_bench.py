@@ -33,3 +33,20 @@ def test_bench_eagle_modes_refuse_medusa_heads_as_eagle_heads(tmp_path, capsys):
     assert bench.main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --eagle-heads") and "holds medusa heads" in err
+
+
+def test_bench_eagle_heads_given_win_over_the_eagle_heads_loaded(tmp_path):
+    # --eagle-heads B beside eagle heads A as --heads: the eagle modes run B, with B's
+    # calibrated tree (they once ran A's, silently)
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    a = save_heads(init_eagle_for(model), tmp_path / "a")
+    b = save_heads(init_eagle_for(model), tmp_path / "b")
+    (b / "calibration.json").write_text(json.dumps({"dynamic": {"cpu": {"nodes": 6, "depth": 3, "topk": 3}}}))
+    out = tmp_path / "bench.json"
+    args = ["--model", str(folder), "--heads", str(a), "--eagle-heads", str(b), "--limit", "1",
+            "--max-new-tokens", "8", "--modes", "baseline,eagle", "--json", str(out)]
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["eagle_tree_nodes"] == 7 and result["meta"]["tree_nodes"] != 7
+    assert result["modes"]["eagle"]["identical_baseline"] == 1
