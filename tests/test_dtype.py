@@ -120,6 +120,13 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     base = eng.generate(ids, max_new_tokens=16, mode="baseline").tokens
     assert eng.generate(ids, max_new_tokens=16, mode="hybrid").tokens == base
     # packed weights are other kernels: probed again with them, and the cap taken from that probe
+    from medusa.decoding.kernels import onednn_available
+    from medusa.errors import MedusaError
+
+    if not onednn_available("cpu", torch.bfloat16):  # an AVX2-only CPU packs no bf16 weights
+        with pytest.raises(MedusaError, match="oneDNN torch.bfloat16 linears"):
+            medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="onednn")
+        return
     packed = medusa.load(model=folder, heads="init", dtype="bfloat16", kernels="onednn")
     table = json.loads((tmp_path / "cache" / "dtype.json").read_text())
     (key,) = [k for k in table if k.startswith("rows | ") and "| onednn-p" in k]

@@ -14,7 +14,7 @@ from medusa.decoding import hf as kv
 from medusa.decoding.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
 from medusa.decoding.engine import Engine
 from medusa.decoding.exact import EXACT_MAX_ROWS, exact_attention, is_exact, set_exact
-from medusa.decoding.kernels import PackedLinears
+from medusa.decoding.kernels import PackedLinears, onednn_available
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
@@ -116,6 +116,11 @@ def test_sdpa_tree_rows_differ_in_bfloat16():
 @pytest.mark.parametrize("arch", ARCHS4)
 def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
     model = tiny_model(arch).to(torch.bfloat16)
+    if kernels == "onednn" and not onednn_available("cpu", torch.bfloat16):
+        # a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT packs no bf16 weights: a one-line refusal
+        with pytest.raises(MedusaError, match="oneDNN torch.bfloat16 linears.*kernels='default'"):
+            Engine(model, kernels="onednn")
+        return
     set_exact(model, True)
     # the largest pass whose rows all equal their one-token passes on this device with these
     # kernels (they may block differently past some row count); the engine verifies at most that

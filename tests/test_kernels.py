@@ -21,7 +21,7 @@ from medusa.decoding.device import (
 )
 from medusa.decoding.engine import PACKED_ROWS, Engine
 from medusa.decoding.exact import is_exact
-from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, onednn_available, pack
+from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 
@@ -77,6 +77,10 @@ def test_packed_weights_multiply_like_the_stock_ones(dtype):
     # a plain-layout oneDNN weight is repacked by every call (measured 33 vs 21 ms per pass of
     # the embedded model in bf16); the blocked one is what the kernels read
     weight = torch.randn(96, 64).to(dtype)
+    if not onednn_available("cpu", dtype):  # bf16 on an AVX2-only CPU: oneDNN refuses to pack
+        with pytest.raises(RuntimeError, match="bf16"):
+            pack(weight)
+        return
     packed = pack(weight)
     assert packed.is_mkldnn and packed.dtype == dtype and tuple(packed.shape) == (96, 64)
     x = torch.randn(5, 64).to(dtype)
@@ -87,6 +91,9 @@ def test_packed_weights_multiply_like_the_stock_ones(dtype):
 
 def test_inputs_of_more_rows_than_stock_above_run_the_stock_kernels():
     model = tiny_model("llama").to(torch.bfloat16)
+    if not onednn_available("cpu", torch.bfloat16):  # an AVX2-only CPU: bf16 layers stay stock
+        assert not linear_layers([model]) and linear_layers([tiny_model("llama")])  # float32 ones still pack
+        return
     packed = PackedLinears(model, stock_above=8)
     with torch.no_grad(), packed:
         _, short = logits_and_ops(model, torch.tensor([PROMPT[:8]]))
@@ -205,6 +212,9 @@ def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_pa
     cache = tmp_path / "kernels.json"
     half = tiny_model("llama").to(torch.bfloat16)
     choice = pick_kernels(half, cache)
+    if not onednn_available("cpu", torch.bfloat16):  # an AVX2-only CPU packs no bf16 weights
+        assert choice.kernels == "default" and "no packed oneDNN linears" in choice.reason and not choice.cost_ms
+        return
     assert set(choice.cost_ms) == {"default", "onednn"}
     assert not is_exact(half) and stock(half)  # measured with exact attention and packed weights, then restored
     table = json.loads(cache.read_text())

@@ -329,7 +329,7 @@ def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 3) ->
     device = model.get_output_embeddings().weight.device
     with _exact(model) if model.dtype != torch.float32 else nullcontext():
         costs = {"default": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
-        if onednn_available(device):
+        if onednn_available(device, model.dtype):
             with PackedLinears(model):
                 costs["onednn"] = measure_cost(model, list(SIZES), prefix=prefix, reps=reps)
     return costs
@@ -340,8 +340,9 @@ def pick_kernels(model: PreTrainedModel, cache_file: Path, rows_file: Path | Non
     A half-precision model's packed kernels are probed for exactness (:func:`exact_rows`,
     cached in ``rows_file``, default ``cache_file``). Not a CPU: the default kernels, unmeasured."""
     device = model.get_output_embeddings().weight.device
-    if not onednn_available(device):
-        return KernelChoice("default", f"default linear kernels: packed oneDNN linears need a CPU, not {device}", {})
+    if not onednn_available(device, model.dtype):
+        where = f"this CPU and torch build in {model.dtype}" if device.type == "cpu" else f"{device}"
+        return KernelChoice("default", f"default linear kernels: no packed oneDNN linears on {where}", {})
     key = f"{device_key(device)} | {model_key(model)} | {model.dtype} | {KERNEL_KEY_VERSION}"
     half = model.dtype != torch.float32
 

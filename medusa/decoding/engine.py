@@ -253,9 +253,9 @@ class Engine:
             raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
         if kernels == "default":
             return contextlib.nullcontext()
-        if not onednn_available(self.device):
-            raise MedusaError(f"kernels='onednn' needs a CPU torch build with oneDNN, not {self.device}: "
-                              "use kernels='default'")
+        if not onednn_available(self.device, self.model.dtype):
+            raise MedusaError(f"kernels='onednn' needs a CPU and torch build with oneDNN {self.model.dtype} linears, "
+                              f"not {self.device.type} here: use kernels='default'")
         # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
         # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
         # the engine's prompt cache is stock transformers' (kernels.PackedLinears).

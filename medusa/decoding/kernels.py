@@ -52,17 +52,24 @@ _PACKED: dict[int, torch.Tensor] = {}
 _KEYS = itertools.count()
 
 
-def onednn_available(device: torch.device | str = "cpu") -> bool:
-    """Whether this torch build can run packed oneDNN linears on ``device`` (CPU only)."""
+def onednn_available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build can run packed oneDNN linears in ``dtype`` on ``device`` (CPU
+    only; bfloat16 also needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, absent on AVX2-only CPUs)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not all(hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")):
         return False
-    try:  # a build without oneDNN kernels for this CPU raises here, not at the first pass
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), pack(torch.ones(2, 2)), None, "none", [], "")
+    return _probe(dtype)
+
+
+@functools.cache
+def _probe(dtype: torch.dtype) -> bool:
+    try:  # a build or CPU without these kernels raises here, not at the first pass
+        one = torch.ones(2, 2, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(one[:1], pack(one), None, "none", [], "")
     except (RuntimeError, NotImplementedError):
         return False
-    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    return bool(torch.equal(out.float(), torch.full((1, 2), 2.0)))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -103,13 +110,14 @@ def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torc
 
 
 def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
-    """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules``, each once (tied or shared
-    layers appear in several)."""
+    """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules`` whose dtype this CPU packs
+    (:func:`onednn_available`), each once (tied or shared layers appear in several)."""
     seen: dict[int, nn.Linear] = {}
     for module in modules:
         for layer in module.modules():
             w = layer.weight if isinstance(layer, nn.Linear) else None
-            if w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+            if w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
+                    and onednn_available("cpu", w.dtype):  # else the layer keeps torch's kernel
                 seen.setdefault(id(layer), layer)
     return list(seen.values())
 

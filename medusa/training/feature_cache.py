@@ -202,8 +202,10 @@ def target_kernels(kernels: str, target: nn.Module):
         raise MedusaError(f"unknown cache_kernels {kernels!r}: use one of {', '.join(KERNELS)}")
     if kernels == "default":
         return contextlib.nullcontext()
-    if not onednn_available(target.get_output_embeddings().weight.device):
-        raise MedusaError("cache_kernels: onednn needs the target on a CPU with a oneDNN torch build: use default")
+    weight = target.get_output_embeddings().weight
+    if not onednn_available(weight.device, weight.dtype):
+        raise MedusaError(f"cache_kernels: onednn needs the target on a CPU whose torch build packs {weight.dtype} linears: "
+                          "use default")
     return PackedLinears(target)
 
 
