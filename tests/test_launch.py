@@ -21,6 +21,7 @@ import medusa
 from medusa.models.heads import load_heads, read_heads_config
 from medusa.models.target import load_target
 from medusa.training.batches import collate
+from medusa.training.distributed import cpu_threads_warning, usable_cores
 from medusa.training.data import build_datasets
 from medusa.training.heads import HeadsTrainer, summarise
 from medusa.training.loop import TrainConfig
@@ -218,3 +219,38 @@ def test_draft_ddp_two_processes_checkpoints_resumes_and_loads(setup, tmp_path):
     launch_draft(setup, resumed, "--resume", "true")
     a, b = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_one_process_cpu_launch_left_on_one_thread_says_how_to_use_every_core(setup, tmp_path):
+    """`accelerate launch` with the repo's single-process config sets OMP_NUM_THREADS=1 when the
+    variable is unset (the config serves CPUs and GPUs, so it has no use_cpu): a CPU run then
+    trains on one core of many. The run says so and names the flag; told the thread count, it
+    is quiet. Which branch applies depends on the cores this process may use."""
+    env = {k: v for k, v in launch_env().items() if k != "OMP_NUM_THREADS"}
+
+    def run(*threads):
+        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "single.yaml"), *threads,
+               str(ROOT / "train" / "train_heads.py"), "--model", setup["model"], "--data", setup["data"],
+               "--max_length", "40", "--num_heads", "1", "--batch_size", "2", "--max_steps", "1", "--eval_fraction",
+               "0.1", "--eval_every", "0", "--save_every", "0", "--output_dir", str(tmp_path / f"out{len(threads)}"),
+               "--wandb", "false"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    cores = usable_cores()
+    if cores >= 2:
+        assert f"--num_cpu_threads_per_process {cores}" in run()
+    else:
+        assert "training on 1 CPU thread" not in run()
+    assert "training on 1 CPU thread" not in run("--num_cpu_threads_per_process", str(max(cores, 2)))
+
+
+def test_cpu_threads_warning_only_for_a_cpu_run_on_one_thread_of_several():
+    warn = cpu_threads_warning("cpu", 1, "1", 8, 1)
+    assert "of 8 usable" in warn and "--num_cpu_threads_per_process 8" in warn and "OMP_NUM_THREADS=8" in warn
+    assert "--num_cpu_threads_per_process 4" in cpu_threads_warning("cpu", 1, "1", 8, 2)  # two ranks share 8 cores
+    assert cpu_threads_warning("cuda", 1, "1", 8, 1) is None
+    assert cpu_threads_warning("cpu", 4, "4", 8, 1) is None  # told the count
+    assert cpu_threads_warning("cpu", 1, None, 8, 1) is None  # torch.set_num_threads by the user, not the launcher
+    assert cpu_threads_warning("cpu", 1, "1", 2, 2) is None  # one core per rank: nothing to gain

@@ -48,6 +48,25 @@ def cpu_only_multiprocess() -> bool:
     return launched and not deepspeed and not has_accel
 
 
+def cpu_threads_warning(device_type: str, threads: int, omp: str | None, cores: int, local_processes: int) -> str | None:
+    """The warning for a CPU run left on one thread of several cores, else None.
+
+    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` in each process when the variable is unset
+    and the config does not say ``use_cpu`` (``configs/accelerate/single.yaml`` serves CPUs and
+    GPUs alike), so a one-process CPU run silently uses one core of many."""
+    per_process = cores // max(local_processes, 1)
+    if device_type != "cpu" or threads != 1 or omp != "1" or per_process < 2:
+        return None
+    return (f"training on 1 CPU thread of {per_process} usable per process (OMP_NUM_THREADS=1, which "
+            f"`accelerate launch` sets when it is unset): pass --num_cpu_threads_per_process {per_process} "
+            f"to accelerate launch, or set OMP_NUM_THREADS={per_process}, to use them all")
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @contextmanager
 def whole_weights(accelerator: Any) -> Iterator[None]:
     """Load the target unpartitioned, also under ZeRO-3.

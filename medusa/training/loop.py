@@ -40,7 +40,8 @@ from medusa.training.checkpoints import (
     trainable_only,
 )
 from medusa.training.data import DataSplits, build_datasets
-from medusa.training.distributed import configure_deepspeed, make_accelerator, whole_weights
+from medusa.training.distributed import (configure_deepspeed, cpu_threads_warning, make_accelerator, usable_cores,
+                                         whole_weights)
 from medusa.training.draft import DraftTask, DraftTrainConfig
 from medusa.training.heads import HeadsTask
 
@@ -119,6 +120,10 @@ def setup(cfg: Any) -> Run:
         (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         log.info("accelerate: %d process(es), %s, %s", accelerator.num_processes, accelerator.distributed_type.name,
                  accelerator.device)
+        warning = cpu_threads_warning(accelerator.device.type, torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"),
+                                      usable_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if warning:
+            log.warning(warning)
     set_seed(cfg.seed)
     t0 = time.time()
     target, tokenizer, splits = load_inputs(cfg, accelerator)
