@@ -21,8 +21,8 @@ import medusa
 from medusa.models.heads import load_heads, read_heads_config
 from medusa.models.target import load_target
 from medusa.training.batches import collate
-from medusa.training.distributed import cpu_threads_warning, usable_cores
 from medusa.training.data import build_datasets
+from medusa.training.distributed import cpu_threads_warning, usable_cores
 from medusa.training.heads import HeadsTrainer, summarise
 from medusa.training.loop import TrainConfig
 

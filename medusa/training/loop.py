@@ -40,8 +40,13 @@ from medusa.training.checkpoints import (
     trainable_only,
 )
 from medusa.training.data import DataSplits, build_datasets
-from medusa.training.distributed import (configure_deepspeed, cpu_threads_warning, make_accelerator, usable_cores,
-                                         whole_weights)
+from medusa.training.distributed import (
+    configure_deepspeed,
+    cpu_threads_warning,
+    make_accelerator,
+    usable_cores,
+    whole_weights,
+)
 from medusa.training.draft import DraftTask, DraftTrainConfig
 from medusa.training.heads import HeadsTask
 
