@@ -89,26 +89,29 @@ def _script():
 
 
 def test_calibrate_script_end_to_end(tmp_path):
+    # float32 asked for: the automatic pick times the tiny target, and on a busy CPU its bfloat16
+    # passes can time faster (a fresh-clone CI under load picked it and wrote "cpu-bfloat16")
     target, model = _tiny_target(tmp_path)
     heads_dir = save_heads(init_heads_for(model, num_heads=3), tmp_path / "heads")
     data = _conversations(tmp_path)
     script = _script()
     rc = script.main(["--heads", str(heads_dir), "--model", str(target), "--prompts", str(data), "--samples", "4",
                       "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8",
-                      "--device", "cpu"])
+                      "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     record = json.loads((heads_dir / "calibration.json").read_text())
     assert set(record["trees"]) == {"cpu"} and len(record["draft_vocab"]) <= 500
     assert 2 in record["draft_vocab"]  # end of sequence is always proposable
     assert set(record["measured"]["cpu"]["cost_ms"]) >= {"1", "2", "8"}
-    eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu")
+    eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype="float32")
     assert set(eng.tree_paths()) == {tuple(p) for p in record["trees"]["cpu"]}  # same tree, in layout order
     assert eng.heads.draft_vocab is not None
     prompt = eng.tokenizer("Hello there")["input_ids"]
     assert eng.generate(prompt, max_new_tokens=16).tokens == eng.generate(prompt, max_new_tokens=16, mode="baseline").tokens
     # A tree for another device from its measured (here: flat, GPU-like) cost curve; the CPU tree stays.
     common = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(data), "--samples", "4",
-              "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8"]
+              "--max-new-tokens", "24", "--vocab-size", "500", "--reference-answers", "8", "--max-nodes", "8",
+              "--dtype", "float32"]
     assert script.main(common + ["--for-device", "cuda"]) == 1  # no cost curve: refused
     assert script.main(common + ["--for-device", "cuda", "--cost", "1:40,9:40"]) == 0
     again = json.loads((heads_dir / "calibration.json").read_text())
