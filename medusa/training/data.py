@@ -14,7 +14,6 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import transformers
 from transformers import PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
+from medusa.training.distributed import usable_cores
 from medusa.training.sources import Conversation, DataStats, load_conversations
 
 log = logging.getLogger("medusa.training.data")
@@ -141,8 +141,7 @@ def resolve_num_proc(num_proc: int | None, n: int) -> int:
         return num_proc
     if n < AUTO_PARALLEL_FROM:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(8, cores)
+    return min(8, usable_cores())
 
 
 def default_cache_dir() -> Path:
