@@ -2,6 +2,10 @@
 device, torch version and model shape, and applied by medusa.load(dtype=None)."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -9,7 +13,9 @@ from tiny import tiny_model
 from tiny_heads import target_folder
 
 from medusa.decoding.device import (
+    BUSY_SHARE,
     KEY_VERSION,
+    _cached,
     SIZES,
     adopt_picked_dtype,
     decide,
@@ -149,3 +155,35 @@ def test_compile_keeps_the_loaded_dtype_and_exact_engines_refuse_it(tmp_path, mo
     with pytest.raises(MedusaError, match="compile=True is not supported with exact attention"):
         Engine(half, compile="aot_eager")
     assert Engine(half, compile="aot_eager", exact=False).max_rows is None  # the caller's explicit opt-out
+
+
+def _timing(calls: list[int]):
+    def measure() -> dict:  # a stand-in for a pick's timing: half a second of this process's work
+        calls.append(1)
+        x, t0 = torch.randn(128, 128), time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            x = torch.tanh(x @ x)
+        return {"reason": "timed"}
+    return measure
+
+
+def test_a_pick_timed_while_other_processes_ran_is_timed_again_once_the_machine_is_idle(tmp_path):
+    cache, calls = tmp_path / "pick.json", []
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        entry, cached = _cached(cache, "key", _timing(calls))
+        assert not cached and entry["busy_share"] >= BUSY_SHARE and "timed again once the machine is idle" in entry["reason"]
+        assert json.loads(cache.read_text())["key"]["busy_share"] == entry["busy_share"]
+        entry, cached = _cached(cache, "key", _timing(calls))  # still busy: the entry is kept
+        assert cached and len(calls) == 1
+        probe, _ = _cached(tmp_path / "rows.json", "key", _timing([]), timed=False)  # not a timing: never marked
+        assert "busy_share" not in probe
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    entry, cached = _cached(cache, "key", _timing(calls))  # idle now: timed again, and the mark is gone
+    assert not cached and len(calls) == 2 and "busy_share" not in entry and entry["reason"] == "timed"
+    entry, cached = _cached(cache, "key", _timing(calls))
+    assert cached and len(calls) == 2
