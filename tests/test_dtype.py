@@ -15,8 +15,8 @@ from tiny_heads import target_folder
 from medusa.decoding.device import (
     BUSY_SHARE,
     KEY_VERSION,
-    _cached,
     SIZES,
+    _cached,
     adopt_picked_dtype,
     decide,
     device_key,
