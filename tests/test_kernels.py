@@ -184,6 +184,30 @@ def test_packed_weights_are_released_with_their_scope():
     assert len(kernels._PACKED) == before
 
 
+def test_two_scopes_over_one_model_outlive_each_other():
+    # Packed copies are found by the weight itself (so a compiled graph holds no per-layer
+    # key and can be saved): two engines on one model each register theirs, and releasing
+    # one leaves the other's working.
+    import gc
+
+    from medusa.decoding import kernels
+
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        first, second = PackedLinears(model), PackedLinears(model)
+        del first
+        gc.collect()
+        with second:
+            assert torch.allclose(model(ids).logits, ref, atol=1e-5)
+        weight = model.model.layers[0].mlp.down_proj.weight
+        assert len(kernels._PACKED[weight.data_ptr()]) == 1
+        del second
+        gc.collect()
+        assert weight.data_ptr() not in kernels._PACKED
+
+
 def test_decide_kernels_keeps_onednn_only_when_clearly_faster():
     zen5 = {"default": {1: 62.4, 16: 151.7}, "onednn": {1: 45.3, 16: 87.6}}
     close = {"default": {1: 50.0, 16: 60.0}, "onednn": {1: 48.0, 16: 57.0}}

@@ -46,10 +46,12 @@ from torch import nn
 KERNELS = ("default", "onednn")
 PACKING_VERSION = 2  # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked). Part of cache keys.
 
-# key -> packed weight, for the custom op (an opaque-layout tensor cannot be a traced input).
-# Entries live as long as the PackedLinears that made them.
-_PACKED: dict[int, torch.Tensor] = {}
-_KEYS = itertools.count()
+# weight address -> the packed copies of that weight, newest last (one per live PackedLinears
+# that packed it). Layers and the custom op find a packed copy by the weight itself, so neither
+# the model nor a compiled graph holds an opaque-layout tensor or a per-layer constant: a
+# compiled pass can be saved and loaded by another process (medusa/decoding/hf.py).
+_PACKED: dict[int, list[tuple[int, torch.Tensor]]] = {}
+_OWNERS = itertools.count()
 
 
 def onednn_available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
@@ -90,23 +92,32 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, 
 
 
 @torch.library.custom_op("medusa::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` registered as ``key``."""
-    return packed_product(x, _PACKED[key], weight, bias)
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` a live PackedLinears holds."""
+    return packed_product(x, packed_copy(weight), weight, bias)
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """The newest packed copy of ``weight`` (:class:`PackedLinears` registers them)."""
+    copies = _PACKED.get(weight.data_ptr())
+    if not copies:
+        raise RuntimeError("no packed copy of this linear weight (it was replaced after packing): "
+                           "make a new PackedLinears, or use kernels='default'")
+    return copies[-1][1]
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _packed_forward(layer: nn.Linear, key: int, packed: torch.Tensor, bias: torch.Tensor | None,
-                    stock_above: int | None, x: torch.Tensor) -> torch.Tensor:
+def _packed_forward(layer: nn.Linear, bias: torch.Tensor | None, stock_above: int | None,
+                    x: torch.Tensor) -> torch.Tensor:
     if stock_above is not None and x.numel() > stock_above * x.shape[-1]:
         return nn.functional.linear(x, layer.weight, bias)
     if torch.compiler.is_compiling():
-        return torch.ops.medusa.packed_linear(x, layer.weight, bias, key)
-    return packed_product(x, packed, layer.weight, bias)
+        return torch.ops.medusa.packed_linear(x, layer.weight, bias)
+    return packed_product(x, packed_copy(layer.weight), layer.weight, bias)
 
 
 def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
@@ -136,16 +147,15 @@ class PackedLinears:
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
         with torch.no_grad():
-            self._packed = [(layer, next(_KEYS), pack(layer.weight.detach()),
-                             None if layer.bias is None else layer.bias.detach())
+            self._packed = [(layer, pack(layer.weight.detach()), None if layer.bias is None else layer.bias.detach())
                             for layer in linear_layers([m for m in modules if m is not None])]
-        for _, key, packed, _ in self._packed:
-            _PACKED[key] = packed
-        weakref.finalize(self, _release, [key for _, key, _, _ in self._packed])
+        owner = next(_OWNERS)
+        for layer, packed, _ in self._packed:
+            _PACKED.setdefault(layer.weight.data_ptr(), []).append((owner, packed))
+        weakref.finalize(self, _release, owner, [layer.weight.data_ptr() for layer, _, _ in self._packed])
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
-        self._forwards = [functools.partial(_packed_forward, layer, key, packed, bias, stock_above)
-                          for layer, key, packed, bias in self._packed]
+        self._forwards = [functools.partial(_packed_forward, layer, bias, stock_above) for layer, _, bias in self._packed]
         self._depth = 0
 
     def __len__(self) -> int:
@@ -153,7 +163,7 @@ class PackedLinears:
 
     def __enter__(self) -> PackedLinears:
         if self._depth == 0:
-            for (layer, _, _, _), forward in zip(self._packed, self._forwards):
+            for (layer, _, _), forward in zip(self._packed, self._forwards):
                 layer.forward = forward
         self._depth += 1
         return self
@@ -161,10 +171,14 @@ class PackedLinears:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0:
-            for layer, _, _, _ in self._packed:
+            for layer, _, _ in self._packed:
                 del layer.forward
 
 
-def _release(keys: list[int]) -> None:
-    for key in keys:
-        _PACKED.pop(key, None)
+def _release(owner: int, addresses: list[int]) -> None:
+    for address in addresses:
+        kept = [entry for entry in _PACKED.get(address, ()) if entry[0] != owner]
+        if kept:
+            _PACKED[address] = kept
+        else:
+            _PACKED.pop(address, None)
