@@ -374,7 +374,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="static KV cache and a torch.compile'd verification pass (CUDA graphs on CUDA), "
                         "compiled for every pass size before the first message (minutes the first time; "
-                        "compiled kernels are cached on disk for the next start)")
+                        "on the CPU the compiled passes are saved, so later starts load them in seconds)")
     p.add_argument("--kernels", choices=("default", "onednn"),
                    help="linear kernels: torch's default or packed oneDNN weights on a CPU (default: the faster here, "
                         "measured once and cached)")
@@ -439,14 +439,14 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
 
 
 def precompile(engine: Engine, mode: str, args: argparse.Namespace, style: Style) -> None:
-    """--compile: every pass size the mode can use compiles now, not inside the first answers
-    (inductor's kernels are cached on disk, so a second process compiles faster)."""
+    """--compile: every pass size the mode can use is ready now, not inside the first answers
+    (on the CPU each size compiles once per machine and is saved; later starts load it)."""
     t0 = time.perf_counter()
-    say(style.dim("compiling the verification pass (once per process) ..."))
+    say(style.dim("preparing the compiled verification pass (compiled once and saved, loaded after) ..."))
     buckets = engine.precompile(mode, args.tree,
                                 progress=lambda rows, s: say(style.dim(f"  {rows} rows: {s:.1f} s")))
     n = len(buckets)
-    say(style.dim(f"compiled {n} pass size{'s' if n != 1 else ''} in {time.perf_counter() - t0:.1f} s"))
+    say(style.dim(f"{n} pass size{'s' if n != 1 else ''} ready in {time.perf_counter() - t0:.1f} s"))
 
 
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:

@@ -93,6 +93,8 @@ def load(
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
     backend); each pass size compiles once (``engine.precompile(mode)``: all of a mode's, now).
+    On the CPU each compiled size is saved under ``~/.cache/medusa/compiled`` and later
+    processes load it in seconds instead of tracing again (medusa/decoding/compiled.py).
     Compiled passes are exact in float32 only: the dtype pick is skipped (the target keeps
     its loaded dtype), and a bfloat16/float16 target is refused.
 

@@ -328,7 +328,7 @@ def test_compile_compiles_every_pass_size_before_the_first_answer(engine, tmp_pa
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.splitlines()
-    compiled = next(i for i, line in enumerate(lines) if re.match(r"compiled 1 pass size in [\d.]+ s", line))
+    compiled = next(i for i, line in enumerate(lines) if re.match(r"1 pass size ready in [\d.]+ s", line))
     assert any(re.match(r"\s+1 rows: [\d.]+ s", line) for line in lines[:compiled])
     assert STATS.search("\n".join(lines[compiled:]))  # the answer comes after the compilation
     expected = fresh(engine, template_ids(engine, [{"role": "user", "content": message}]), 8)

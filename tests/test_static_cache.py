@@ -11,7 +11,14 @@ from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.models.heads import init_heads_for
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "own_compiled_passes")
+
+
+@pytest.fixture
+def own_compiled_passes(tmp_path, monkeypatch):
+    """A medusa cache per test: compiled passes saved by one test are not loaded by the next
+    (tests that count what compiles would otherwise depend on their order)."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "medusa-cache"))
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -139,12 +146,6 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     assert set(sizes) <= set(PASS_BUCKETS) and len(set(sizes)) <= 6, sorted(set(sizes))
 
 
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_precompile_covers_every_pass_and_capacity(arch):
     # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
@@ -155,17 +156,17 @@ def test_precompile_covers_every_pass_and_capacity(arch):
     kwargs = {"sliding_window": 8} if arch == "gemma3" else {}
     model = tiny_model(arch, max_position_embeddings=2048, **kwargs)
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
-    before = _graphs()
+    saved = eng._pass  # SavedPasses: what this process traced, what it loaded
     buckets = eng.precompile("hybrid")
     rows = len(TREE) + 1 + eng.proposer_config.lookup_tokens  # root, tree, lookup chain
     least = pass_bucket(len(TREE) + 1)  # the whole tree without a chain: smaller passes pad up to it
     assert buckets == [b for b in PASS_BUCKETS if least <= b < rows] + [pass_bucket(rows)]
-    assert _graphs() - before == len(buckets)
-    assert eng.precompile("hybrid") == buckets and _graphs() - before == len(buckets)  # already compiled
+    assert saved.traced == buckets and saved.loaded == []
+    assert eng.precompile("hybrid") == buckets and saved.traced == buckets  # already compiled
     chains = eng.precompile("lookup")  # lookup (and baseline): every size from the root alone
     assert chains == [b for b in PASS_BUCKETS if b <= pass_bucket(1 + eng.proposer_config.lookup_tokens)]
     buckets = sorted(set(buckets) | set(chains))
-    assert _graphs() - before == len(buckets)
+    assert sorted(saved.traced) == buckets
     capacities = set()
     for prompt, n in ((PROMPT, 40), ([3, 4, 5, 6] * 80, 30), (PROMPT[:-1] + [7, 7, 7, 9], 300)):
         for mode in ("baseline", "lookup", "hybrid", "medusa"):
@@ -173,7 +174,7 @@ def test_precompile_covers_every_pass_and_capacity(arch):
             assert res.tokens == hf_greedy(model, prompt, n), (mode, len(prompt))
             capacities.add(kv.capacity(res.state.cache))
     assert len(capacities) >= 2  # 512 and 1024 slots: both served by the precompiled graphs
-    assert _graphs() - before == len(buckets)
+    assert sorted(saved.traced) == buckets and saved.fallback is None  # no new graph, no per-process tracing
 
 
 def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity():
@@ -187,14 +188,13 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
         return compiled(model, ids, *args, **kwargs)
 
     eng._pass = recording
-    before = _graphs()
     capacities = set()
     for prompt in (PROMPT, [3, 4, 5, 6] * 80, [9, 8] * 250):  # 256, 512 and 1024 slots
         res = eng.generate(prompt, max_new_tokens=24, mode="medusa")
         assert res.tokens == hf_greedy(model, prompt, 24)
         capacities.add(kv.capacity(res.state.cache))
     assert len(capacities) == 3
-    assert _graphs() - before == len(sizes)
+    assert sorted(compiled.traced) == sorted(sizes) and compiled.fallback is None
 
 
 def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
@@ -257,13 +257,12 @@ def test_a_tree_cut_short_by_the_budget_pads_up_to_the_precompiled_sizes():
         return compiled(model, ids, *args, **kwargs)
 
     eng._pass = recording
-    before = _graphs()
     for prompt, n in ((PROMPT, 1), (PROMPT, 2), (PROMPT[:-1] + [7, 7, 7, 9], 3), ([3, 4, 5] * 4, 13)):
         assert eng.generate(prompt, max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, prompt, n)
     assert sizes and set(sizes) <= set(buckets)  # budget-cut trees included (n = 2, 3)
-    assert _graphs() == before
+    assert compiled.traced == buckets
     eng.generate(PROMPT, max_new_tokens=4, mode="baseline")  # another mode's sizes still compile on use
-    assert 1 in sizes and _graphs() == before + 1
+    assert 1 in sizes and compiled.traced == buckets + [1] and compiled.fallback is None
 
 
 def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):
@@ -296,3 +295,100 @@ def test_the_bench_runs_compiled_modes_beside_eager_ones(tmp_path):
         assert modes[name]["identical"] == 2, name
     assert set(result["meta"]["compile_seconds"]) == {"lookup+compile"}
     assert bench.main(["--model", str(tmp_path / "model"), "--modes", "hf+compile"]) == 1  # not an engine mode
+
+
+def test_a_second_engine_loads_the_saved_passes_instead_of_tracing(tmp_path):
+    # Each pass size is compiled ahead of time and saved (medusa/decoding/compiled.py); an
+    # engine for a model of the same architecture and config loads them: nothing is traced,
+    # its own weights are read at each pass, any capacity works, and the tokens stay exact.
+    first = tiny_model("llama", max_position_embeddings=2048)
+    eng = Engine(first, heads=init_heads_for(first, num_heads=3), tree=TREE, compile="aot_eager")
+    buckets = eng.precompile("hybrid")
+    assert eng._pass.traced == buckets and eng._pass.loaded == []
+    saved = sorted(p.name for p in (tmp_path / "medusa-cache" / "compiled").iterdir())
+    assert saved == sorted(eng._pass.path(b).name for b in buckets)
+
+    other = tiny_model("llama", seed=3, max_position_embeddings=2048)  # other weights, same config
+    again = Engine(other, heads=init_heads_for(other, num_heads=3), tree=TREE, compile="aot_eager")
+    assert again._pass.key == eng._pass.key
+    assert again.precompile("hybrid") == buckets
+    assert again._pass.loaded == buckets and again._pass.traced == []
+    for prompt, n in ((PROMPT, 40), ([3, 4, 5, 6] * 80, 30)):  # 256 and 512 slots
+        assert again.generate(prompt, max_new_tokens=n, mode="hybrid").tokens == hf_greedy(other, prompt, n)
+    assert again._pass.traced == [] and again._pass.fallback is None
+
+
+def test_saved_passes_are_keyed_by_what_the_graph_bakes_in():
+    from medusa.decoding.compiled import fingerprint
+
+    llama = fingerprint(tiny_model("llama"), "default", "inductor")
+    assert fingerprint(tiny_model("llama", seed=5), "default", "inductor") == llama  # weights are inputs
+    assert fingerprint(tiny_model("llama", hidden_size=32), "default", "inductor") != llama
+    assert fingerprint(tiny_model("qwen2"), "default", "inductor") != llama
+    assert fingerprint(tiny_model("llama"), "onednn", "inductor") != llama
+    assert fingerprint(tiny_model("llama"), "default", "aot_eager") != llama
+
+
+def test_an_unreadable_saved_pass_is_compiled_again_with_a_warning():
+    model = tiny_model("llama")
+    eng = Engine(model, compile="aot_eager")
+    assert eng.precompile("baseline") == [1]
+    eng._pass.path(1).write_bytes(b"not a compiled graph")
+    fresh = Engine(model, compile="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+        fresh.precompile("baseline")
+    assert fresh._pass.traced == [1] and fresh._pass.fallback is None
+    assert fresh.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
+    third = Engine(model, compile="aot_eager")  # the file was written again, whole
+    third.precompile("baseline")
+    assert third._pass.loaded == [1]
+
+
+def test_a_pass_that_breaks_the_graph_falls_back_to_tracing_with_a_warning():
+    # A saved pass must be one graph; a model whose forward breaks it (here a real dynamo
+    # graph break in a layer) keeps decoding exactly through per-process tracing.
+    model = tiny_model("llama")
+    mlp = model.model.layers[0].mlp
+    stock = mlp.forward
+
+    def breaking(x):
+        torch._dynamo.graph_break()
+        return stock(x)
+
+    mlp.forward = breaking
+    ref = hf_greedy(model, PROMPT, 20)
+    torch._dynamo.reset()
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not be compiled as one saved graph"):
+        res = eng.generate(PROMPT, max_new_tokens=20, mode="hybrid")
+    assert res.tokens == ref
+    assert eng._pass.fallback and eng._pass.traced == []
+    assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=20, mode="medusa").tokens == hf_greedy(model, PROMPT[:-1] + [7], 20)
+
+
+def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path):
+    # The real thing: inductor's C++ kernels compiled and saved by this process, loaded by a
+    # fresh Python process that traces nothing and decodes the same tokens.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = tiny_model("llama")
+    eng = Engine(model, compile=True)
+    assert eng.precompile("baseline") == [1] and eng._pass.traced == [1]
+    ref = hf_greedy(model, PROMPT, 16)
+    assert eng.generate(PROMPT, max_new_tokens=16, mode="baseline").tokens == ref
+    script = (  # the same thread count: inductor's CPU kernels bake it in, so it keys the saved pass
+        f"import torch; torch.set_num_threads({torch.get_num_threads()})\n"
+        "from tiny import tiny_model\n"
+        "from medusa.decoding.engine import Engine\n"
+        "eng = Engine(tiny_model('llama'), compile=True)\n"
+        "eng.precompile('baseline')\n"
+        f"tokens = eng.generate({PROMPT}, max_new_tokens=16, mode='baseline').tokens\n"
+        "print(eng._pass.loaded, eng._pass.traced, eng._pass.fallback, tokens)\n"
+    )
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"[1] [] None {ref}"

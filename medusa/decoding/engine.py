@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
+from medusa.decoding.compiled import SavedPasses
 from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
@@ -103,6 +104,10 @@ class Generation:
 def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int]:
     """Token ids from a list, a ``[T]``/``[1, T]`` tensor or a tokenizer's output (what
     ``apply_chat_template`` returns in transformers 5: a mapping with ``input_ids``)."""
+    if isinstance(input_ids, (str, bytes)):
+        raise MedusaError("generate and stream take token ids, not text: encode it first, e.g. "
+                          "engine.tokenizer.apply_chat_template([{'role': 'user', 'content': text}], "
+                          "add_generation_prompt=True)")
     if isinstance(input_ids, Mapping):
         if "input_ids" not in input_ids:
             raise MedusaError("input_ids is a mapping without an 'input_ids' entry: pass token ids or a tokenizer's output")
@@ -119,8 +124,11 @@ def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int
         if input_ids.dim() != 1:
             raise MedusaError(f"input_ids must be a 1-D list or a [1, T] tensor, got shape {tuple(input_ids.shape)}")
         return [int(t) for t in input_ids.tolist()]
-    ids = [int(t) for t in input_ids]
-    return ids
+    try:
+        return [int(t) for t in input_ids]
+    except (TypeError, ValueError):
+        raise MedusaError("input_ids must be token ids (ints), a [1, T] tensor or a tokenizer's output; "
+                          f"got {type(input_ids).__name__} holding {type(next(iter(input_ids), None)).__name__}") from None
 
 
 # Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
@@ -228,6 +236,7 @@ class Engine:
         self._pass = kv.forward
         self._clone_outputs = False
         self._compiled = bool(compile)
+        self._marks_capacity = False  # whether step marks the cache's capacity dynamic (SavedPasses mark their own)
         self._cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
         # Static cache growth: powers of two, except for a pass compiled for the CPU (the
         # capacity is symbolic there, so any size reuses the graph): SLOT_STEP slots at a
@@ -238,8 +247,13 @@ class Engine:
             from medusa.models.target import cache_root
 
             kv.persist_compiled(cache_root() / "inductor")
-            self._pass = kv.compiled_forward(self.device, compile)
-            self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
+            if self.device.type == "cpu":  # one graph per size, saved: a second process loads it (compiled.py)
+                backend = compile if isinstance(compile, str) else "inductor"
+                self._pass = SavedPasses(model, cache_root() / "compiled", backend, kernels)
+            else:
+                self._pass = kv.compiled_forward(self.device, compile)
+                self._marks_capacity = True
+                self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
         # linears (medusa/decoding/kernels.py), compiled ones too; model.generate and training
         # never do.
@@ -337,7 +351,8 @@ class Engine:
         proposer's ``min_rows`` up compile: a smaller pass (a tree the answer's budget cut
         short) pads up to it. Each pass bucket compiles once, on a throwaway cache; the
         capacity is symbolic (:func:`medusa.decoding.hf.mark_capacity_dynamic`), so no
-        prompt length recompiles later. ``progress(bucket, seconds)`` is called after each.
+        prompt length recompiles later. On the CPU a size an earlier process saved is loaded
+        instead (:mod:`medusa.decoding.compiled`). ``progress(bucket, seconds)`` is called after each.
         Returns the buckets compiled (or already compiled: then each takes milliseconds)."""
         if not self._compiled:
             return []
@@ -360,6 +375,10 @@ class Engine:
             kv.forward(self.model, ids, positions, cache, kv.causal_mask(self.model, 0, prefix, dtype, self.device, 256))
             for b in buckets:
                 t0 = time.perf_counter()
+                if isinstance(self._pass, SavedPasses) and self._pass.graph(self.model, b, self._cache_arg) is not None:
+                    if progress is not None:  # loaded, or compiled and saved, on its own throwaway cache
+                        progress(b, time.perf_counter() - t0)
+                    continue
                 depth = torch.arange(b, device=self.device)
                 ancestor = torch.ones(b, b, dtype=torch.bool, device=self.device).tril_()
                 mask = kv.tree_attention_mask(self.model, prefix, ancestor, depth, dtype, 256)
@@ -435,7 +454,7 @@ class Engine:
         if self.static_cache:
             kv.reserve(state.cache, start + tokens.shape[0], self._slot_step)
             mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(state.cache))
-            if self._compiled:
+            if self._marks_capacity:
                 kv.mark_capacity_dynamic(state.cache, mask)  # one graph per bucket, whatever the capacity
         else:
             mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,

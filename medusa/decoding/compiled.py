@@ -1,0 +1,157 @@
+"""The compiled verification pass on the CPU, saved per pass size so later processes load it.
+
+Why: ``torch.compile`` traces the target's forward with dynamo in every process, even when
+inductor's kernels are cached; for SmolLM2-135M's 30 layers that is ~22 s per pass size on a
+2-core CPU, so a tree mode's three sizes took about a minute at every start. Here each size
+is compiled ahead of time instead (``aot_compile``: one full graph, no graph breaks), saved
+under ``~/.cache/medusa/compiled`` (``MEDUSA_CACHE``), and a later process loads it without
+tracing (seconds).
+
+What a saved graph assumes is in its file name, :func:`fingerprint`: torch, transformers and
+Python, the CPU's architecture and vector ISA, this package's traced code, the model's class,
+config, dtype and attention, the linear kernels and the backend; then the thread count
+(inductor's CPU kernels bake it in) and the pass size. Dynamo's guards on modules,
+functions and constants cannot be saved, so a saved graph keeps only its guards on the
+inputs' tensors and shapes (``keep_portable_guards_unsafe``) and the fingerprint stands in for
+the rest. Weights stay inputs (read from the model at each call), so one graph serves every
+model of the same architecture and config. The cache's capacity stays symbolic: a graph is
+traced on a throwaway cache whose slot dimension is marked dynamic, and real passes run
+unmarked (a loaded graph refuses marked inputs).
+
+Where a size cannot be compiled this way (a graph break, a guard that cannot be saved) or a
+saved graph refuses a pass's inputs, the pass falls back to ``torch.compile``'s per-process
+tracing for good, with a warning; ``fallback`` says why. Saved files are pickles this package
+wrote itself into the user's cache, never files from the Hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+
+from medusa.decoding import hf as kv
+from medusa.decoding import kernels as packed
+
+PREFIX, SLOTS = 4, 256  # the throwaway cache a graph is traced on: its contents do not matter
+
+
+def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
+    """What a saved pass depends on besides its inputs' shapes, hashed (see the module doc)."""
+    traced = b"".join(Path(m.__file__).read_bytes() for m in (kv, packed))
+    parts = {
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "isa": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(traced).hexdigest(),
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": model.config.to_json_string(use_diff=False),
+        "attention": str(getattr(model.config, "_attn_implementation", None)),
+        "dtype": str(model.dtype), "kernels": kernels, "packing": packed.PACKING_VERSION, "backend": backend,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+class SavedPasses:
+    """:func:`medusa.decoding.hf.forward`, compiled once per pass size and saved to ``folder``
+    (called like it). ``traced`` and ``loaded`` list the sizes this process compiled and the
+    ones it loaded; ``fallback`` is None, or why passes went back to per-process tracing."""
+
+    def __init__(self, model: PreTrainedModel, folder: Path, backend: str = "inductor",
+                 kernels: str = "default") -> None:
+        self.folder, self.backend = Path(folder), backend
+        self.key = fingerprint(model, kernels, backend)
+        self.graphs: dict[Path, object] = {}  # by file: pass size and thread count
+        self.traced: list[int] = []
+        self.loaded: list[int] = []
+        self.fallback: str | None = None
+        self._traced_fn = None
+
+    def path(self, rows: int) -> Path:
+        # inductor's CPU kernels bake in the thread count (and the graph guards on it)
+        return self.folder / f"pass-{self.key}-t{torch.get_num_threads()}-{rows}.bin"
+
+    def __call__(self, model, input_ids, position_ids, cache, mask, logits_rows=None, cache_arg=None):
+        if self.fallback is None:
+            graph = self.graph(model, input_ids.shape[1], cache_arg)
+            if graph is not None:
+                try:
+                    return graph(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows,
+                                 cache_arg=cache_arg)
+                except RuntimeError as e:  # only a guard's refusal: anything else is the pass's own error
+                    if "GuardManager check failed" not in str(e):
+                        raise
+                    self._fall_back(f"a saved pass graph refused this pass's inputs ({_guard_reason(e)})")
+        kv.mark_capacity_dynamic(cache, mask)  # per-process tracing: one graph per size, any capacity
+        return self._traced()(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows,
+                              cache_arg=cache_arg)
+
+    def graph(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
+        """The graph for passes of ``rows`` new tokens: already here, loaded, or compiled and
+        saved now (called inside the engine's kernel scope, so packed layers trace as such).
+        None once the pass has fallen back."""
+        path = self.path(rows)
+        if self.fallback is not None or path in self.graphs:
+            return self.graphs.get(path)
+        if path.is_file():
+            try:
+                with open(path, "rb") as f:
+                    self.graphs[path] = torch.compiler.load_compiled_function(f)
+                self.loaded.append(rows)
+                return self.graphs[path]
+            except Exception as e:  # noqa: BLE001 - any unreadable cache file is compiled again
+                warnings.warn(f"medusa: the saved pass {path} could not be loaded ({_first_line(e)}); compiling it again",
+                              RuntimeWarning, stacklevel=2)
+        try:
+            graph = self._compile(model, rows, cache_arg)
+        except Exception as e:  # noqa: BLE001 - dynamo's many error types: a graph break, an unsavable guard
+            self._fall_back(f"the pass could not be compiled as one saved graph ({type(e).__name__}: {_first_line(e)})")
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))  # written atomically
+        self.graphs[path] = graph
+        self.traced.append(rows)
+        return graph
+
+    @torch.inference_mode()
+    def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
+        dtype, device = model.dtype, model.get_output_embeddings().weight.device
+        cache = kv.new_static_cache(model, SLOTS)
+        ids = torch.zeros(1, PREFIX, dtype=torch.long, device=device)
+        kv.forward(model, ids, torch.arange(PREFIX, device=device)[None], cache,
+                   kv.causal_mask(model, 0, PREFIX, dtype, device, SLOTS), cache_arg=cache_arg)
+        depth = torch.arange(rows, device=device)
+        ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril_()
+        mask = kv.tree_attention_mask(model, PREFIX, ancestor, depth, dtype, SLOTS)
+        kv.mark_capacity_dynamic(cache, mask)
+        compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
+                                 options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+        example = (model, ids.new_zeros(1, rows), (PREFIX + depth)[None], cache, mask)
+        return compiler.aot_compile((example, {"cache_arg": cache_arg}))
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback = reason
+        warnings.warn(f"medusa: {reason}; compiled passes are traced in every process from now on",
+                      RuntimeWarning, stacklevel=3)
+
+    def _traced(self):
+        if self._traced_fn is None:
+            self._traced_fn = kv.compiled_forward(torch.device("cpu"), self.backend)
+        return self._traced_fn
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
+
+def _guard_reason(error: BaseException) -> str:
+    """The failed guard's own words from dynamo's message (its ``verbose_code_parts``)."""
+    parts = re.search(r"verbose_code_parts=\[(.*?)\]", str(error), re.S)
+    return parts.group(1).strip()[:300] if parts else _first_line(error)
