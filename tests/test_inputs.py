@@ -22,3 +22,11 @@ def test_a_tokenizer_output_is_a_prompt():
         eng.generate(eng.tokenizer([text, text]), max_new_tokens=4)
     with pytest.raises(MedusaError, match="without an 'input_ids'"):
         eng.generate({"ids": ids}, max_new_tokens=4)
+
+
+def test_text_or_non_integer_prompts_get_a_one_line_error():
+    eng = Engine(tiny_model("llama"), word_tokenizer())
+    with pytest.raises(MedusaError, match="token ids, not text: encode it first"):
+        eng.generate("w5 w17 w33", max_new_tokens=4)
+    with pytest.raises(MedusaError, match="got list holding str"):
+        eng.generate(["w5", "w17"], max_new_tokens=4)
