@@ -392,3 +392,14 @@ def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"[1] [] None {ref}"
+
+
+def test_a_pass_that_cannot_be_saved_is_still_used_with_a_warning(tmp_path):
+    (tmp_path / "medusa-cache").mkdir()
+    (tmp_path / "medusa-cache" / "compiled").write_text("a file where the folder should be")
+    model = tiny_model("llama")
+    eng = Engine(model, compile="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not be saved"):
+        assert eng.precompile("baseline") == [1]
+    assert eng._pass.traced == [1] and eng._pass.fallback is None
+    assert eng.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)

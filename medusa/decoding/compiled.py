@@ -113,8 +113,12 @@ class SavedPasses:
         except Exception as e:  # noqa: BLE001 - dynamo's many error types: a graph break, an unsavable guard
             self._fall_back(f"the pass could not be compiled as one saved graph ({type(e).__name__}: {_first_line(e)})")
             return None
-        self.folder.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))  # written atomically
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path))  # written atomically
+        except Exception as e:  # noqa: BLE001 - a full disk, a read-only cache, a backend that cannot serialize
+            warnings.warn(f"medusa: the compiled pass for {rows} rows could not be saved to {path} ({_first_line(e)}); "
+                          "this process uses it, the next compiles it again", RuntimeWarning, stacklevel=2)
         self.graphs[path] = graph
         self.traced.append(rows)
         return graph
