@@ -92,11 +92,9 @@ def load(
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
-    backend); each pass size compiles once (``engine.precompile(mode)``: all of a mode's, now).
-    On the CPU each compiled size is saved under ``~/.cache/medusa/compiled`` and later
-    processes load it in seconds instead of tracing again (medusa/decoding/compiled.py).
-    Compiled passes are exact in float32 only: the dtype pick is skipped (the target keeps
-    its loaded dtype), and a bfloat16/float16 target is refused.
+    backend); each pass size compiles once (``engine.precompile(mode)``: all of a mode's, now),
+    saved on the CPU for later processes to load. Compiled passes are exact in float32 only:
+    the dtype pick is skipped (the target keeps its loaded dtype), bfloat16/float16 is refused.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the

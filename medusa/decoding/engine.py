@@ -196,6 +196,14 @@ def truncate(proposal: Proposal, rows: int) -> Proposal:
     return Proposal(tree=tree, tokens=proposal.tokens[:rows], q=q, is_chain=proposal.is_chain)
 
 
+def compiled_pass(model: PreTrainedModel, device: torch.device, compile: bool | str, kernels: str, folder):
+    """The compiled verification pass: on the CPU one graph per size, saved to ``folder`` so a
+    second process loads it (compiled.py); elsewhere ``torch.compile`` traced per process."""
+    if device.type == "cpu":
+        return SavedPasses(model, folder, compile if isinstance(compile, str) else "inductor", kernels)
+    return kv.compiled_forward(device, compile)
+
+
 class Engine:
     """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
 
@@ -247,13 +255,10 @@ class Engine:
             from medusa.models.target import cache_root
 
             kv.persist_compiled(cache_root() / "inductor")
-            if self.device.type == "cpu":  # one graph per size, saved: a second process loads it (compiled.py)
-                backend = compile if isinstance(compile, str) else "inductor"
-                self._pass = SavedPasses(model, cache_root() / "compiled", backend, kernels)
-            else:
-                self._pass = kv.compiled_forward(self.device, compile)
-                self._marks_capacity = True
-                self._clone_outputs = True  # CUDA graphs reuse their output memory at the next replay
+            self._pass = compiled_pass(model, self.device, compile, kernels, cache_root() / "compiled")
+            # traced in each process (CUDA): step marks the capacity dynamic, and outputs are
+            # cloned (CUDA graphs reuse their output memory at the next replay)
+            self._marks_capacity = self._clone_outputs = not isinstance(self._pass, SavedPasses)
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
         # linears (medusa/decoding/kernels.py), compiled ones too; model.generate and training
         # never do.
