@@ -8,9 +8,9 @@ under ``~/.cache/medusa/compiled`` (``MEDUSA_CACHE``), and a later process loads
 tracing (seconds).
 
 What a saved graph assumes is in its file name, :func:`fingerprint`: torch, transformers and
-Python, the CPU's architecture and vector ISA, this package's traced code, the model's class,
-config, dtype and attention, the linear kernels and the backend; then the thread count
-(inductor's CPU kernels bake it in) and the pass size. Dynamo's guards on modules,
+Python, the CPU's architecture, vector ISA and feature flags, this package's traced code, the
+model's class, config, dtype and attention, the linear kernels and the backend; then the
+thread count (inductor's CPU kernels bake it in) and the pass size. Dynamo's guards on modules,
 functions and constants cannot be saved, so a saved graph keeps only its guards on the
 inputs' tensors and shapes (``keep_portable_guards_unsafe``) and the fingerprint stands in for
 the rest. Weights stay inputs (read from the model at each call), so one graph serves every
@@ -49,13 +49,24 @@ def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
     parts = {
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
-        "isa": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(traced).hexdigest(),
+        "isa": torch.backends.cpu.get_cpu_capability(), "cpu": _cpu_flags(), "code": hashlib.sha256(traced).hexdigest(),
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": model.config.to_json_string(use_diff=False),
         "attention": str(getattr(model.config, "_attn_implementation", None)),
         "dtype": str(model.dtype), "kernels": kernels, "packing": packed.PACKING_VERSION, "backend": backend,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), hashed: compiled kernels may use any of them, and a home
+    folder shared by machines of several CPU generations must not hand one's kernels to another."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
 class SavedPasses:
@@ -141,7 +152,7 @@ class SavedPasses:
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason
-        warnings.warn(f"medusa: {reason}; compiled passes are traced in every process from now on",
+        warnings.warn(f"medusa: {reason}; this engine traces its compiled passes in each process from now on",
                       RuntimeWarning, stacklevel=3)
 
     def _traced(self):
@@ -152,7 +163,6 @@ class SavedPasses:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:200]
-
 
 
 def _guard_reason(error: BaseException) -> str:
