@@ -69,6 +69,22 @@ def _cpu_flags() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
+def example_pass(model: PreTrainedModel, rows: int, cache_arg: str | None = None) -> tuple:
+    """The throwaway pass a size is compiled on: ``rows`` new tokens as a chain after a
+    ``PREFIX``-token prefill, on a fresh ``SLOTS``-slot cache whose capacity is marked dynamic.
+    Returns :func:`medusa.decoding.hf.forward`'s positional arguments (contents do not matter)."""
+    dtype, device = model.dtype, model.get_output_embeddings().weight.device
+    cache = kv.new_static_cache(model, SLOTS)
+    ids = torch.zeros(1, PREFIX, dtype=torch.long, device=device)
+    kv.forward(model, ids, torch.arange(PREFIX, device=device)[None], cache,
+               kv.causal_mask(model, 0, PREFIX, dtype, device, SLOTS), cache_arg=cache_arg)
+    depth = torch.arange(rows, device=device)
+    ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril_()
+    mask = kv.tree_attention_mask(model, PREFIX, ancestor, depth, dtype, SLOTS)
+    kv.mark_capacity_dynamic(cache, mask)
+    return model, ids.new_zeros(1, rows), (PREFIX + depth)[None], cache, mask
+
+
 class SavedPasses:
     """:func:`medusa.decoding.hf.forward`, compiled once per pass size and saved to ``folder``
     (called like it). ``traced`` and ``loaded`` list the sizes this process compiled and the
@@ -136,19 +152,9 @@ class SavedPasses:
 
     @torch.inference_mode()
     def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
-        dtype, device = model.dtype, model.get_output_embeddings().weight.device
-        cache = kv.new_static_cache(model, SLOTS)
-        ids = torch.zeros(1, PREFIX, dtype=torch.long, device=device)
-        kv.forward(model, ids, torch.arange(PREFIX, device=device)[None], cache,
-                   kv.causal_mask(model, 0, PREFIX, dtype, device, SLOTS), cache_arg=cache_arg)
-        depth = torch.arange(rows, device=device)
-        ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril_()
-        mask = kv.tree_attention_mask(model, PREFIX, ancestor, depth, dtype, SLOTS)
-        kv.mark_capacity_dynamic(cache, mask)
         compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
-        example = (model, ids.new_zeros(1, rows), (PREFIX + depth)[None], cache, mask)
-        return compiler.aot_compile((example, {"cache_arg": cache_arg}))
+        return compiler.aot_compile((example_pass(model, rows, cache_arg), {"cache_arg": cache_arg}))
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason

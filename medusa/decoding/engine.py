@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
-from medusa.decoding.compiled import SavedPasses
+from medusa.decoding.compiled import SavedPasses, example_pass
 from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
@@ -372,24 +372,12 @@ class Engine:
             rows = min(rows, self.max_rows)
         least = min(getattr(proposer, "min_rows", 1), max(rows, 1))  # smaller passes pad up to it (step)
         buckets = sorted({pass_bucket(n) for n in range(least, max(rows, 1) + 1)})
-        dtype, prefix = self.model.dtype, 4
         with torch.inference_mode(), self._kernels:
-            cache = kv.new_static_cache(self.model, 256)
-            ids = torch.zeros(1, prefix, dtype=torch.long, device=self.device)
-            positions = torch.arange(prefix, device=self.device)[None]
-            kv.forward(self.model, ids, positions, cache, kv.causal_mask(self.model, 0, prefix, dtype, self.device, 256))
             for b in buckets:
                 t0 = time.perf_counter()
-                if isinstance(self._pass, SavedPasses) and self._pass.graph(self.model, b, self._cache_arg) is not None:
-                    if progress is not None:  # loaded, or compiled and saved, on its own throwaway cache
-                        progress(b, time.perf_counter() - t0)
-                    continue
-                depth = torch.arange(b, device=self.device)
-                ancestor = torch.ones(b, b, dtype=torch.bool, device=self.device).tril_()
-                mask = kv.tree_attention_mask(self.model, prefix, ancestor, depth, dtype, 256)
-                kv.mark_capacity_dynamic(cache, mask)
-                self._pass(self.model, ids.new_zeros(1, b), (prefix + depth)[None], cache, mask, cache_arg=self._cache_arg)
-                kv.crop(cache, prefix)
+                # a saved size is loaded (or compiled and saved); otherwise one traced pass compiles it
+                if not isinstance(self._pass, SavedPasses) or self._pass.graph(self.model, b, self._cache_arg) is None:
+                    self._pass(*example_pass(self.model, b, self._cache_arg), cache_arg=self._cache_arg)
                 if progress is not None:
                     progress(b, time.perf_counter() - t0)
         return buckets
