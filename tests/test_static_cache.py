@@ -344,6 +344,29 @@ def test_an_unreadable_saved_pass_is_compiled_again_with_a_warning():
     assert third._pass.loaded == [1]
 
 
+def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved():
+    import time
+
+    model = tiny_model("llama")
+    eng = Engine(model, compile="aot_eager")
+    eng.precompile("baseline")
+    folder, used = eng._pass.folder, eng._pass.path(1)
+    month_ago = time.time() - 40 * 86400
+    stale, recent, other = folder / "pass-0123-t1-1.bin", folder / "pass-4567-t1-8.bin", folder / "notes.txt"
+    for file in (stale, recent, other):
+        file.write_bytes(b"x")
+    for file, age in ((stale, month_ago), (recent, time.time() - 10 * 86400), (other, month_ago), (used, month_ago)):
+        os.utime(file, (age, age))
+    again = Engine(model, compile="aot_eager")
+    again.precompile("baseline")  # loads the month-old file: it is in use again
+    assert again._pass.loaded == [1] and used.stat().st_mtime > time.time() - 3600
+    wider = tiny_model("llama", hidden_size=32)
+    Engine(wider, compile="aot_eager").precompile("baseline")  # a new file saved: the folder is pruned
+    assert not stale.exists()
+    assert used.exists() and recent.exists() and other.exists()
+    assert len(list(folder.glob("pass-*.bin"))) == 3
+
+
 def test_a_pass_that_breaks_the_graph_falls_back_to_tracing_with_a_warning():
     # A saved pass must be one graph; a model whose forward breaks it (here a real dynamo
     # graph break in a layer) keeps decoding exactly through per-process tracing.

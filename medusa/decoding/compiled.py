@@ -21,15 +21,19 @@ unmarked (a loaded graph refuses marked inputs).
 Where a size cannot be compiled this way (a graph break, a guard that cannot be saved) or a
 saved graph refuses a pass's inputs, the pass falls back to ``torch.compile``'s per-process
 tracing for good, with a warning; ``fallback`` says why. Saved files are pickles this package
-wrote itself into the user's cache, never files from the Hub.
+wrote itself into the user's cache, never files from the Hub. A load touches its file, and
+saving a new one deletes those no process loaded for ``STALE_DAYS`` (:func:`prune`), so the
+files of old versions and configs do not pile up.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +45,7 @@ from medusa.decoding import hf as kv
 from medusa.decoding import kernels as packed
 
 PREFIX, SLOTS = 4, 256  # the throwaway cache a graph is traced on: its contents do not matter
+STALE_DAYS = 30  # a saved pass no process loaded for this long is deleted when another is saved
 
 
 def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
@@ -131,6 +136,7 @@ class SavedPasses:
                 with open(path, "rb") as f:
                     self.graphs[path] = torch.compiler.load_compiled_function(f)
                 self.loaded.append(rows)
+                _touch(path)  # in use: not stale (prune)
                 return self.graphs[path]
             except Exception as e:  # noqa: BLE001 - any unreadable cache file is compiled again
                 warnings.warn(f"medusa: the saved pass {path} could not be loaded ({_first_line(e)}); compiling it again",
@@ -143,6 +149,7 @@ class SavedPasses:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(path))  # written atomically
+            prune(self.folder)
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only cache, a backend that cannot serialize
             warnings.warn(f"medusa: the compiled pass for {rows} rows could not be saved to {path} ({_first_line(e)}); "
                           "this process uses it, the next compiles it again", RuntimeWarning, stacklevel=2)
@@ -165,6 +172,30 @@ class SavedPasses:
         if self._traced_fn is None:
             self._traced_fn = kv.compiled_forward(torch.device("cpu"), self.backend)
         return self._traced_fn
+
+
+def prune(folder: Path, days: float = STALE_DAYS) -> list[Path]:
+    """Delete the saved passes in ``folder`` that no process wrote or loaded for ``days`` (a
+    load touches its file); returns them. Each update of torch, transformers or this package,
+    each model config and thread count leaves files under a fingerprint no process asks for
+    again, ~5 MB per pass size for a small model. A file another process removes or replaces
+    meanwhile is left alone; one pruned just before another process loads it is compiled again."""
+    cutoff, gone = time.time() - days * 86400, []
+    for file in folder.glob("pass-*.bin"):
+        try:
+            if file.stat().st_mtime < cutoff:
+                file.unlink()
+                gone.append(file)
+        except OSError:
+            continue
+    return gone
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: its files are not pruned by this process either
+        pass
 
 
 def _first_line(error: BaseException) -> str:
