@@ -29,7 +29,7 @@ chat: $(STAMP)
 	$(PY) -m infer.chat $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m infer.bench $(ARGS)
