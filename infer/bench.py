@@ -406,7 +406,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "or bfloat16 beside a float32 target where it measures faster here")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("limit", "per_category", "max_new_tokens", "draft_tokens", "lookup_tokens", "lookup_ngram"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    return args
 
 
 def eagle_heads(args: argparse.Namespace, engine: Engine):

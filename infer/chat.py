@@ -434,6 +434,12 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
         whose = "ship with this install yet" if args.model is None else f"were given for {args.model}"
         say(style.dim(f"note: no trained heads {whose}: decoding in baseline mode (--heads FOLDER for trained "
                       "heads, --heads init for untrained ones, --mode lookup for prompt lookup)"))
+    eagle = engine.heads is not None and engine.heads.config.kind == "eagle"
+    if args.tree is not None and mode in ("eagle", "hybrid") and eagle:
+        from medusa.errors import MedusaError
+
+        raise MedusaError("--tree shapes the static tree of Medusa heads, but the loaded heads are eagle heads, whose "
+                          "tree grows per step (sized for this device): drop --tree, or pass --mode medusa")
     engine.proposer(mode, args.tree)  # the engine's one-line error for a mode it cannot run
     return mode
 

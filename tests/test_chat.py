@@ -232,7 +232,7 @@ def draft_with_other_tokenizer(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model", "heads", "other-model-heads", "mode", "too-long", "empty",
-                                  "draft-tokenizer"])
+                                  "draft-tokenizer", "tree", "tree-for-eagle-heads"])
 def test_bad_input_is_one_line_error(case, tmp_path, capsys):
     args = {
         "model": ["--model", str(tmp_path / "missing")],
@@ -240,6 +240,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
         "mode": ["--mode", "bogus"],
         "too-long": ["--max-context", "48", "--max-new-tokens", "8", "--prompt", "word " * 60],
         "empty": ["--prompt", "   "],
+        "tree": ["--mode", "medusa", "--tree", str(tmp_path / "missing.json")],
+        "tree-for-eagle-heads": ["--tree", "cpu"],  # the default heads are eagle heads: a tree would be ignored
     }.get(case, [])
     if case == "other-model-heads":
         args = ["--heads", str(save_heads(init_heads_for(tiny_model("llama")), tmp_path / "heads"))]
@@ -247,7 +249,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
         args = ["--draft", str(draft_with_other_tokenizer(tmp_path / "draft")), "--mode", "draft"]
     expected = {"model": "model not found", "heads": "heads not found", "other-model-heads": "heads trained for",
                 "mode": "unknown mode 'bogus'", "too-long": "shorten it", "empty": "prompt is empty",
-                "draft-tokenizer": "different tokenizer"}[case]
+                "draft-tokenizer": "different tokenizer", "tree": "not found",
+                "tree-for-eagle-heads": "drop --tree, or pass --mode medusa"}[case]
     if "--prompt" not in args:
         args += ["--prompt", "hi"]
     assert main(args) == 1

@@ -30,3 +30,16 @@ def test_text_or_non_integer_prompts_get_a_one_line_error():
         eng.generate("w5 w17 w33", max_new_tokens=4)
     with pytest.raises(MedusaError, match="got list holding str"):
         eng.generate(["w5", "w17"], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("flag", ["--limit", "--per-category", "--max-new-tokens", "--draft-tokens", "--lookup-tokens",
+                                  "--lookup-ngram"])
+def test_bench_counts_below_one_are_a_one_line_error(flag, capsys):
+    # --limit 0 used to run every prompt, and --max-new-tokens -5 ended in a transformers traceback
+    from infer import bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args([flag, "0"])
+    assert exit_.value.code == 2
+    assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+    assert getattr(bench.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
