@@ -232,7 +232,7 @@ def draft_with_other_tokenizer(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model", "heads", "other-model-heads", "mode", "too-long", "empty",
-                                  "draft-tokenizer", "tree", "tree-for-eagle-heads"])
+                                  "draft-tokenizer", "tree", "tree-for-eagle-heads", "device", "device-name"])
 def test_bad_input_is_one_line_error(case, tmp_path, capsys):
     args = {
         "model": ["--model", str(tmp_path / "missing")],
@@ -242,6 +242,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
         "empty": ["--prompt", "   "],
         "tree": ["--mode", "medusa", "--tree", str(tmp_path / "missing.json")],
         "tree-for-eagle-heads": ["--tree", "cpu"],  # the default heads are eagle heads: a tree would be ignored
+        "device": ["--device", "cuda:99"],  # no such GPU here, nor on a GPU machine
+        "device-name": ["--device", "gpu0"],
     }.get(case, [])
     if case == "other-model-heads":
         args = ["--heads", str(save_heads(init_heads_for(tiny_model("llama")), tmp_path / "heads"))]
@@ -250,7 +252,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
     expected = {"model": "model not found", "heads": "heads not found", "other-model-heads": "heads trained for",
                 "mode": "unknown mode 'bogus'", "too-long": "shorten it", "empty": "prompt is empty",
                 "draft-tokenizer": "different tokenizer", "tree": "not found",
-                "tree-for-eagle-heads": "drop --tree, or pass --mode medusa"}[case]
+                "tree-for-eagle-heads": "drop --tree, or pass --mode medusa",
+                "device": "device 'cuda:99' is not available", "device-name": "unknown device 'gpu0'"}[case]
     if "--prompt" not in args:
         args += ["--prompt", "hi"]
     assert main(args) == 1

@@ -43,3 +43,16 @@ def test_bench_counts_below_one_are_a_one_line_error(flag, capsys):
     assert exit_.value.code == 2
     assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
     assert getattr(bench.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
+
+
+@pytest.mark.parametrize("device, message", [("gpu0", "unknown device 'gpu0'"),
+                                             ("cuda:99", "device 'cuda:99' is not available")])
+def test_a_device_torch_cannot_use_is_a_one_line_error(device, message):
+    # --device cuda on a CPU-only torch used to end in torch's AssertionError from its CUDA init
+    from medusa.models.target import load_target, resolve_device
+
+    with pytest.raises(MedusaError, match=message):
+        resolve_device(device)
+    with pytest.raises(MedusaError, match=message):
+        load_target("unused: the device is checked first", device=device)
+    assert resolve_device("cpu") == torch.device("cpu")

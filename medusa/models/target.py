@@ -34,6 +34,29 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for (``None``: a GPU when there is one), checked here so that a bad
+    name or a device this torch cannot use is a one-line error, not a traceback from torch."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MedusaError(f"unknown device {device!r}: use cpu, cuda or cuda:N (or leave it out)") from None
+    if resolved.type == "cpu":
+        return resolved
+    backend = getattr(torch, resolved.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        why = "this torch build has no CUDA" if resolved.type == "cuda" and torch.version.cuda is None else \
+            f"no {resolved.type} device is visible to this torch"
+        raise MedusaError(f"device {str(resolved)!r} is not available: {why}; use cpu (or leave the device out)")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if resolved.index is not None and resolved.index >= count:
+        raise MedusaError(f"device {str(resolved)!r} is not available: this machine has {count} {resolved.type} "
+                          f"device(s), {resolved.type}:0 to {resolved.type}:{count - 1}")
+    return resolved
+
+
 def default_dtype(device: torch.device) -> torch.dtype | str:
     """fp32 on a CPU (CPUs without AMX emulate bf16 matmuls slowly; fp32 is faster and exact
     there); elsewhere ``"auto"``: the dtype the checkpoint was saved in (bf16 for most large
@@ -142,7 +165,7 @@ def load_target(
     ``model`` is None (embedded default), a Hub id, a local folder or a ``.gguf`` file.
     Only safetensors weights are loaded and remote code stays off unless asked for.
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     dtype = dtype or default_dtype(device)
