@@ -140,7 +140,8 @@ def mode(name: str) -> Callable[[Runner], Runner]:
 
 
 def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, name: str) -> Run:
-    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=args.tree, sampling=args.sampling)
+    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=_static_tree(engine, args),
+                          sampling=args.sampling)
     return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1, accepted=list(res.stats.accepted))
 
 
@@ -160,6 +161,11 @@ def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, **kwar
     _sync(engine)
     seconds = time.perf_counter() - t0
     return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
+
+
+def _static_tree(engine: Engine, args: argparse.Namespace) -> str | None:
+    """--tree for an engine with Medusa heads; eagle heads grow their own tree per step."""
+    return args.tree if engine.heads is not None and engine.heads.config.kind == "medusa" else None
 
 
 def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
@@ -273,7 +279,7 @@ def precompile(engine: Engine, modes: list[str], args: argparse.Namespace) -> di
         if target is None or not target[0].compiled:
             continue
         t0 = time.perf_counter()
-        buckets = target[0].precompile(target[1], args.tree)
+        buckets = target[0].precompile(target[1], _static_tree(target[0], args))
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: compiled pass sizes {', '.join(map(str, buckets))} in {seconds[name]:.1f} s", file=sys.stderr)
     return seconds
@@ -383,7 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
-    ap.add_argument("--tree", default=None, help="tree name in medusa/assets/trees or a JSON file of paths (default: per device)")
+    ap.add_argument("--tree", default=None, help="Medusa heads' tree (modes medusa, hybrid): a name in medusa/assets/trees "
+                    "or a JSON file of paths (default: calibrated per device)")
     d = SamplingConfig()  # the one place sampling defaults live
     ap.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default: {d.temperature:g})")
     ap.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {d.top_p:g} = off)")
@@ -448,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         bases = {m.removesuffix(COMPILED) for m in modes}
         uses_heads = sorted({"medusa", "hybrid"} & bases)
         uses_eagle = bool({"eagle", "eagle-hybrid"} & bases)
+        if args.tree is not None and not uses_heads:
+            raise MedusaError(f"--tree shapes the static tree of Medusa heads (modes medusa, hybrid), which none of "
+                              f"{', '.join(modes)} uses (eagle heads grow their tree per step): drop --tree")
         heads = args.heads
         if heads is None and uses_heads and args.model is None:
             from medusa.api import SHIPPED_HEADS

@@ -410,8 +410,9 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
             from medusa.api import SHIPPED_HEADS
 
             heads = str(SHIPPED_HEADS)  # the default heads are EAGLE heads; mode medusa needs Medusa ones
+        # --tree goes with each call (pick_mode says when the loaded heads cannot use it)
         engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
-                             tree=args.tree, compile=args.compile, kernels=args.kernels,
+                             compile=args.compile, kernels=args.kernels,
                              draft_dtype=args.draft_dtype)
     # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they
     # point into medusa or at this caller. Other libraries' warnings are noise here.

@@ -88,7 +88,8 @@ def load(
 
     ``draft`` (for ``mode="draft"``) is a model folder, Hub id or ``.gguf`` file sharing the
     target's tokenizer, or ``"default"`` (see :func:`medusa.draft.load_draft`); it drafts
-    ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set.
+    ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set. ``tree`` shapes the
+    static tree of Medusa heads; eagle heads grow theirs per step, so a tree with them is an error.
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
     verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
@@ -109,7 +110,6 @@ def load(
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    # the fastest dtype that keeps the promise on this device, measured once (device.py)
     picked = _picked_dtype(lm, compile) if dtype is None else None
     draft_lm = None if draft is None else load_draft(
         draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
@@ -125,6 +125,5 @@ def load(
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,
                     static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels, max_rows=max_rows)
-    engine.kernel_choice = choice
-    engine.draft_dtype_choice = draft_choice
+    engine.kernel_choice, engine.draft_dtype_choice = choice, draft_choice
     return engine

@@ -142,6 +142,23 @@ def test_eagle_folder_round_trip_and_kind_errors(tmp_path):
         load_heads(folder, tiny_model("qwen2", hidden_size=32, num_attention_heads=2))
 
 
+def test_a_tree_given_for_eagle_heads_is_an_error_not_ignored():
+    # eagle heads grow their tree per step: a static tree passed with them used to be
+    # silently ignored (even a missing file); it still shapes Medusa heads' modes
+    model = tiny_model("llama")
+    eagle = noisy_eagle(model)
+    with pytest.raises(MedusaError, match="these are eagle heads, whose tree grows per step"):
+        Engine(model, heads=eagle, tree="cpu")
+    eng = Engine(model, heads=eagle)
+    for mode in ("eagle", "hybrid"):
+        with pytest.raises(MedusaError, match="drop the tree"):
+            eng.generate(PROMPT, max_new_tokens=4, mode=mode, tree="no-such-tree.json")
+    ref = hf_greedy(model, PROMPT, 12)
+    assert eng.generate(PROMPT, max_new_tokens=12, mode="lookup", tree=[[0]]).tokens == ref  # no heads: unused
+    medusa_eng = Engine(model, heads=init_heads_for(model), tree=[[0], [0, 0]])
+    assert medusa_eng.generate(PROMPT, max_new_tokens=12, mode="hybrid", tree=[[0]]).tokens == ref
+
+
 def test_choose_dynamic_weighs_acceptance_against_pass_cost():
     from medusa.decoding.eagle import choose_dynamic
 

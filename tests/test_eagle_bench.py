@@ -35,6 +35,28 @@ def test_bench_eagle_modes_refuse_medusa_heads_as_eagle_heads(tmp_path, capsys):
     assert err.startswith("error: --eagle-heads") and "holds medusa heads" in err
 
 
+def test_bench_tree_goes_to_medusa_modes_only(tmp_path, capsys):
+    # --tree shapes the Medusa heads' static tree; the eagle engine beside it grows its own
+    # tree (the bench used to hand it --tree, silently ignored), and --tree without a mode
+    # that uses it is an error
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    eagle = save_heads(init_eagle_for(model), tmp_path / "eagle")
+    out = tmp_path / "bench.json"
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([[0], [0, 0], [1]]))
+    common = ["--model", str(folder), "--eagle-heads", str(eagle), "--limit", "1", "--max-new-tokens", "8",
+              "--tree", str(tree)]
+    assert bench.main(common + ["--heads", "init", "--modes", "hf,medusa,eagle", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["tree_nodes"] == 4
+    assert result["modes"]["medusa"]["identical"] == 1 and result["modes"]["eagle"]["identical"] == 1
+    capsys.readouterr()
+    assert bench.main(common + ["--modes", "hf,eagle"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --tree shapes the static tree of Medusa heads") and err.endswith("drop --tree")
+
+
 def test_bench_eagle_heads_given_win_over_the_eagle_heads_loaded(tmp_path):
     # --eagle-heads B beside eagle heads A as --heads: the eagle modes run B, with B's
     # calibrated tree (they once ran A's, silently)

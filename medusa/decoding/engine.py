@@ -204,6 +204,15 @@ def compiled_pass(model: PreTrainedModel, device: torch.device, compile: bool | 
     return kv.compiled_forward(device, compile)
 
 
+def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
+    """``tree`` if it shapes something: a tree passed for eagle heads' modes, whose tree grows
+    per step (sized for the device), would be silently ignored, so it is an error."""
+    if tree is not None and heads is not None and heads.config.kind == "eagle" and mode in ("eagle", "hybrid"):
+        raise MedusaError("a tree shapes the static tree of Medusa heads, but these are eagle heads, whose tree grows "
+                          "per step (sized for the device): drop the tree, or load Medusa heads")
+    return tree
+
+
 class Engine:
     """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
 
@@ -230,7 +239,7 @@ class Engine:
         self.device = model.get_output_embeddings().weight.device
         self.eos = set(eos_token_ids(model, tokenizer))
         self.max_positions = context_window(model)
-        self.tree = tree
+        self.tree = no_tree_for_eagle(tree, heads)
         # mode "draft": a draft model sharing the target's vocabulary (medusa.models.draft.load_draft)
         self.draft = draft
         self.proposer_config = proposer_config or ProposerConfig()
@@ -342,6 +351,7 @@ class Engine:
         """The proposer for a mode name; a Proposer object passed as ``mode`` is used as is."""
         if not isinstance(mode, str):
             return mode
+        no_tree_for_eagle(tree, self.heads, mode)
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
