@@ -28,9 +28,11 @@ from medusa.errors import MedusaError
 T = TypeVar("T")
 
 
-def arg(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field with its help text (and allowed values) kept next to the default."""
-    meta = {"help": help, "choices": choices}
+def arg(default: Any, help: str, choices: tuple[Any, ...] | None = None,
+        bounds: tuple[float | None, float | None] | None = None) -> Any:
+    """A config field with its help text (and allowed values: ``choices``, or inclusive
+    ``bounds`` ``(low, high)``, either None for open) kept next to the default."""
+    meta = {"help": help, "choices": choices, "bounds": bounds}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -123,10 +125,22 @@ def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
         raise MedusaError(f"{source}: unknown field(s) {', '.join(unknown)} for {cls.__name__}: see --help for the fields")
     values = {k: _coerce(k, types_[k], v) for k, v in data.items()}
     for f in dataclasses.fields(cls):
-        choices = f.metadata.get("choices")
-        if choices and f.name in values and values[f.name] not in choices:
-            raise MedusaError(f"{source}: {f.name}={values[f.name]!r} is not one of {', '.join(map(str, choices))}")
+        if f.name in values:
+            _check_allowed(f, values[f.name], source)
     return cls(**values)
+
+
+def _check_allowed(f: dataclasses.Field, value: Any, source: str) -> None:
+    choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
+    if choices and value not in choices:
+        raise MedusaError(f"{source}: {f.name}={value!r} is not one of {', '.join(map(str, choices))}")
+    if bounds is None or value is None:
+        return
+    low, high = bounds
+    if (low is not None and value < low) or (high is not None and value > high):
+        want = (f"at least {low}" if high is None else f"at most {high}" if low is None
+                else f"between {low} and {high}")
+        raise MedusaError(f"{source}: {f.name}={value!r} must be {want}")
 
 
 def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
@@ -203,7 +217,7 @@ def run_main(main: Callable[[], int]) -> NoReturn:
 def override(group: type, name: str, default: Any) -> Any:
     """The field ``name`` of ``group`` with another default (same help and choices)."""
     meta = group.__dataclass_fields__[name].metadata  # type: ignore[attr-defined]
-    return arg(default, meta["help"], meta["choices"])
+    return arg(default, meta["help"], meta["choices"], meta.get("bounds"))
 
 
 # Old field names still read from YAML files, with a warning naming the new one.
@@ -224,13 +238,13 @@ class TargetFields:
 class DataFields:
     data: list[str] = arg(["sharegpt"], "sources: 'sharegpt', .json/.jsonl files, Hub dataset ids (comma separated)")
     data_split: str = arg("train", "split of Hub datasets")
-    max_samples: int | None = arg(None, "conversations taken from each source (shuffled with data_seed)")
-    max_length: int = arg(512, "tokens per sequence (longer ones are truncated)")
-    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation")
+    max_samples: int | None = arg(None, "conversations taken from each source (shuffled with data_seed)", bounds=(1, None))
+    max_length: int = arg(512, "tokens per sequence (longer ones are truncated)", bounds=(2, None))
+    eval_fraction: float = arg(0.02, "fraction of each source held out for evaluation", bounds=(0, 0.5))
     data_seed: int = arg(0, "seed of the data shuffle and held-out split")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
     num_proc: int | None = arg(None, "processes that tokenise the data (datasets map; empty: 1 below 5,000 "
-                                     "conversations per source, else min(8, cores))")
+                                     "conversations per source, else min(8, cores))", bounds=(1, None))
     data_cache_dir: str | None = arg(None, "cache of the tokenised rows (Arrow files named by a hash of the "
                                            "conversations, tokenizer, chat template and max_length; empty: "
                                            "HF_DATASETS_CACHE/medusa-tokenised)")
@@ -241,10 +255,10 @@ class CacheFields:
     cache_dir: str | None = arg(None, "feature cache of the frozen target's hidden states and top-k next-token "
                                       "log-probabilities (built there when missing; heads and draft training with "
                                       "the same data settings share it): epochs then never run the target")
-    teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher (and in the cache)")
+    teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher (and in the cache)", bounds=(1, None))
     train_vocab: int = arg(0, "softmax over only the N most frequent tokens of the data while training (0: full "
-                              "vocabulary); makes CPU training several times cheaper")
-    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache")
+                              "vocabulary); makes CPU training several times cheaper", bounds=(0, None))
+    cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache", bounds=(1, None))
     cache_kernels: str = arg("default", "the frozen target's linear kernels while building the cache: default, or "
                                         "onednn (packed oneDNN weights on a CPU, medusa/decoding/kernels.py: 1.7-4x "
                                         "faster matmuls on an AMD EPYC; the features' last bits round differently)")
@@ -252,16 +266,16 @@ class CacheFields:
 
 @dataclasses.dataclass
 class OptimFields:
-    batch_size: int = arg(4, "sequences per micro-batch per process")
-    grad_accum: int = arg(1, "micro-batches per optimizer step")
-    lr: float = arg(1e-3, "peak learning rate")
-    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)")
-    adam_beta2: float = arg(0.999, "AdamW beta2 (beta1 is 0.9)")
+    batch_size: int = arg(4, "sequences per micro-batch per process", bounds=(1, None))
+    grad_accum: int = arg(1, "micro-batches per optimizer step", bounds=(1, None))
+    lr: float = arg(1e-3, "peak learning rate", bounds=(0, None))
+    weight_decay: float = arg(0.0, "AdamW weight decay (matrices only)", bounds=(0, None))
+    adam_beta2: float = arg(0.999, "AdamW beta2 (beta1 is 0.9)", bounds=(0, 1))
     schedule: str = arg("cosine", "learning-rate schedule after warmup (transformers.get_scheduler)",
                         choices=("cosine", "linear", "constant"))
-    warmup_steps: int = arg(20, "linear warmup steps")
-    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of lr (cosine, linear)")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)")
+    warmup_steps: int = arg(20, "linear warmup steps", bounds=(0, None))
+    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of lr (cosine, linear)", bounds=(0, 1))
+    max_grad_norm: float = arg(1.0, "gradient clipping norm (0: off)", bounds=(0, None))
     num_epochs: float = arg(1.0, "passes over the training data (when max_steps <= 0)")
     max_steps: int = arg(-1, "optimizer steps; > 0 overrides num_epochs")
     seed: int = arg(42, "seed of initialisation, data order and dropout")
@@ -270,18 +284,18 @@ class OptimFields:
 @dataclasses.dataclass
 class EvalFields:
     eval_every: int = arg(200, "evaluate on held-out data every N steps, and always before the first step and "
-                               "after the last (0: only then)")
-    eval_batches: int = arg(20, "micro-batches per evaluation (0: all held-out data)")
-    log_every: int = arg(10, "log metrics every N steps")
+                               "after the last (0: only then)", bounds=(0, None))
+    eval_batches: int = arg(20, "micro-batches per evaluation (0: all held-out data)", bounds=(0, None))
+    log_every: int = arg(10, "log metrics every N steps", bounds=(1, None))
 
 
 @dataclasses.dataclass
 class RunFields:
-    save_every: int = arg(500, "checkpoint every N steps (0: never)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)")
+    save_every: int = arg(500, "checkpoint every N steps (0: never)", bounds=(0, None))
+    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)", bounds=(1, None))
     resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
     max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
-                                  "what there is (0: no limit)")
+                                  "what there is (0: no limit)", bounds=(0, None))
     wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "
                                 "WANDB_MODE=disabled turns it off)")
     wandb_project: str = arg("medusa", "wandb project")
@@ -296,8 +310,8 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     kind: str = arg("medusa", "heads kind: medusa (independent heads) or eagle (one autoregressive decoder layer "
                               "over the target's features; needs cache_dir)", choices=("medusa", "eagle"))
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
-                            "unrolled in training (training-time test)")
-    num_layers: int = arg(1, "residual blocks per head")
+                            "unrolled in training (training-time test)", bounds=(1, None))
+    num_layers: int = arg(1, "residual blocks per head", bounds=(1, None))
     eagle_init: str = arg("last_layer", "eagle: how fresh heads start: last_layer (a copy of the target's last layer, "
                                         "fc takes the feature), last_layer_token (and adds the token's embedding at the "
                                         "feature's scale) or random", choices=("last_layer", "last_layer_token", "random"))
@@ -310,19 +324,19 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
                                        "their num_heads/num_layers/projection/eagle_layout replace the settings above")
     # -- objective --
     distill: float = arg(1.0, "weight of self-distillation KL vs ground-truth CE: 1 = KL only, 0 = CE only")
-    head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)")
+    head_weight_decay: float = arg(0.8, "head k's loss weight is decay**k (unless head_weights is set)", bounds=(0, None))
     head_weights: list[float] | None = arg(None, "explicit per-head loss weights (comma separated)")
-    feature_weight: float = arg(0.1, "eagle: weight of the feature regression next to the KL")
+    feature_weight: float = arg(0.1, "eagle: weight of the feature regression next to the KL", bounds=(0, None))
     # -- Medusa-2 --
     lora: bool = arg(False, "Medusa-2: also train the target through LoRA adapters")
-    lora_r: int = arg(16, "LoRA rank")
-    lora_alpha: int = arg(32, "LoRA alpha")
-    lora_dropout: float = arg(0.05, "LoRA dropout")
+    lora_r: int = arg(16, "LoRA rank", bounds=(1, None))
+    lora_alpha: int = arg(32, "LoRA alpha", bounds=(1, None))
+    lora_dropout: float = arg(0.05, "LoRA dropout", bounds=(0, 1))
     lora_target_modules: list[str] = arg(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
-    lm_loss_weight: float = arg(1.0, "Medusa-2: weight of the KL keeping the tuned target close to the original")
+    lm_loss_weight: float = arg(1.0, "Medusa-2: weight of the KL keeping the tuned target close to the original", bounds=(0, None))
     lora_lr: float | None = arg(None, "learning rate of LoRA parameters (default: lr / 10)")
     # -- feature cache (Medusa-1) --
-    positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process")
+    positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process", bounds=(1, None))
     # -- output (checkpoints, logging: RunFields) --
     output_dir: str = arg("out/heads", "where the trained heads folder is written")
     push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "

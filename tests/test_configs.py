@@ -48,6 +48,31 @@ def test_bad_values_are_medusa_errors(args, match):
         parse_config(Toy, args)
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("batch_size", "0", "batch_size=0 must be at least 1"),  # was a ZeroDivisionError after tokenising
+    ("grad_accum", "0", "grad_accum=0 must be at least 1"),
+    ("num_heads", "0", "num_heads=0 must be at least 1"),
+    ("keep_checkpoints", "0", "keep_checkpoints=0 must be at least 1"),  # would delete the checkpoint just saved
+    ("eval_fraction", "0.9", "eval_fraction=0.9 must be between 0 and 0.5"),
+    ("lr", "-0.001", "lr=-0.001 must be at least 0"),
+    ("lora_dropout", "1.5", "lora_dropout=1.5 must be between 0 and 1"),
+    ("max_samples", "0", "max_samples=0 must be at least 1"),
+])
+def test_training_values_out_of_range_are_refused_before_anything_loads(field, value, match, tmp_path):
+    from medusa.training.draft import DraftTrainConfig
+
+    with pytest.raises(MedusaError, match=f"^flags: {match}$"):
+        parse_config(TrainConfig, [f"--{field}", value])
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{field}: {value}\n")
+    with pytest.raises(MedusaError, match=f"{path}: {match}"):
+        parse_config(TrainConfig, ["--config", str(path)])
+    if field in {f.name for f in fields(DraftTrainConfig)}:  # the shared fields keep their bounds in the draft's schema
+        with pytest.raises(MedusaError, match=match):
+            parse_config(DraftTrainConfig, [f"--{field}", value])
+    parse_config(TrainConfig, [f"--{field}", "0.5" if field in ("eval_fraction", "lora_dropout", "lr") else "1"])
+
+
 def test_unknown_yaml_key_is_rejected(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("stepz: 3\n")

@@ -75,7 +75,8 @@ class DraftTrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFiel
     eval_batches: int = override(EvalFields, "eval_batches", 10)
     # -- draft --
     init: str | None = arg(None, "start from this draft folder (empty: the target's first draft_layers layers)")
-    draft_layers: int = arg(DEFAULT_DRAFT_LAYERS, "decoder layers of the shallow draft (when init is empty)")
+    draft_layers: int = arg(DEFAULT_DRAFT_LAYERS, "decoder layers of the shallow draft (when init is empty)",
+                            bounds=(1, None))
     train_embeddings: bool = arg(False, "also train the embeddings and output projection (tied in small models)")
     # -- data, objective --
     assistant_only: bool = arg(False, "distil only on assistant tokens (default: every token of the conversation)")
