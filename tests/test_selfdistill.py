@@ -3,8 +3,10 @@ as training data."""
 
 import json
 
+import pytest
 from train_fixtures import tiny_target, write_counting_data
 
+from medusa.errors import MedusaError
 from medusa.training.sources import DataStats, load_conversations
 from train.generate_selfdistill import main
 
@@ -45,3 +47,24 @@ def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
     assert main(args) == 0  # resumed: duplicates of answered prompts stay skipped too
     answered = [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()]
     assert answered and len(answered) == len(set(answered))
+
+
+@pytest.mark.parametrize("flag, value, match", [
+    ("--max_samples", "0", "max_samples=0 must be at least 1"),  # ran every prompt
+    ("--batch_size", "0", "batch_size=0 must be at least 1"),  # a ValueError from range()
+    ("--max_new_tokens", "0", "max_new_tokens=0 must be at least 1"),  # a transformers traceback per batch
+    ("--temperature", "-1", "temperature=-1.0 must be at least 0"),  # generated greedily, silently
+    ("--kernels", "mkl", "kernels='mkl' is not one of default, onednn"),
+])
+def test_bad_settings_are_one_line_errors_before_the_model_loads(flag, value, match, tmp_path):
+    out = tmp_path / "sd.jsonl"
+    with pytest.raises(MedusaError, match=match):
+        main(["--model", str(tmp_path / "not-loaded"), "--output", str(out), flag, value])
+    assert not out.exists()
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(MedusaError, match=r"cannot write the answers to .*a-file/sd.jsonl: .*pass --output"):
+        main(["--model", str(tmp_path / "not-loaded"), "--output", str(blocker / "sd.jsonl")])

@@ -36,26 +36,34 @@ class SelfDistillConfig:
     model: str | None = arg(None, "target: Hub id, local folder or .gguf file (empty: the embedded SmolLM2-135M-Instruct)")
     data: list[str] = arg(["sharegpt"], "prompt sources: 'sharegpt', .json/.jsonl files or Hub ids (comma separated)")
     split: str = arg("train", "split of Hub datasets")
-    max_samples: int | None = arg(None, "prompts taken from each source (shuffled with seed)")
-    skip_samples: int = arg(0, "skip this many prompts of each source first (e.g. to keep them out of training data)")
-    max_prompt_tokens: int = arg(512, "prompts longer than this (in tokens, with the chat template) are skipped")
-    max_new_tokens: int = arg(256, "answer length limit in tokens")
-    batch_size: int = arg(8, "prompts generated together (left padded)")
-    temperature: float = arg(0.0, "0: greedy (the decoding that Medusa heads are verified against); >0: sampling")
+    max_samples: int | None = arg(None, "prompts taken from each source (shuffled with seed)", bounds=(1, None))
+    skip_samples: int = arg(0, "skip this many prompts of each source first (e.g. to keep them out of training data)",
+                            bounds=(0, None))
+    max_prompt_tokens: int = arg(512, "prompts longer than this (in tokens, with the chat template) are skipped",
+                                 bounds=(1, None))
+    max_new_tokens: int = arg(256, "answer length limit in tokens", bounds=(1, None))
+    batch_size: int = arg(8, "prompts generated together (left padded)", bounds=(1, None))
+    temperature: float = arg(0.0, "0: greedy (the decoding that Medusa heads are verified against); >0: sampling",
+                             bounds=(0, None))
     seed: int = arg(0, "shuffle and sampling seed")
     device: str | None = arg(None, "device (default: cuda if available, else cpu)")
     dtype: str | None = arg(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
     kernels: str = arg("default", "linear kernels: default (torch's), or onednn (packed oneDNN weights on a CPU, "
-                                  "medusa/decoding/kernels.py: faster on some CPUs; rounds the last bits differently)")
+                                  "medusa/decoding/kernels.py: faster on some CPUs; rounds the last bits differently)",
+                       choices=KERNELS)
 
 
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
     cfg = parse_config(SelfDistillConfig, argv)
-    if cfg.kernels not in KERNELS:
-        raise MedusaError(f"unknown kernels {cfg.kernels!r}: use one of {', '.join(KERNELS)}")
+    out = Path(cfg.output)
+    try:  # before the model loads: a path that cannot be written fails in a second, not after
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.open("a").close()
+    except OSError as err:
+        raise MedusaError(f"cannot write the answers to {out}: {err.strerror}; pass --output with a writable path") from None
     torch.manual_seed(cfg.seed)
     model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
@@ -64,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     done: set[str] = set()
     if out.is_file():
         with out.open() as fh:
