@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -116,6 +117,16 @@ def read_prompts(path: str | Path, limit: int | None = None, per_category: int |
     if not prompts:
         raise MedusaError(f"no prompts found in {path}: expected MT-Bench jsonl (turns) or ShareGPT json (conversations)")
     return prompts
+
+
+def writable_folder(folder: Path, flag: str) -> None:
+    """Create ``folder`` now, or say in one line why ``flag`` cannot be written there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise MedusaError(f"{flag}: cannot create {folder}: {err.strerror}; pass a writable path") from None
+    if not os.access(folder, os.W_OK):
+        raise MedusaError(f"{flag}: {folder} is not writable; pass a writable path")
 
 
 def encode(engine: Engine, prompt: str) -> list[int]:
@@ -451,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"(an engine mode with {COMPILED} runs it compiled)")
         if args.out:
             require_extra("bench")  # the report's plots need matplotlib: say so before the run, not after
+        for flag, folder in (("--json", args.json and Path(args.json).parent), ("--out", args.out and Path(args.out))):
+            if folder:
+                writable_folder(folder, flag)  # before the run: a long bench never ends in a traceback
         prompts = read_prompts(args.prompts, args.limit, args.per_category)
         bases = {m.removesuffix(COMPILED) for m in modes}
         uses_heads = sorted({"medusa", "hybrid"} & bases)

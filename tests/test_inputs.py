@@ -56,3 +56,16 @@ def test_a_device_torch_cannot_use_is_a_one_line_error(device, message):
     with pytest.raises(MedusaError, match=message):
         load_target("unused: the device is checked first", device=device)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--out"])
+def test_bench_output_that_cannot_be_written_fails_before_the_run(flag, tmp_path, capsys):
+    # it used to end in a FileNotFoundError traceback after the whole run, its results lost
+    from infer import bench
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "sub" / ("bench.json" if flag == "--json" else "report")
+    assert bench.main(["--model", str(tmp_path / "never-loaded"), "--modes", "baseline", flag, str(target)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}: cannot create") and "writable path" in err[0]
