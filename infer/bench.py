@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
 from infer import bench_vllm
+from medusa.config import count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.device import adopt_draft_dtype
@@ -117,16 +117,6 @@ def read_prompts(path: str | Path, limit: int | None = None, per_category: int |
     if not prompts:
         raise MedusaError(f"no prompts found in {path}: expected MT-Bench jsonl (turns) or ShareGPT json (conversations)")
     return prompts
-
-
-def writable_folder(folder: Path, flag: str) -> None:
-    """Create ``folder`` now, or say in one line why ``flag`` cannot be written there."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise MedusaError(f"{flag}: cannot create {folder}: {err.strerror}; pass a writable path") from None
-    if not os.access(folder, os.W_OK):
-        raise MedusaError(f"{flag}: {folder} is not writable; pass a writable path")
 
 
 def encode(engine: Engine, prompt: str) -> list[int]:
@@ -389,16 +379,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft", default=None,
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
     pc = ProposerConfig()  # the one place the per-mode defaults live
-    ap.add_argument("--draft-tokens", type=int, default=pc.draft_tokens, help="tokens the draft proposes per step (draft, hf-assisted)")
+    ap.add_argument("--draft-tokens", type=count(), default=pc.draft_tokens, help="tokens the draft proposes per step (draft, hf-assisted)")
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
     ap.add_argument("--draft-confidence", type=float, default=pc.draft_confidence,
                     help=f"end a draft chain after a token the draft gave less probability (default {pc.draft_confidence:g}, transformers' own; 0: off; draft, hf-assisted)")
-    ap.add_argument("--lookup-tokens", type=int, default=pc.lookup_tokens, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
-    ap.add_argument("--lookup-ngram", type=int, default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--lookup-tokens", type=count(), default=pc.lookup_tokens, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--lookup-ngram", type=count(), default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
-    ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    ap.add_argument("--per-category", type=int, default=None, help="use the first N prompts of each category")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
+    ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category")
+    ap.add_argument("--max-new-tokens", type=count(), default=MAX_NEW_TOKENS)
     ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
     ap.add_argument("--tree", default=None, help="Medusa heads' tree (modes medusa, hybrid): a name in medusa/assets/trees "
                     "or a JSON file of paths (default: calibrated per device)")
@@ -424,12 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "or bfloat16 beside a float32 target where it measures faster here")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
-    args = ap.parse_args(argv)
-    for flag in ("limit", "per_category", "max_new_tokens", "draft_tokens", "lookup_tokens", "lookup_ngram"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    return args
+    return ap.parse_args(argv)
 
 
 def eagle_heads(args: argparse.Namespace, engine: Engine):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
     from medusa.decoding.engine import Engine, Generation, GenerationResult
     from medusa.decoding.sampling import SamplingConfig
 
+from medusa.config import count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
 
@@ -363,8 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same answer")
     p.add_argument("--acceptance", help="with sampling: lossless (exactly the target's distribution, default) "
                                         "or typical (Medusa's, accepts more, lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"longest answer in tokens (default {MAX_NEW_TOKENS})")
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=count(1), default=MAX_NEW_TOKENS, help=f"longest answer in tokens (default {MAX_NEW_TOKENS})")
+    p.add_argument("--max-context", type=count(1), default=None,
                    help="keep the conversation within this many tokens (default: the model's context window); "
                         "the oldest turns are dropped")
     p.add_argument("--system", help="system prompt (default: the chat template's)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -36,6 +37,31 @@ def arg(default: Any, help: str, choices: tuple[Any, ...] | None = None,
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def count(low: int = 1) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer flag of at least ``low``: ``--limit 0`` is a usage
+    error naming the flag, not a run that means something else."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def writable_folder(folder: Path, flag: str) -> None:
+    """Create ``folder`` now, or say in one line why ``flag`` cannot be written there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise MedusaError(f"{flag}: cannot create {folder}: {err.strerror}; pass a writable path") from None
+    if not os.access(folder, os.W_OK):
+        raise MedusaError(f"{flag}: {folder} is not writable; pass a writable path")
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

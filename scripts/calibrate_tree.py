@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 import medusa
+from medusa.config import count
 from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts, tree_key
 from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
 from medusa.errors import MedusaError
@@ -119,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
     ap.add_argument("--prompts", default="sharegpt", help="conversation source for held-out prompts (sharegpt, .json/.jsonl, Hub id)")
     ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the held-out prompts")
-    ap.add_argument("--samples", type=int, default=48, help="how many prompts the target answers")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size (0: score the full vocabulary)")
-    ap.add_argument("--reference-answers", type=int, default=2000, help="reference answers counted for the draft vocabulary")
-    ap.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (candidates, root excluded)")
-    ap.add_argument("--max-rank", type=int, default=10, help="deepest rank of a head's top-k considered")
+    ap.add_argument("--samples", type=count(1), default=48, help="how many prompts the target answers")
+    ap.add_argument("--max-new-tokens", type=count(1), default=128)
+    ap.add_argument("--max-prompt-tokens", type=count(1), default=256)
+    ap.add_argument("--vocab-size", type=count(0), default=8192, help="draft vocabulary size (0: score the full vocabulary)")
+    ap.add_argument("--reference-answers", type=count(0), default=2000, help="reference answers counted for the draft vocabulary")
+    ap.add_argument("--max-nodes", type=count(1), default=64, help="largest tree considered (candidates, root excluded)")
+    ap.add_argument("--max-rank", type=count(1), default=10, help="deepest rank of a head's top-k considered")
     ap.add_argument("--cost", default=None,
                     help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")
     ap.add_argument("--compile", action="store_true",

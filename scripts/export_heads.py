@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from medusa.config import writable_folder
 from medusa.errors import MedusaError
 from medusa.hub.export import (
     LAYOUTS,
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype) if args.dtype else None
+        writable_folder(Path(args.out).parent, "--out")
         folder = resolve_heads_folder(args.heads)
         config, state = read_heads(folder)
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None

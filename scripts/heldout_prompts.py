@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from medusa.config import count, writable_folder
 from medusa.errors import MedusaError
 from medusa.training.sources import SHAREGPT, DataStats, load_conversations
 
@@ -28,14 +29,14 @@ DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python scripts/heldout_prompts.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="ShareGPT-format JSON file to write")
-    ap.add_argument("--n", type=int, default=40, help="how many prompts")
+    ap.add_argument("--n", type=count(1), default=40, help="how many prompts")
     ap.add_argument("--source", default=SHAREGPT, help="conversation source: 'sharegpt', a .json/.jsonl file or a Hub id")
     ap.add_argument("--exclude", nargs="*", default=DEFAULT_EXCLUDE,
                     help="training files (.jsonl or .jsonl.gz with id and messages) whose prompts are left out "
                          "(default: data/selfdistill/*.jsonl.gz)")
     ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the prompts")
-    ap.add_argument("--min-chars", type=int, default=16, help="shortest first turn kept")
-    ap.add_argument("--max-chars", type=int, default=1500, help="longest first turn kept")
+    ap.add_argument("--min-chars", type=count(0), default=16, help="shortest first turn kept")
+    ap.add_argument("--max-chars", type=count(0), default=1500, help="longest first turn kept")
     args = ap.parse_args(argv)
     if args.n < 1:
         ap.error("--n must be at least 1")
@@ -93,9 +94,9 @@ def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    prompts = pick(args.source, args.exclude, args.n, args.seed, args.min_chars, args.max_chars)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_folder(out.parent, "--out")
+    prompts = pick(args.source, args.exclude, args.n, args.seed, args.min_chars, args.max_chars)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(prompts, ensure_ascii=False, indent=1))
     os.replace(tmp, out)

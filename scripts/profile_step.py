@@ -15,6 +15,7 @@ import time
 import torch
 
 import medusa
+from medusa.config import count
 from medusa.decoding import hf as kv
 from medusa.decoding.tree import compile_tree
 from medusa.decoding.verify import verify_greedy
@@ -34,8 +35,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--heads", default="init")
     ap.add_argument("--tree", default=None)
-    ap.add_argument("--prefix", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--prefix", type=count(1), default=200)
+    ap.add_argument("--reps", type=count(1), default=20)
     args = ap.parse_args()
     eng = medusa.load(model=args.model, heads=args.heads, tree=args.tree)
     model, heads = eng.model, eng.heads

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import medusa
 from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
+from medusa.config import count
 from medusa.errors import MedusaError
 from medusa.hub.vllm_client import VLLMWorker, export_for_vllm
 from medusa.models.target import default_model_dir
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "Medusa heads and the shipped EAGLE heads)")
     ap.add_argument("--model", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in ones)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=count(1), default=32)
     ap.add_argument("--python", default=None, help="python of an existing vLLM install (default: the dedicated venv)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow startup; default: eager)")
     ap.add_argument("--export-dir", default=None, help="keep the exports here, one subfolder per heads (default: a temporary folder)")

@@ -41,8 +41,28 @@ def test_bench_counts_below_one_are_a_one_line_error(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args([flag, "0"])
     assert exit_.value.code == 2
-    assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
     assert getattr(bench.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
+
+
+@pytest.mark.parametrize("script, flag", [("scripts/calibrate_tree.py", "--max-nodes"),  # computed 30 min, then failed
+                                          ("scripts/calibrate_tree.py", "--samples"),
+                                          ("scripts/heldout_prompts.py", "--n"),
+                                          ("scripts/vllm_check.py", "--max-new-tokens"),
+                                          ("infer/chat.py", "--max-new-tokens"),
+                                          ("infer/chat.py", "--max-context")])
+def test_cli_counts_below_one_are_usage_errors(script, flag):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extra = ["--heads", "unused"] if "calibrate" in script else ["--out", "unused.json"] if "heldout" in script else []
+    module = ["-m", script.removesuffix(".py").replace("/", ".")] if script.startswith("infer") else [script]
+    done = subprocess.run([sys.executable, *module, *extra, flag, "0"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and f"argument {flag}: must be at least 1, got 0" in done.stderr, done.stderr[-500:]
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("device, message", [("gpu0", "unknown device 'gpu0'"),
@@ -69,3 +89,20 @@ def test_bench_output_that_cannot_be_written_fails_before_the_run(flag, tmp_path
     assert bench.main(["--model", str(tmp_path / "never-loaded"), "--modes", "baseline", flag, str(target)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {flag}: cannot create") and "writable path" in err[0]
+
+
+@pytest.mark.parametrize("script", ["scripts/export_heads.py", "scripts/heldout_prompts.py"])
+def test_script_output_that_cannot_be_written_is_a_one_line_error(script, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["medusa/assets/heads/smollm2-135m-instruct", "--to", "vllm"] if "export" in script else []
+    done = subprocess.run([sys.executable, script, *args, "--out", str(blocker / "sub" / "out")], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-800:]
+    assert done.stderr.strip().splitlines()[-1] == (f"error: --out: cannot create {blocker / 'sub'}: Not a directory; "
+                                                   "pass a writable path")
