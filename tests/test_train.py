@@ -195,6 +195,53 @@ def test_feature_cache_is_keyed_on_the_weights_not_the_name(setup, tmp_path):
     assert not np.array_equal(hidden, np.load(cache / "train" / "hidden.npy"))
 
 
+def test_a_cache_for_more_data_runs_the_target_over_the_new_sequences_only(setup, tmp_path, monkeypatch):
+    from medusa.training import feature_cache
+
+    ran = []  # the real target runs; this records how many tokens it was given
+
+    def counted(model, ids, attn):
+        ran.append(int(attn.sum()))
+        return run_target(model, ids, attn)
+
+    run_target = feature_cache.run_target
+    monkeypatch.setattr(feature_cache, "run_target", counted)
+    more = str(write_counting_data(tmp_path / "more.jsonl", 24, seed=9, length=20))  # sequences the first lacks
+    cache = tmp_path / "cache"
+    kw = dict(distill=1.0, positions_per_batch=32, max_steps=1)
+    train(config(setup, tmp_path / "h1", cache_dir=str(cache), **kw))
+    old = {split: feature_cache.FeatureCache.open(cache / split) for split in ("train", "eval")}
+    old_rows = {}  # sequence key -> its hidden rows
+    for c in old.values():
+        offsets = np.load(c.folder / "offsets.npy")
+        for s, e in zip(offsets[:-1], offsets[1:]):
+            old_rows[feature_cache.sequence_key(c.tokens[s:e], c.loss_mask[s:e])] = np.array(c.hidden[s:e])
+    ran.clear()
+    AcceleratorState._reset_state(True)
+    train(config(setup, tmp_path / "h2", data=[setup["data"], more], cache_dir=str(cache), **kw))
+    ran_grown = sum(ran)
+    ran.clear()
+    AcceleratorState._reset_state(True)
+    train(config(setup, tmp_path / "h3", data=[setup["data"], more], cache_dir=str(tmp_path / "scratch"), **kw))
+    copied = new = 0
+    for split in ("train", "eval"):
+        grown = feature_cache.FeatureCache.open(cache / split)
+        scratch = feature_cache.FeatureCache.open(tmp_path / "scratch" / split)
+        assert np.array_equal(grown.tokens, scratch.tokens)
+        np.testing.assert_allclose(grown.hidden.astype(np.float32), scratch.hidden.astype(np.float32), atol=2e-3)
+        offsets = np.load(grown.folder / "offsets.npy")
+        for s, e in zip(offsets[:-1], offsets[1:]):
+            known = old_rows.get(feature_cache.sequence_key(grown.tokens[s:e], grown.loss_mask[s:e]))
+            if known is not None:  # copied from the outdated cache, bit for bit
+                assert np.array_equal(grown.hidden[s:e], known)
+                copied += e - s
+            else:
+                new += e - s
+    assert copied > 0 and new > 0
+    assert ran_grown == new and sum(ran) == copied + new  # the target ran over the new sequences only
+    assert not list(cache.glob("*.previous"))  # the outdated caches are gone once both splits are built
+
+
 def test_config_errors_are_one_line_medusa_errors(setup, tmp_path):
     with pytest.raises(MedusaError, match="lora"):
         config(setup, tmp_path, lora=True, cache_dir=str(tmp_path / "c"))

@@ -10,8 +10,11 @@ but its final hidden state at ``t`` and (for self-distillation) its distribution
 * ``tokens`` ``[N]``, ``loss_mask`` ``[N]`` and ``offsets`` ``[S + 1]`` (sequence bounds).
 
 Files are ``.npy`` (read memory-mapped, nothing pickled). ``meta.json`` is written last and
-carries a fingerprint of model and token ids: a cache for other data is rebuilt, never reused.
-Several processes build one cache together, each writing its own sequences.
+carries a fingerprint of model and token ids: a cache for other data is rebuilt, never reused
+as a whole. A rebuild copies the rows of every sequence an earlier cache of the same weights
+already holds (matched by a digest of its token ids and loss mask, in either split), so adding
+a data file runs the target over the new sequences only. Several processes build one cache
+together, each writing its own sequences.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from medusa.training.data import DataSplits, Example
 from medusa.training.losses import HeadTargets
 
 META = "meta.json"
+FEATURES = ("hidden", "teacher_ids", "teacher_logp")
+PREVIOUS = ".previous"  # an outdated cache set aside while its successor copies from it
 
 
 def weights_identity(model: nn.Module) -> str:
@@ -59,6 +64,53 @@ def fingerprint(model: nn.Module, examples: list[Example], topk: int) -> str:
         h.update(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
         h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
     return h.hexdigest()[:16]
+
+
+def sequence_key(input_ids, loss_mask) -> bytes:
+    """A digest of one sequence's token ids and loss mask: two cached sequences with the same
+    key (and the same weights) hold the same features."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Donor:
+    """A complete earlier cache whose rows a rebuild copies instead of running the target."""
+
+    arrays: dict[str, np.ndarray]  # FEATURES, memory-mapped read-only
+    rows: dict[bytes, int]  # sequence key -> first row
+
+    @classmethod
+    def find(cls, folders: list[Path], weights: str, topk: int, hidden_size: int) -> list[Donor]:
+        """The complete caches among ``folders`` built from the same weights with the same
+        top-k and width (caches written before the weights were recorded are not used)."""
+        donors = []
+        for folder in folders:
+            meta = folder / META
+            info = json.loads(meta.read_text()) if meta.is_file() else {}
+            if (info.get("weights"), info.get("topk"), info.get("hidden_size")) != (weights, topk, hidden_size):
+                continue
+            tokens, mask = np.load(folder / "tokens.npy"), np.load(folder / "loss_mask.npy")
+            offsets = np.load(folder / "offsets.npy", allow_pickle=False)
+            rows = {sequence_key(tokens[s:e], mask[s:e]): int(s) for s, e in zip(offsets[:-1], offsets[1:])}
+            arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in FEATURES}
+            donors.append(cls(arrays, rows))
+        return donors
+
+
+def set_aside(folder: Path) -> None:
+    """Move a complete but outdated cache to ``folder.previous`` (replacing an older one there),
+    so its successor can be built in ``folder`` while copying rows from it."""
+    import shutil
+
+    if not (folder / META).is_file():
+        return  # none, or a build that was interrupted: overwritten in place
+    previous = folder.with_name(folder.name + PREVIOUS)
+    if previous.exists():
+        shutil.rmtree(previous)
+    folder.rename(previous)
 
 
 @dataclass
@@ -136,12 +188,15 @@ def length_groups(order: list[int], lengths: np.ndarray, batch_tokens: int) -> I
 def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                 examples: list[Example], hidden_size: int, topk: int, fp: str, rank: int = 0, world: int = 1,
                 barrier: Callable[[], None] = lambda: None, device: torch.device | str = "cpu",
-                batch_tokens: int = 4096, progress: Callable[[int], None] | None = None) -> None:
+                batch_tokens: int = 4096, progress: Callable[[int], None] | None = None,
+                donors: list[Donor] = (), meta: dict | None = None) -> int:
     """Run the target once over ``examples`` and store what the heads need.
 
     ``target_fn(input_ids [B, T], attention_mask [B, T]) -> (hidden [B, T, H], logits [B, T, V])``.
     Rank ``r`` of ``world`` writes sequences ``r, r + world, ...``; rank 0 creates the files
-    and finally writes ``meta.json``; ``barrier`` synchronises the processes.
+    and finally writes ``meta.json`` (with ``meta`` added); ``barrier`` synchronises the
+    processes. A sequence one of ``donors`` holds is copied from it, not run. Returns the
+    tokens this rank copied.
     """
     folder = Path(folder)
     lengths = np.array([len(ex) for ex in examples], dtype=np.int64)
@@ -159,8 +214,48 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
         np.save(folder / "offsets.npy", offsets)
     barrier()
     arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r+") for name in files}
-    for group in length_groups(sorted(range(rank, len(examples), world), key=lambda i: lengths[i]), lengths,
-                               batch_tokens):
+    todo, copied = _copy_known(arrays, examples, range(rank, len(examples), world), offsets, donors)
+    if progress is not None and copied:
+        progress(copied)
+    _run_target_over(arrays, target_fn, examples, sorted(todo, key=lambda i: lengths[i]), offsets, topk, device,
+                     batch_tokens, progress)
+    for arr in arrays.values():
+        arr.flush()
+    del arrays
+    barrier()
+    if rank == 0:
+        with atomic_file(folder / META) as tmp:
+            tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
+                                       "hidden_size": hidden_size, **(meta or {})}) + "\n")
+    barrier()
+    return copied
+
+
+def _copy_known(arrays: dict[str, np.ndarray], examples: list[Example], mine, offsets: np.ndarray,
+                donors: list[Donor]) -> tuple[list[int], int]:
+    """Copy the rows of the sequences ``mine`` that a donor holds; return the others and the
+    number of tokens copied."""
+    todo, copied = [], 0
+    for e in mine:
+        key = sequence_key(examples[e].input_ids, examples[e].loss_mask) if donors else None
+        donor = next((d for d in donors if key in d.rows), None)
+        if donor is None:
+            todo.append(e)
+            continue
+        s, L, src = int(offsets[e]), len(examples[e]), donor.rows[key]
+        for name in FEATURES:
+            arrays[name][s: s + L] = donor.arrays[name][src: src + L]
+        copied += L
+    return todo, copied
+
+
+def _run_target_over(arrays: dict[str, np.ndarray], target_fn, examples: list[Example], order: list[int],
+                     offsets: np.ndarray, topk: int, device, batch_tokens: int,
+                     progress: Callable[[int], None] | None) -> None:
+    """Run the target over the sequences ``order`` (sorted by length) in padded batches and
+    write their rows."""
+    lengths = np.diff(offsets)
+    for group in length_groups(order, lengths, batch_tokens):
         width = int(lengths[group[-1]])
         ids = torch.zeros((len(group), width), dtype=torch.long)
         attn = torch.zeros((len(group), width), dtype=torch.long)
@@ -178,15 +273,6 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
             arrays["teacher_logp"][s: s + L] = top_logp[b, :L].cpu().numpy().astype(np.float16)
         if progress is not None:
             progress(int(lengths[group].sum()))
-    for arr in arrays.values():
-        arr.flush()
-    del arrays
-    barrier()
-    if rank == 0:
-        with atomic_file(folder / META) as tmp:
-            tmp.write_text(json.dumps({"fingerprint": fp, "tokens": n, "sequences": len(examples), "topk": topk,
-                                       "hidden_size": hidden_size}) + "\n")
-    barrier()
 
 
 def run_target(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,25 +298,39 @@ def target_kernels(kernels: str, target: nn.Module):
 def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: Any) -> dict[str, FeatureCache]:
     """The feature caches of both splits in ``cfg.cache_dir``, built by running the target
     once where missing. Heads and draft training compute the same fingerprint, so the same
-    data settings and ``cache_dir`` share one cache."""
+    data settings and ``cache_dir`` share one cache. A rebuild (other data) copies every
+    sequence the outdated caches of the same weights hold and runs the target over the rest."""
     from tqdm.auto import tqdm
 
     caches: dict[str, FeatureCache] = {}
     vocab, hidden_size = target.get_output_embeddings().weight.shape
     topk = min(cfg.teacher_topk, vocab)
-    world = accelerator.num_processes
-    for split, examples in (("train", splits.train), ("eval", splits.eval)):
-        if not examples:
-            continue
-        folder = Path(cfg.cache_dir) / split
-        fp = fingerprint(target, examples, topk)
-        if not is_complete(folder, fp):
+    world, root, weights = accelerator.num_processes, Path(cfg.cache_dir), weights_identity(target)
+    wanted = [(split, ex, fingerprint(target, ex, topk)) for split, ex in (("train", splits.train), ("eval", splits.eval))
+              if ex]
+    stale = [split for split, _, fp in wanted if not is_complete(root / split, fp)]
+    if stale and accelerator.is_main_process:
+        for split in stale:
+            set_aside(root / split)
+    accelerator.wait_for_everyone()
+    # the outdated caches, and a split that is up to date (a sequence may change splits)
+    donors = Donor.find([root / (split + PREVIOUS) for split in ("train", "eval")]
+                        + [root / split for split, _, _ in wanted if split not in stale], weights, topk, hidden_size)
+    for split, examples, fp in wanted:
+        folder = root / split
+        if split in stale:
             bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
                        disable=not accelerator.is_main_process)
             with target_kernels(cfg.cache_kernels, target):
                 build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
                             accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
-                            cfg.cache_batch_tokens, bar.update)
+                            cfg.cache_batch_tokens, bar.update, donors, {"weights": weights})
             bar.close()
         caches[split] = FeatureCache.open(folder)
+    accelerator.wait_for_everyone()
+    if stale and accelerator.is_main_process:  # every split is built: the outdated caches go
+        import shutil
+
+        for split in ("train", "eval"):
+            shutil.rmtree(root / (split + PREVIOUS), ignore_errors=True)
     return caches
