@@ -68,3 +68,17 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(tmp_
     blocker.write_text("")
     with pytest.raises(MedusaError, match=r"cannot write the answers to .*a-file/sd.jsonl: .*pass --output"):
         main(["--model", str(tmp_path / "not-loaded"), "--output", str(blocker / "sd.jsonl")])
+
+
+def test_a_run_that_fails_before_its_first_answer_leaves_no_empty_output(tmp_path):
+    # the writability probe creates the file; a model that cannot load must not leave it behind
+    # (an empty file would look like a started run to the next one and to the data tools)
+    out = tmp_path / "new" / "sd.jsonl"
+    with pytest.raises(MedusaError, match="model not found"):
+        main(["--model", str(tmp_path / "no-such-model"), "--output", str(out)])
+    assert not out.exists()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text('{"id": "a"}\n')  # an earlier run's answers stay as they are
+    with pytest.raises(MedusaError, match="model not found"):
+        main(["--model", str(tmp_path / "no-such-model"), "--output", str(kept)])
+    assert kept.read_text() == '{"id": "a"}\n'

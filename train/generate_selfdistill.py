@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(cfg.output)
     try:  # before the model loads: a path that cannot be written fails in a second, not after
         out.parent.mkdir(parents=True, exist_ok=True)
+        existed = out.exists()
         out.open("a").close()
+        if not existed:  # probed only: a run that fails before its first answer leaves no empty file
+            out.unlink()
     except OSError as err:
         raise MedusaError(f"cannot write the answers to {out}: {err.strerror}; pass --output with a writable path") from None
     torch.manual_seed(cfg.seed)

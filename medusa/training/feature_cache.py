@@ -56,10 +56,11 @@ def weights_identity(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(model: nn.Module, examples: list[Example], topk: int) -> str:
-    """Keyed on the weights' identity, not the model's name: a re-saved model with the same
-    name must not reuse features of its old weights."""
-    h = hashlib.sha256(f"{weights_identity(model)}|{topk}|{len(examples)}".encode())
+def fingerprint(model: nn.Module, examples: list[Example], topk: int, weights: str | None = None) -> str:
+    """Keyed on the weights' identity (``weights``: :func:`weights_identity` of ``model``, when
+    the caller has it), not the model's name: a re-saved model with the same name must not
+    reuse features of its old weights."""
+    h = hashlib.sha256(f"{weights or weights_identity(model)}|{topk}|{len(examples)}".encode())
     for ex in examples:
         h.update(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
         h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
@@ -306,7 +307,7 @@ def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: An
     vocab, hidden_size = target.get_output_embeddings().weight.shape
     topk = min(cfg.teacher_topk, vocab)
     world, root, weights = accelerator.num_processes, Path(cfg.cache_dir), weights_identity(target)
-    wanted = [(split, ex, fingerprint(target, ex, topk)) for split, ex in (("train", splits.train), ("eval", splits.eval))
+    wanted = [(split, ex, fingerprint(target, ex, topk, weights)) for split, ex in (("train", splits.train), ("eval", splits.eval))
               if ex]
     stale = [split for split, _, fp in wanted if not is_complete(root / split, fp)]
     if stale and accelerator.is_main_process:
