@@ -282,6 +282,8 @@ class Chat:
                 return True
             self.mode = arg
             say(self.style.dim(f"[mode: {arg}]"))
+            if self.engine.compile_mode == "auto":  # this mode's pass sizes: loaded, or built in the background
+                prepare_auto(self.engine, arg, self.args, self.style)
         elif name == "/stats":
             say(self.session_stats())
         elif name == "/save":
@@ -372,10 +374,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--compile", action="store_true",
-                   help="static KV cache and a torch.compile'd verification pass (CUDA graphs on CUDA), "
-                        "compiled for every pass size before the first message (minutes the first time; "
-                        "on the CPU the compiled passes are saved, so later starts load them in seconds)")
+    p.add_argument("--compile", nargs="?", const="on", choices=("auto", "on", "off"),
+                   default=os.environ.get("MEDUSA_COMPILE", "auto"),
+                   help="auto (the default; MEDUSA_COMPILE sets another): on a CPU in float32, the pass sizes "
+                        "this machine has saved run compiled and the others eagerly while python -m "
+                        "infer.precompile compiles them in the background, at low priority (a --prompt answer "
+                        "stays eager); on: static KV cache and a torch.compile'd pass (CUDA graphs on CUDA), "
+                        "every pass size compiled before the first message (minutes the first time on a CPU, "
+                        "then saved); off: eager")
     p.add_argument("--kernels", choices=("default", "onednn"),
                    help="linear kernels: torch's default or packed oneDNN weights on a CPU (default: the faster here, "
                         "measured once and cached)")
@@ -413,7 +419,7 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
             heads = str(SHIPPED_HEADS)  # the default heads are EAGLE heads; mode medusa needs Medusa ones
         # --tree goes with each call (pick_mode says when the loaded heads cannot use it)
         engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
-                             compile=args.compile, kernels=args.kernels,
+                             compile={"on": True, "off": False, "auto": "auto"}[args.compile], kernels=args.kernels,
                              draft_dtype=args.draft_dtype)
     # medusa's own warnings (e.g. an undistilled default draft) are notes for the user; they
     # point into medusa or at this caller. Other libraries' warnings are noise here.
@@ -447,7 +453,7 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
 
 
 def precompile(engine: Engine, mode: str, args: argparse.Namespace, style: Style) -> None:
-    """--compile: every pass size the mode can use is ready now, not inside the first answers
+    """--compile on: every pass size the mode can use is ready now, not inside the first answers
     (on the CPU each size compiles once per machine and is saved; later starts load it)."""
     t0 = time.perf_counter()
     say(style.dim("preparing the compiled verification pass (compiled once and saved, loaded after) ..."))
@@ -455,6 +461,49 @@ def precompile(engine: Engine, mode: str, args: argparse.Namespace, style: Style
                                 progress=lambda rows, s: say(style.dim(f"  {rows} rows: {s:.1f} s")))
     n = len(buckets)
     say(style.dim(f"{n} pass size{'s' if n != 1 else ''} ready in {time.perf_counter() - t0:.1f} s"))
+
+
+def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Style) -> None:
+    """--compile auto: load the pass sizes this machine has saved, and start compiling the others
+    in the background (``python -m infer.precompile`` at low priority; the chat picks each size
+    up once saved). Nothing compiles in this process."""
+    import subprocess
+
+    import torch
+
+    from medusa.decoding.compiled import lock_holder
+
+    t0 = time.perf_counter()
+    sizes = engine.pass_sizes(mode, args.tree)
+    missing = engine.unsaved_passes(mode, args.tree)
+    ready = [s for s in sizes if s not in missing]
+    if ready:
+        engine.compile_sizes(ready)
+        say(style.dim(f"compiled passes: {_sizes(ready)} loaded in {time.perf_counter() - t0:.1f} s"))
+    if not missing:
+        return
+    saved = engine.saved_passes
+    lock = saved.lock_path()
+    holder = lock_holder(lock)
+    if holder is None:
+        log = saved.folder / "precompile.log"
+        saved.folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "infer.precompile", "--sizes", ",".join(map(str, missing)), "--kernels",
+               engine.kernels, "--threads", str(torch.get_num_threads()), "--nice", "19"]
+        cmd += ["--model", args.model] if args.model else []
+        with open(log, "a", encoding="utf-8") as out:
+            holder = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True).pid  # same cwd: a relative --model is the same
+        started = f"compiling them in the background at low priority (pid {holder}, log {log})"
+    else:
+        started = (f"process {holder} is compiling passes of this model already (python -m infer.precompile "
+                   f"--sizes {','.join(map(str, missing))} after it, for any it leaves out)")
+    say(style.dim(f"compiled passes: {_sizes(missing)} not saved on this machine yet, so eager for now; {started}; "
+                  "each runs compiled once saved (--compile off: never)"))
+
+
+def _sizes(sizes: list[int]) -> str:
+    return f"size{'s' if len(sizes) != 1 else ''} {', '.join(map(str, sizes))}"
 
 
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
@@ -493,6 +542,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
                      f"({tree.num_nodes} nodes, depth {tree.max_depth})")
     if args.draft is not None:
         lines.append(f"draft   {args.draft}")
+    if args.compile == "auto" and engine.compile_mode == "off":  # the auto pick said no: say why
+        lines.append(f"passes  {engine.compile_reason}")
     lines.append(f"mode    {mode} · {sampling_label(sampling_config(args))} · up to {args.max_new_tokens} new tokens")
     if args.show_accepted:
         lines.append("colours " + style.drafted("drafted and accepted") + " · plain: the target's own token")
@@ -568,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         say(style.dim(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded)'} ..."))
         from medusa.errors import MedusaError
 
+        if prompt is not None and args.compile == "auto":
+            args.compile = "off"  # one answer does not repay loading compiled passes (README "Chat")
         try:
             sampling_config(args)
             engine = load_engine(args, style)
@@ -592,8 +645,10 @@ def main(argv: list[str] | None = None) -> int:
                             "(python -m infer.bench runs plain prompts)"))
             return EXIT_USER_ERROR
         say(style.dim(banner(args, engine, mode, window, style)))
-        if engine.compiled:
+        if engine.compile_mode == "on":
             precompile(engine, mode, args, style)
+        elif engine.compile_mode == "auto":
+            prepare_auto(engine, mode, args, style)
         chat = Chat(engine, args, mode, style, window)
         if prompt is not None:
             return chat.answer(prompt, sys.stdout)

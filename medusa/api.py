@@ -61,7 +61,7 @@ def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
     """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``;
     with ``compile`` none is picked: compiled passes are exact in float32 only (the Engine
     refuses exact attention with them), so the loaded dtype is kept."""
-    if not compile:
+    if not compile or compile == "auto":  # auto compiles only where the pick is float32 (Engine)
         return adopt_picked_dtype(lm, cache_root() / "dtype.json")
     lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), "compile=True: the loaded dtype is kept "
                                   "(compiled passes are not exact in bfloat16 yet, README \"Compiled\")", {})
@@ -91,11 +91,11 @@ def load(
     ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set. ``tree`` shapes the
     static tree of Medusa heads; eagle heads grow theirs per step, so a tree with them is an error.
 
-    ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the
-    verification pass with ``torch.compile`` (CUDA graphs on CUDA; a string picks another
-    backend); each pass size compiles once (``engine.precompile(mode)``: all of a mode's, now),
-    saved on the CPU for later processes to load. Compiled passes are exact in float32 only:
-    the dtype pick is skipped (the target keeps its loaded dtype), bfloat16/float16 is refused.
+    ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the pass with
+    ``torch.compile`` (CUDA graphs on CUDA; a string names a backend) once per size, saved on the
+    CPU for later processes (``engine.precompile(mode)``: a mode's sizes, now); float32 only (the
+    dtype pick is skipped). ``"auto"`` (the chat's default): the dtype is picked, and on a CPU in
+    float32 the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the

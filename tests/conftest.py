@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The chat's default (--compile auto) starts compiling its passes in a background process on a
+# CPU; the chat tests run it eagerly, and tests/test_compile_auto.py asks for auto itself.
+os.environ["MEDUSA_COMPILE"] = "off"
 # Tokenised rows are cached in the datasets cache: the tests (and the runs they launch) use a
 # fresh one, so nothing is read from or left in the user's.
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="medusa-tests-datasets-")

@@ -20,7 +20,12 @@ unmarked (a loaded graph refuses marked inputs).
 
 Where a size cannot be compiled this way (a graph break, a guard that cannot be saved) or a
 saved graph refuses a pass's inputs, the pass falls back to ``torch.compile``'s per-process
-tracing for good, with a warning; ``fallback`` says why. Saved files are pickles this package
+tracing for good, with a warning; ``fallback`` says why.
+
+``build=False`` (the engine's ``compile="auto"``) never compiles in the process: a size that is
+saved runs its graph, any other runs eagerly, and a missing size is looked for again every
+``RECHECK_S`` seconds, so the graphs a background build (``python -m infer.precompile``, which
+the chat starts) saves are picked up while the process runs. Saved files are pickles this package
 wrote itself into the user's cache, never files from the Hub. A load touches its file, and
 saving a new one deletes those no process loaded for ``STALE_DAYS`` (:func:`prune`), so the
 files of old versions and configs do not pile up.
@@ -46,6 +51,7 @@ from medusa.decoding import kernels as packed
 
 PREFIX, SLOTS = 4, 256  # the throwaway cache a graph is traced on: its contents do not matter
 STALE_DAYS = 30  # a saved pass no process loaded for this long is deleted when another is saved
+RECHECK_S = 5.0  # build=False: how often a missing size's file is looked for again
 
 
 def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
@@ -96,18 +102,27 @@ class SavedPasses:
     ones it loaded; ``fallback`` is None, or why passes went back to per-process tracing."""
 
     def __init__(self, model: PreTrainedModel, folder: Path, backend: str = "inductor",
-                 kernels: str = "default") -> None:
-        self.folder, self.backend = Path(folder), backend
+                 kernels: str = "default", build: bool = True) -> None:
+        self.folder, self.backend, self.build = Path(folder), backend, build
         self.key = fingerprint(model, kernels, backend)
         self.graphs: dict[Path, object] = {}  # by file: pass size and thread count
         self.traced: list[int] = []
         self.loaded: list[int] = []
         self.fallback: str | None = None
         self._traced_fn = None
+        self._looked: dict[Path, float] = {}  # build=False: when a missing file was last looked for
 
     def path(self, rows: int) -> Path:
         # inductor's CPU kernels bake in the thread count (and the graph guards on it)
         return self.folder / f"pass-{self.key}-t{torch.get_num_threads()}-{rows}.bin"
+
+    def missing(self, sizes: list[int]) -> list[int]:
+        """The pass ``sizes`` neither loaded here nor saved for this machine and thread count."""
+        return [rows for rows in sizes if self.path(rows) not in self.graphs and not self.path(rows).is_file()]
+
+    def lock_path(self) -> Path:
+        """The file a background build of these passes holds while it runs (:func:`build_lock`)."""
+        return self.folder / f"build-{self.key}-t{torch.get_num_threads()}.lock"
 
     def __call__(self, model, input_ids, position_ids, cache, mask, logits_rows=None, cache_arg=None):
         if self.fallback is None:
@@ -120,6 +135,8 @@ class SavedPasses:
                     if "GuardManager check failed" not in str(e):
                         raise
                     self._fall_back(f"a saved pass graph refused this pass's inputs ({_guard_reason(e)})")
+        if not self.build:  # never compiled here: a size not saved (yet) runs eagerly
+            return kv.forward(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows, cache_arg=cache_arg)
         kv.mark_capacity_dynamic(cache, mask)  # per-process tracing: one graph per size, any capacity
         return self._traced()(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows,
                               cache_arg=cache_arg)
@@ -131,6 +148,11 @@ class SavedPasses:
         path = self.path(rows)
         if self.fallback is not None or path in self.graphs:
             return self.graphs.get(path)
+        if not self.build:
+            now = time.monotonic()
+            if now - self._looked.get(path, -RECHECK_S) < RECHECK_S:
+                return None
+            self._looked[path] = now
         if path.is_file():
             try:
                 with open(path, "rb") as f:
@@ -139,8 +161,11 @@ class SavedPasses:
                 _touch(path)  # in use: not stale (prune)
                 return self.graphs[path]
             except Exception as e:  # noqa: BLE001 - any unreadable cache file is compiled again
-                warnings.warn(f"medusa: the saved pass {path} could not be loaded ({_first_line(e)}); compiling it again",
+                again = "compiling it again" if self.build else "running that size eagerly"
+                warnings.warn(f"medusa: the saved pass {path} could not be loaded ({_first_line(e)}); {again}",
                               RuntimeWarning, stacklevel=2)
+        if not self.build:
+            return None
         try:
             graph = self._compile(model, rows, cache_arg)
         except Exception as e:  # noqa: BLE001 - dynamo's many error types: a graph break, an unsavable guard
@@ -165,8 +190,8 @@ class SavedPasses:
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason
-        warnings.warn(f"medusa: {reason}; this engine traces its compiled passes in each process from now on",
-                      RuntimeWarning, stacklevel=3)
+        then = "traces its compiled passes in each process" if self.build else "runs its passes eagerly"
+        warnings.warn(f"medusa: {reason}; this engine {then} from now on", RuntimeWarning, stacklevel=3)
 
     def _traced(self):
         if self._traced_fn is None:
@@ -206,3 +231,41 @@ def _guard_reason(error: BaseException) -> str:
     """The failed guard's own words from dynamo's message (its ``verbose_code_parts``)."""
     parts = re.search(r"verbose_code_parts=\[(.*?)\]", str(error), re.S)
     return parts.group(1).strip()[:300] if parts else _first_line(error)
+
+
+def build_lock(path: Path) -> int | None:
+    """Take the lock file ``path`` for this process (None), or return the pid of the live
+    process that holds it. A lock left by a process that died is taken over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = path.with_name(f"{path.name}.{os.getpid()}")
+    mine.write_text(str(os.getpid()))  # linked in whole: no process ever reads a half-written lock
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, path)
+                return None
+            except FileExistsError:
+                holder = lock_holder(path)
+                if holder is not None:
+                    return holder
+                path.unlink(missing_ok=True)  # its process is gone
+        return lock_holder(path)
+    finally:
+        mine.unlink(missing_ok=True)
+
+
+def lock_holder(path: Path) -> int | None:
+    """The pid written in the lock file ``path`` if that process is alive, else None."""
+    try:
+        pid = int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
