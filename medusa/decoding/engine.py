@@ -475,7 +475,8 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                 sampling: SamplingConfig, max_new_tokens: int, static: bool) -> DecodeState:
+                 sampling: SamplingConfig, max_new_tokens: int, static: bool | None = None) -> DecodeState:
+        static = self.static_cache if static is None else static  # compile="auto" decides per generation
         cache, start, share = None, 0, CacheShare()
         if state is not None and kv.is_static(state.cache) == static:
             cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
@@ -530,7 +531,7 @@ class Engine:
         else:
             mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,
                                                                          self.model.dtype)
-        forward = self._pass if compiled else kv.forward
+        forward = kv.forward if self._compiled and not static else self._pass  # auto, nothing saved yet: eager
         logits, hidden = forward(self.model, tokens[None], positions, state.cache, mask, cache_arg=self._cache_arg)
         logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified
         if compiled and self._clone_outputs:
