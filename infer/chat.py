@@ -465,8 +465,8 @@ def precompile(engine: Engine, mode: str, args: argparse.Namespace, style: Style
 
 def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Style) -> None:
     """--compile auto: load the pass sizes this machine has saved, and start compiling the others
-    in the background (``python -m infer.precompile`` at low priority; the chat picks each size
-    up once saved). Nothing compiles in this process."""
+    in the background (``python -m infer.precompile`` at low priority; once all are saved, the
+    next answer runs compiled). Nothing compiles in this process."""
     import subprocess
 
     import torch
@@ -475,7 +475,7 @@ def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Sty
 
     t0 = time.perf_counter()
     sizes = engine.pass_sizes(mode, args.tree)
-    missing = engine.unsaved_passes(mode, args.tree)
+    missing = engine.saved_passes.missing(sizes)
     ready = [s for s in sizes if s not in missing]
     if ready:
         engine.compile_sizes(ready)
@@ -499,7 +499,7 @@ def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Sty
         started = (f"process {holder} is compiling passes of this model already (python -m infer.precompile "
                    f"--sizes {','.join(map(str, missing))} after it, for any it leaves out)")
     say(style.dim(f"compiled passes: {_sizes(missing)} not saved on this machine yet, so eager for now; {started}; "
-                  "each runs compiled once saved (--compile off: never)"))
+                  "answers run compiled once all are saved (--compile off: never)"))
 
 
 def _sizes(sizes: list[int]) -> str:
