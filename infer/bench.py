@@ -8,6 +8,13 @@ so that machine noise hits every mode alike. Speed is reported as tokens/s and a
 to ``hf`` (transformers' own ``generate``) measured in this run; greedy outputs are checked
 token for token against ``hf``.
 
+``hf`` runs the engine's own loaded target (its dtype and, in half precision, its
+batch-invariant attention), so that outputs can match token for token. ``hf-float32`` and
+``hf-bfloat16`` run ``generate`` on a copy loaded as a user would for transformers alone (that
+dtype, transformers' default attention, torch's kernels): the speed a user compares with
+where another dtype runs ``generate`` faster (on one AMX Xeon float32 did). Their outputs are
+compared too, and may differ where the dtype or the attention differs.
+
 Modes ``eagle`` and ``eagle-hybrid`` (the eagle tree plus the lookup chain) run the EAGLE
 heads of ``--eagle-heads`` (default: those shipped for the embedded model) on the same loaded
 target, so that Medusa heads (``medusa``, ``hybrid``) and EAGLE heads compare in one run.
@@ -153,12 +160,13 @@ def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationC
                             **{**args.sampling.hf_generate_kwargs(), **extra})
 
 
-def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, **kwargs) -> Run:
+def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, model=None, **kwargs) -> Run:
+    """``generate`` on the engine's target (or on ``model``, another copy of it), timed."""
     x = torch.tensor([ids], device=engine.device)
     _sync(engine)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = engine.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs)
+        out = (model or engine.model).generate(x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs)
     _sync(engine)
     seconds = time.perf_counter() - t0
     return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
@@ -193,6 +201,36 @@ def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     run = hf_generate(engine, ids, _hf_config(engine, args))
     run.steps = len(run.tokens)
     return run
+
+
+PLAIN_DTYPES = ("float32", "bfloat16")  # hf-float32, hf-bfloat16: transformers as a user loads the target
+
+
+def run_hf_as_loaded(engine: Engine, ids: list[int], args: argparse.Namespace, *, dtype: str) -> Run:
+    """transformers ``generate`` on the target as a user loads it for transformers alone: its
+    own copy in ``dtype`` with transformers' default attention and torch's kernels. ``hf``
+    runs the engine's own target, in the engine's dtype, with its attention (batch-invariant
+    in half precision); on a device where another dtype or attention runs ``generate``
+    faster, that is the speed a user would compare with."""
+    if not args.sampling.greedy and args.sampling.seed is not None:
+        torch.manual_seed(args.sampling.seed)
+    run = hf_generate(engine, ids, _hf_config(engine, args), model=args.plain_targets[dtype])
+    run.steps = len(run.tokens)
+    return run
+
+
+for _dtype in PLAIN_DTYPES:
+    mode(f"hf-{_dtype}")(functools.partial(run_hf_as_loaded, dtype=_dtype))
+
+
+def plain_targets(modes: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, torch.nn.Module]:
+    """The copies of the target that the hf-DTYPE modes run, loaded before any timing."""
+    from medusa.models.target import load_target
+
+    wanted = [d for d in PLAIN_DTYPES if f"hf-{d}" in modes]
+    if "bfloat16" in wanted and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise MedusaError("mode hf-bfloat16 needs bfloat16, which this GPU lacks: drop it")
+    return {d: load_target(args.model, device=device, dtype=d)[0] for d in wanted}
 
 
 HF_STATIC_MIN = 2048  # hf-compile's cache slots: one size for every prompt, so generate compiles once
@@ -482,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             args.compiled_engine = _compiled_twin(engine, engine.heads, proposers)
             if args.eagle_engine is not None:
                 args.compiled_eagle_engine = _compiled_twin(args.eagle_engine, args.eagle_engine.heads, proposers)
+        args.plain_targets = plain_targets(modes, args, engine.device)
         for p in prompts:
             p.ids = encode(engine, p.text)
         reference = "hf" if "hf" in modes else None

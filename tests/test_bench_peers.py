@@ -1,0 +1,54 @@
+"""The bench's transformers peers as a user loads them: hf-float32 and hf-bfloat16 beside hf."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from train_fixtures import tiny_target
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from infer import bench
+
+
+def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(tmp_path):
+    folder = tiny_target(tmp_path / "model")
+    out = tmp_path / "bench.json"
+    args = ["--model", str(folder), "--dtype", "bfloat16", "--limit", "2", "--max-new-tokens", "10",
+            "--modes", "hf,hf-float32,hf-bfloat16,baseline", "--json", str(out)]
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert result["meta"]["dtype"] == "torch.bfloat16"  # the engine (and hf) in bfloat16, the peers in their own
+    assert modes["baseline"]["identical"] == 2  # the engine's promise holds against hf, on the engine's target
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = bench.read_prompts(bench.DEFAULT_PROMPTS, limit=2)
+    for dtype in ("float32", "bfloat16"):
+        # what a user runs for transformers alone: that dtype, transformers' default attention
+        plain = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+        assert plain.config._attn_implementation == "sdpa"
+        config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=[tok.eos_token_id],
+                                  pad_token_id=tok.pad_token_id)
+        for prompt, run in zip(prompts, modes[f"hf-{dtype}"]["per_prompt"], strict=True):
+            ids = torch.tensor([bench.encode(SimpleNamespace(tokenizer=tok), prompt.text)])
+            with torch.inference_mode():
+                want = plain.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, ids.shape[1]:]
+            assert run["tokens"] == want.tolist(), dtype
+        assert modes[f"hf-{dtype}"]["tokens_per_second"] > 0
+
+
+def test_hf_dtype_modes_need_nothing_else_and_unknown_dtypes_are_unknown_modes(tmp_path, capsys):
+    folder = tiny_target(tmp_path / "model")
+    assert bench.main(["--model", str(folder), "--limit", "1", "--max-new-tokens", "4", "--modes", "hf-float32"]) == 0
+    assert "hf-float32" in capsys.readouterr().out
+    assert bench.main(["--model", str(folder), "--limit", "1", "--modes", "hf-float16"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown mode(s) hf-float16" in err and "hf-float32" in err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_targets_load_only_the_copies_asked_for(tmp_path, dtype):
+    folder = tiny_target(tmp_path / "model")
+    copies = bench.plain_targets(["hf", f"hf-{dtype}"], SimpleNamespace(model=str(folder)), torch.device("cpu"))
+    assert list(copies) == [dtype] and copies[dtype].dtype == getattr(torch, dtype)
+    assert bench.plain_targets(["hf", "baseline"], SimpleNamespace(model=str(folder)), torch.device("cpu")) == {}
