@@ -387,6 +387,21 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
     return out
 
 
+TRANSFORMERS_PEERS = ("hf", "hf-compile", *(f"hf-{d}" for d in PLAIN_DTYPES))  # plain generate, as a user runs it
+
+
+def against_fastest_peer(summary: dict) -> str | None:
+    """A line naming the fastest plain transformers ``generate`` of the run (where several
+    ran: ``hf`` and ``hf-float32``, say) and every other mode's speed as a multiple of it."""
+    peers = {name: s["tokens_per_second"] for name, s in summary.items() if name in TRANSFORMERS_PEERS}
+    if len(peers) < 2:
+        return None
+    best = max(peers, key=peers.get)
+    others = ", ".join(f"{name} {s['tokens_per_second'] / peers[best]:.2f}x" for name, s in summary.items()
+                       if name not in peers and peers[best] > 0)
+    return f"fastest transformers generate here: {best} ({peers[best]:.1f} tokens/s)" + (f"; {others}" if others else "")
+
+
 def table(summary: dict, reference: str | None) -> str:
     head = f"| mode | tokens/s | speedup vs {reference or '-'} | tau | identical to {reference or '-'} |"
     lines = [head, "|---|---|---|---|---|"]
@@ -538,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = summarise(prompts, runs, reference, sampled=not args.sampling.greedy)
     print(table(summary, reference))
+    fastest = against_fastest_peer(summary)
+    if fastest:
+        print(fastest)
     meta = {"model": args.model or "embedded default", "heads": args.heads or "default", "max_new_tokens": args.max_new_tokens,
             "draft": draft, "draft_tokens": args.draft_tokens, "adaptive_draft": args.adaptive_draft,
             "draft_confidence": args.draft_confidence,
@@ -549,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
             "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds,
-            "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None}
+            "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None,
+            "fastest_transformers": fastest}
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from infer import bench
 
 
-def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(tmp_path):
+def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(tmp_path, capsys):
     folder = tiny_target(tmp_path / "model")
     out = tmp_path / "bench.json"
     args = ["--model", str(folder), "--dtype", "bfloat16", "--limit", "2", "--max-new-tokens", "10",
@@ -19,6 +19,11 @@ def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(t
     assert bench.main(args) == 0
     result = json.loads(out.read_text())
     modes = result["modes"]
+    speed = {m: modes[m]["tokens_per_second"] for m in modes}
+    fastest = max(("hf", "hf-float32", "hf-bfloat16"), key=speed.get)
+    line = f"fastest transformers generate here: {fastest} ({speed[fastest]:.1f} tokens/s); " \
+           f"baseline {speed['baseline'] / speed[fastest]:.2f}x"
+    assert line in capsys.readouterr().out and result["meta"]["fastest_transformers"] == line
     assert result["meta"]["dtype"] == "torch.bfloat16"  # the engine (and hf) in bfloat16, the peers in their own
     assert modes["baseline"]["identical"] == 2  # the engine's promise holds against hf, on the engine's target
     tok = AutoTokenizer.from_pretrained(folder)
@@ -52,3 +57,11 @@ def test_plain_targets_load_only_the_copies_asked_for(tmp_path, dtype):
     copies = bench.plain_targets(["hf", f"hf-{dtype}"], SimpleNamespace(model=str(folder)), torch.device("cpu"))
     assert list(copies) == [dtype] and copies[dtype].dtype == getattr(torch, dtype)
     assert bench.plain_targets(["hf", "baseline"], SimpleNamespace(model=str(folder)), torch.device("cpu")) == {}
+
+
+def test_the_fastest_transformers_peer_is_named_with_every_other_mode_against_it():
+    summary = {"hf": {"tokens_per_second": 10.0}, "hf-float32": {"tokens_per_second": 16.0},
+               "baseline": {"tokens_per_second": 12.0}, "eagle-hybrid": {"tokens_per_second": 24.0}}
+    assert bench.against_fastest_peer(summary) == ("fastest transformers generate here: hf-float32 (16.0 tokens/s); "
+                                                   "baseline 0.75x, eagle-hybrid 1.50x")
+    assert bench.against_fastest_peer({"hf": {"tokens_per_second": 10.0}, "baseline": {"tokens_per_second": 12.0}}) is None
