@@ -166,7 +166,7 @@ def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, model=
     _sync(engine)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = (model or engine.model).generate(x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs)
+        out = (engine.model if model is None else model).generate(x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs)
     _sync(engine)
     seconds = time.perf_counter() - t0
     return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
@@ -195,10 +195,11 @@ def _sync(engine: Engine) -> None:
 
 
 @mode("hf")
-def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace, model=None) -> Run:
+    """transformers ``generate`` on the engine's target, or on ``model`` (another copy of it)."""
     if not args.sampling.greedy and args.sampling.seed is not None:
         torch.manual_seed(args.sampling.seed)  # transformers samples from the global generator
-    run = hf_generate(engine, ids, _hf_config(engine, args))
+    run = hf_generate(engine, ids, _hf_config(engine, args), model=model)
     run.steps = len(run.tokens)
     return run
 
@@ -212,11 +213,7 @@ def run_hf_as_loaded(engine: Engine, ids: list[int], args: argparse.Namespace, *
     runs the engine's own target, in the engine's dtype, with its attention (batch-invariant
     in half precision); on a device where another dtype or attention runs ``generate``
     faster, that is the speed a user would compare with."""
-    if not args.sampling.greedy and args.sampling.seed is not None:
-        torch.manual_seed(args.sampling.seed)
-    run = hf_generate(engine, ids, _hf_config(engine, args), model=args.plain_targets[dtype])
-    run.steps = len(run.tokens)
-    return run
+    return run_hf(engine, ids, args, model=args.plain_targets[dtype])
 
 
 for _dtype in PLAIN_DTYPES:
