@@ -4,9 +4,13 @@ For each op of a Llama-style layer (linear, SDPA, eager-style attention, the exa
 of medusa/decoding/exact.py, RMSNorm, rotary, SiLU-gate) in bfloat16 and float32, prints
 whether the rows of one call over n rows are bit-identical to n calls over one row each.
 SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64). README "Exactness in bfloat16".
+
+    python scripts/probe_exactness.py [--device cuda] [--dtypes bfloat16,float16,float32]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +67,12 @@ def probe(dtype: torch.dtype) -> None:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="where the ops run (cpu, cuda, ...)")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
+    args = ap.parse_args()
+    torch.set_default_device(args.device)  # every tensor and module below is made there
     torch.manual_seed(0)
-    for dt in (torch.bfloat16, torch.float32):
-        probe(dt)
+    print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
+    for name in args.dtypes.split(","):
+        probe(getattr(torch, name))

@@ -24,10 +24,17 @@ from medusa.decoding.verify import verify_greedy
 def timed(fn, reps: int) -> float:
     samples = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e3
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # device work is asynchronous: time it to completion
 
 
 def main() -> None:
@@ -37,8 +44,10 @@ def main() -> None:
     ap.add_argument("--tree", default=None)
     ap.add_argument("--prefix", type=count(1), default=200)
     ap.add_argument("--reps", type=count(1), default=20)
+    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: picked per device)")
     args = ap.parse_args()
-    eng = medusa.load(model=args.model, heads=args.heads, tree=args.tree)
+    eng = medusa.load(model=args.model, heads=args.heads, tree=args.tree, device=args.device, dtype=args.dtype)
     model, heads = eng.model, eng.heads
     tree = compile_tree(eng.tree_paths(args.tree)).to(eng.device)
     prefix = torch.randint(100, 10000, (1, args.prefix), device=eng.device)
@@ -78,7 +87,7 @@ def main() -> None:
         kv.crop(cache, args.prefix)
         kv.forward(model, tokens[None], positions, cache, mask)
         rows["cache compaction"] = timed(keep, 1)
-    print(f"device {eng.device}, {torch.get_num_threads()} threads, prefix {args.prefix}")
+    print(f"device {eng.device}, {model.dtype}, {torch.get_num_threads()} threads, prefix {args.prefix}")
     for name, ms in rows.items():
         print(f"{ms:8.2f} ms  {name}")
 

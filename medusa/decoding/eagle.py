@@ -130,12 +130,12 @@ class EagleProposer:
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
-        vocab = self.heads.draft_vocab
         root = state.length  # the root's position; draft tokens follow it
         paths: list[Path_] = []
         tokens: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
-        logp = torch.log_softmax(self.heads.logits(self.last, vocab).float(), dim=-1)  # [V or S]
+        logp = torch.log_softmax(self.heads.logits(self.last, self.heads.draft_vocab).float(), dim=-1)  # [V or S]
+        vocab = self.heads.draft_vocab  # read after scoring: logits() keeps it on the projection's device
         top = logp.topk(size.topk)
         ids = top.indices if vocab is None else vocab[top.indices]
         frontier = [((r,), ids[r], top.values[r], self.last) for r in range(size.topk)]

@@ -172,7 +172,8 @@ class EagleHeads(nn.Module):
 
     def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
         """Score drafts over these token ids only (see ``MedusaHeads.set_draft_vocab``)."""
-        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size), None
+        device = self.target.get_output_embeddings().weight.device
+        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size, device), None
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache,

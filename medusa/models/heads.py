@@ -94,14 +94,16 @@ class ResBlock(nn.Module):
 
 
 
-def checked_draft_vocab(ids: torch.Tensor | list[int] | None, vocab_size: int) -> torch.Tensor | None:
-    """A draft vocabulary as sorted unique ids, checked against ``vocab_size`` (None: none)."""
+def checked_draft_vocab(ids: torch.Tensor | list[int] | None, vocab_size: int,
+                        device: torch.device | None = None) -> torch.Tensor | None:
+    """A draft vocabulary as sorted unique ids, checked against ``vocab_size`` (None: none), on
+    ``device`` (the projection's, so that it indexes that projection's top-k where it lives)."""
     if ids is None:
         return None
     ids = torch.as_tensor(ids, dtype=torch.long).unique()
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise MedusaError(f"draft vocabulary ids must lie in [0, {vocab_size}): regenerate it for this model")
-    return ids
+    return ids if device is None else ids.to(device)
 
 class MedusaHeads(nn.Module):
     """``num_heads`` heads over a target's hidden states.
@@ -157,7 +159,8 @@ class MedusaHeads(nn.Module):
         cover almost all of the target's output). Projecting onto a subset is several
         times cheaper than the full vocabulary; verification stays exact whatever the
         subset, only the odd rare-token candidate is lost. ``forward`` is unaffected."""
-        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size), None
+        device = self.projection_weight(0).device if self.proj is not None or self._lm_head else None
+        self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size, device), None
 
     def _draft_weights(self) -> torch.Tensor:
         """``[1 or K, S, H]`` projection rows of the draft vocabulary in the heads' own dtype (a
