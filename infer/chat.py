@@ -413,10 +413,11 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         heads = args.heads
-        if heads is None and args.model is None and args.mode == "medusa":
-            from medusa.api import SHIPPED_HEADS
+        if heads is None and args.model is None and args.mode in ("medusa", "eagle"):
+            from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
 
-            heads = str(SHIPPED_HEADS)  # the default heads are EAGLE heads; mode medusa needs Medusa ones
+            # the default heads' kind follows the device (medusa.api.shipped_heads_for); these modes name one
+            heads = str(SHIPPED_HEADS if args.mode == "medusa" else SHIPPED_EAGLE_HEADS)
         # --tree goes with each call (pick_mode says when the loaded heads cannot use it)
         engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
                              compile={"on": True, "off": False, "auto": "auto"}[args.compile], kernels=args.kernels,

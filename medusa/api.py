@@ -26,20 +26,31 @@ from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
 # Medusa heads shipped with the repo for the embedded default model (mode medusa; the bench's
 # medusa and hybrid modes).
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
-# EAGLE heads shipped for the same model: the default heads of medusa.load() and the chat, since
-# their hybrid mode measured fastest (README "Benchmark"); the bench's eagle modes.
+# EAGLE heads shipped for the same model: the default heads of medusa.load() and the chat on a
+# CPU, since their hybrid mode measured fastest there (README "Benchmark"); the bench's eagle modes.
 SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
 
 
+def shipped_heads_for(device: torch.device) -> Path | None:
+    """The shipped heads that measured fastest on ``device``'s type, else the other kind where
+    only that one is present. On a CPU the EAGLE heads; on CUDA the Medusa heads, whose hybrid
+    mode ran 1.19x the EAGLE heads' on an H200 (eagerly; README "On a GPU"): a pass is launch-bound
+    there and costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps
+    cost more than their extra accepted tokens save."""
+    order = (SHIPPED_HEADS, SHIPPED_EAGLE_HEADS) if device.type == "cuda" else (SHIPPED_EAGLE_HEADS, SHIPPED_HEADS)
+    return next((f for f in order if (f / "config.json").is_file()), None)
+
+
 def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
-    """``None``: the shipped EAGLE heads when the target is the embedded default (else no heads);
+    """``None``: the shipped heads when the target is the embedded default (else no heads): the
+    EAGLE heads, or on CUDA the Medusa heads (:func:`shipped_heads_for`);
     ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
     Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub.hub`)."""
     if isinstance(heads, MedusaHeads):
         return heads.bind(model.get_output_embeddings()) if heads.config.projection == "shared" else heads
     if heads is None:
         if model_arg is None:
-            shipped = next((f for f in (SHIPPED_EAGLE_HEADS, SHIPPED_HEADS) if (f / "config.json").is_file()), None)
+            shipped = shipped_heads_for(model.get_output_embeddings().weight.device)
             return None if shipped is None else load_heads(shipped, model)
         return None
     if heads == "init":
