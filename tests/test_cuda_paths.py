@@ -5,12 +5,15 @@ on the CPU beside a CUDA target failed the first eagle step on an H200 ("indices
 on cpu or on the same device as the indexed tensor"); the meta device stands in here for any
 device other than the CPU. The default heads follow the device type (README "On a GPU")."""
 
+import pytest
 import torch
 from test_eagle import noisy_eagle
 from tiny import tiny_model
 from tiny_heads import random_heads
 
 from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
+from medusa.models.eagle import EagleHeads
+from medusa.models.heads import HeadsConfig
 
 IDS = [9, 1, 5, 1]
 
@@ -36,6 +39,18 @@ def test_eagle_draft_vocab_is_made_on_the_target_device():
     eagle.set_draft_vocab(IDS)
     assert eagle.draft_vocab.device.type == "meta"
     assert eagle.logits(torch.zeros(2, model.config.hidden_size, device="meta"), eagle.draft_vocab).shape == (2, 3)
+
+
+@pytest.mark.filterwarnings("ignore:for .*meta parameter:UserWarning")  # the meta layer's no-op load
+def test_eagle1_warm_start_runs_the_target_norms_where_they_live():
+    # init_eagle_for builds the head on the CPU and warm-starts it before moving it: beside a CUDA
+    # target the eagle1 fold fed the target's norms a row of ones made on the head's device
+    model = tiny_model("llama")
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=2, kind="eagle", eagle_layout="eagle1")
+    heads = EagleHeads(config, model).to("meta")  # the head on another device than the target
+    heads.init_from_target()
+    assert heads.layer.self_attn.q_proj.weight.device.type == "meta"
 
 
 def test_default_heads_are_the_kind_measured_fastest_on_the_device_type():
