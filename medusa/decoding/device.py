@@ -145,8 +145,8 @@ def _linear_of_ones(out_features: int, in_features: int, dtype: torch.dtype, dev
 def linear_invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, kernels: str = "default") -> int:
     """The largest ``r <= limit`` such that every linear layer shape of ``model``, run by these
     ``kernels`` in the model's dtype, gives each row of an ``n``-row product (``n`` in ``2..r``)
-    bitwise its one-row result, on :func:`_order_sensitive` inputs (weights of ones). Only CPU
-    layers are probed (a GPU model: ``limit``, the model probe decides)."""
+    bitwise its one-row result, on :func:`_order_sensitive` inputs (weights of ones), on each
+    layer's own device (the inputs are drawn on the CPU and moved there)."""
     gen = torch.Generator().manual_seed(0)
     shapes = {(layer.weight.shape, layer.weight.dtype, layer.weight.device) for layer in linear_layers([model])}
     rows = limit

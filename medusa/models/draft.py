@@ -108,7 +108,8 @@ def load_draft(
 ) -> PreTrainedModel:
     """The draft named by ``spec``, on the target's device and dtype, checked against it.
 
-    ``spec`` is a loaded model, a Hub id, a model folder, a ``.gguf`` file, or
+    ``spec`` is a loaded model (moved to the target's device, kept in its own dtype: it only
+    proposes, and its logits are read in float32), a Hub id, a model folder, a ``.gguf`` file, or
     ``"default"``: for the embedded default target (``embedded_target``) the distilled
     draft when it has been trained (``default_draft_dir()``), otherwise an undistilled
     shallow copy of the target. ``target_name`` names the target in error messages.
