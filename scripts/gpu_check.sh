@@ -7,8 +7,9 @@
 #     bash scripts/gpu_check.sh [OUT] [SECONDS]      # SECONDS: the whole run's budget (default 540)
 #
 # Set BENCH_ARGS to change the prompt set (default: the first MT-Bench question of each category,
-# 96 new tokens) and DEVICE to pick another device (default cuda). On an H200 the whole run took
-# about 7 minutes (README "On a GPU"); eight files land in OUT, the most a device lease returns.
+# 96 new tokens) and DEVICE to pick another device (default cuda). On an H200 these steps took
+# about 7 minutes together, run one by one (README "On a GPU"); eight files land in OUT, the most
+# a device lease returns.
 set -u
 OUT=${1:-runs/gpu}
 BUDGET=${2:-540}

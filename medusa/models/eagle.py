@@ -138,12 +138,11 @@ class EagleHeads(nn.Module):
             attn, mlp = self.layer.self_attn, self.layer.mlp
             w = attn.q_proj.weight
             with torch.no_grad():
-                # on the target's device (its norms run there; the head may still be elsewhere, e.g.
-                # built on the CPU beside a CUDA target), the scale then moved to the head's weights
-                ones = torch.ones(1, self.config.hidden_size, dtype=w.dtype, device=last.input_layernorm.weight.device)
-                feature_rms = decoder.norm(ones.to(decoder.norm.weight.device)).float().pow(2).mean().sqrt()
-                scale = last.input_layernorm(ones)[0].float() / feature_rms.to(ones.device)  # [H]
-                scale = scale.to(w.device, w.dtype)
+                # the target's norms run on its device; the head may still be elsewhere (built on
+                # the CPU beside a CUDA target), so the scale moves to the head's weights after
+                ones = torch.ones(1, self.config.hidden_size, dtype=w.dtype, device=decoder.norm.weight.device)
+                feature_rms = decoder.norm(ones).float().pow(2).mean().sqrt()  # a normed feature's RMS
+                scale = (last.input_layernorm(ones)[0].float() / feature_rms).to(w.device, w.dtype)  # [H]
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.weight.mul_(scale[None, :])  # W diag(input norm weight) / RMS
                 attn.o_proj.weight.zero_()
