@@ -56,6 +56,7 @@ from medusa.decoding.kernels import KERNELS
 from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
+from medusa.decoding.sizing import size_here
 from medusa.errors import MedusaError, require_extra
 from medusa.models.target import cache_root
 
@@ -185,8 +186,17 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     if engine.heads.config.kind == "eagle":
         from medusa.decoding.eagle import DynamicTree
 
+        if engine.tree_sizes is not None:
+            return engine.tree_sizes.eagle.nodes + 1
         return DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype).nodes + 1
     return len(engine.tree_paths(tree)) + 1
+
+
+def _sizes_reason(engine: Engine) -> str | None:
+    """How the eagle heads' trees were sized (None: no eagle heads)."""
+    if engine.heads is None or engine.heads.config.kind != "eagle":
+        return None
+    return engine.tree_sizes.reason if engine.tree_sizes is not None else "calibrated for the device type"
 
 
 def _sync(engine: Engine) -> None:
@@ -340,7 +350,7 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
 @mode("prompt-lookup")
 def run_prompt_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
     """transformers' prompt lookup decoding with the same settings as ``lookup``."""
-    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.proposer_config.lookup_tokens,
+    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.proposer_config.chain(),
                         max_matching_ngram_size=engine.proposer_config.lookup_ngram)
     return hf_generate(engine, ids, config)
 
@@ -433,7 +443,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adaptive-draft", action="store_true", help="adapt the draft length per step (draft, hf-assisted)")
     ap.add_argument("--draft-confidence", type=float, default=pc.draft_confidence,
                     help=f"end a draft chain after a token the draft gave less probability (default {pc.draft_confidence:g}, transformers' own; 0: off; draft, hf-assisted)")
-    ap.add_argument("--lookup-tokens", type=count(), default=pc.lookup_tokens, help="tokens copied per step (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--lookup-tokens", type=count(), default=pc.lookup_tokens,
+                    help="tokens copied per step (lookup, hybrid, prompt-lookup; default 8, and for eagle-hybrid "
+                         "the chain sized with the tree for this machine)")
     ap.add_argument("--lookup-ngram", type=count(), default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
@@ -462,6 +474,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
                          "or bfloat16 beside a float32 target where it measures faster here")
+    ap.add_argument("--tree-sizes", choices=("here", "calibrated"), default="here",
+                    help="eagle heads' trees and eagle-hybrid's lookup chain: sized from this machine's pass costs "
+                         "(measured once, cached) or as calibrated for the device type (calibration.json)")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
@@ -518,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                                    lookup_ngram=args.lookup_ngram)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              static_cache=args.static_cache, compile=args.compile, proposers=proposers,
-                             kernels=args.kernels, draft_dtype=args.draft_dtype)
+                             kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=args.tree_sizes == "here")
         if uses_heads and engine.heads is None:
             raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
         args.eagle_engine = None
@@ -526,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         if uses_eagle and (args.eagle_heads is not None or not own_eagle):  # --eagle-heads wins over --heads
             args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
                                        static_cache=args.static_cache, compile=args.compile, proposer_config=proposers,
-                                       kernels=engine.kernels)
+                                       kernels=engine.kernels, max_rows=engine.max_rows)
+            if args.tree_sizes == "here":
+                args.eagle_engine.tree_sizes = size_here(args.eagle_engine, cache_root() / "sizing.json")
         args.compiled_engine = args.compiled_eagle_engine = None
         if any(m.endswith(COMPILED) for m in modes):
             args.compiled_engine = _compiled_twin(engine, engine.heads, proposers)
@@ -565,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             "sampling": dataclasses.asdict(args.sampling),
             "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds,
             "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None,
+            "tree_sizes": _sizes_reason(args.eagle_engine or engine),
             "fastest_transformers": fastest}
     if args.json:
         path = Path(args.json)

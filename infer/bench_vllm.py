@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from medusa.decoding.proposers import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 
 WORKERS: dict[str, Any] = {}  # mode -> VLLMWorker, for the whole run
@@ -33,7 +34,7 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
     if name == "vllm":
         return None
     if name == "vllm-ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.lookup_tokens,
+        return {"method": "ngram", "num_speculative_tokens": args.lookup_tokens or LOOKUP_TOKENS,
                 "prompt_lookup_max": args.lookup_ngram, "prompt_lookup_min": 1}
     from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
     from medusa.hub.hub import read_heads, resolve_heads_folder

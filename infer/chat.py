@@ -524,14 +524,19 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         lines.append(f"drafts  {engine.draft_dtype_choice.reason}")
     if engine.heads is not None and engine.heads.config.kind == "eagle":
         from medusa.decoding.calibrate import tree_key
-        from medusa.decoding.eagle import DynamicTree
+        from medusa.decoding.proposers import Hybrid
 
         c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
-        size = DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype)
+        proposer = engine.proposer(mode if mode in ("eagle", "hybrid") else "eagle")
+        size = (proposer.heads if isinstance(proposer, Hybrid) else proposer).size
         device = key if key in engine.heads.dynamic else engine.device.type
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
+        label = "sized here" if engine.tree_sizes is not None else label
+        chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
         lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
-                     f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk})")
+                     f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
+        if engine.tree_sizes is not None:
+            lines.append(f"trees   {engine.tree_sizes.reason}")
     elif engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"

@@ -18,6 +18,7 @@ from medusa.decoding.device import (
 )
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.sizing import size_here
 from medusa.hub.hub import load_heads_from
 from medusa.models.draft import load_draft
 from medusa.models.heads import MedusaHeads, init_heads_for, load_heads
@@ -94,6 +95,7 @@ def load(
     proposers: ProposerConfig | None = None,
     kernels: str | None = None,
     draft_dtype: torch.dtype | str | None = None,
+    size_trees: bool = True,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
@@ -109,16 +111,18 @@ def load(
     float32 the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
-    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster for the
-    target in its dtype on this device by measurement, once (cached; in half precision packed
-    kernels must also pass the exactness probe), and ``"default"`` on a GPU; compiled passes
-    keep the pick. ``engine.kernel_choice`` says which and why. A half-precision engine
-    verifies at most as many rows per pass as the probe found exact with its kernels.
+    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster here by
+    measurement, once (cached; in half precision packed kernels must also pass the exactness
+    probe), and ``"default"`` on a GPU; compiled passes keep the pick (``engine.kernel_choice``
+    says which and why). Half precision verifies at most the rows the probe found exact.
 
     ``draft_dtype``: the heads' dtype. Heads only propose (the target verifies every token in
     its own dtype), so they may draft in bfloat16 beside a float32 target; ``None`` keeps the
     target's dtype, or picks bfloat16 for a float32 target where it measures faster on this
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
+
+    ``size_trees``: eagle trees (and hybrid's lookup chain) sized from this machine's pass costs,
+    measured once, cached (medusa/decoding/sizing.py, eager engines); False: the calibrated sizes.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     picked = _picked_dtype(lm, compile) if dtype is None else None
@@ -127,14 +131,19 @@ def load(
         trust_remote_code=trust_remote_code)
     overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
     config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
-    if kernels is None:
-        choice = pick_kernels(lm, cache_root() / "kernels.json", rows_file=cache_root() / "dtype.json")
-    else:
-        choice = KernelChoice(kernels, "asked for", {})
+    choice = _kernel_choice(lm, kernels)
     max_rows = _exact_pass_rows(lm, picked, choice.kernels)
     heads = resolve_heads(heads, model, lm)
     draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
     engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,
                     static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels, max_rows=max_rows)
     engine.kernel_choice, engine.draft_dtype_choice = choice, draft_choice
+    engine.tree_sizes = size_here(engine, cache_root() / "sizing.json") if size_trees else None
     return engine
+
+
+def _kernel_choice(lm, kernels: str | None) -> KernelChoice:
+    """The kernels asked for, else the faster here by measurement (device.pick_kernels, cached)."""
+    if kernels is None:
+        return pick_kernels(lm, cache_root() / "kernels.json", rows_file=cache_root() / "dtype.json")
+    return KernelChoice(kernels, "asked for", {})

@@ -31,6 +31,7 @@ import medusa
 from medusa.config import count
 from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts, tree_key
 from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
+from medusa.decoding.proposers import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 from medusa.models.heads import CALIBRATION_NAME
 from medusa.training.sources import DataStats, load_conversations
@@ -83,27 +84,32 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
         size = DynamicTree(nodes=min(args.max_nodes, depth * topk * topk), depth=depth, topk=topk)
         with engine.kernel_scope():  # drafting timed as the engine drafts
-            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size)
-    cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
-    size, expected, tps = choose_dynamic(curves, cost)
+            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size, chain=LOOKUP_TOKENS,
+                                                       lookup_ngram=engine.proposer_config.lookup_ngram)
+    cost = measured_cost(args, engine, prompts, args.max_nodes + 1 + LOOKUP_TOKENS)
+    size, expected, tps = choose_dynamic(curves, cost, max_rows=engine.max_rows)
+    hybrid, hybrid_expected, hybrid_tps = choose_dynamic(curves, cost, hybrid=True, max_rows=engine.max_rows)
     # kept per device and dtype, as the Medusa trees below (the engine reads its dtype's first)
     device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
-    for (depth, topk), (acc, draft_ms) in curves.items():
-        print(f"depth {depth} top-{topk}: drafting {draft_ms:.1f} ms/step; accepted drafts with N nodes: "
-              + ", ".join(f"{n}:{a:.2f}" for n, a in enumerate(acc, start=1) if n in (1, 2, 4, 8, 16, 32, 64)))
+    for (depth, topk), acc in curves.items():
+        print(f"depth {depth} top-{topk}: drafting {acc.draft_ms:.1f} ms/step; accepted drafts with N nodes: "
+              + ", ".join(f"{n}:{a:.2f}" for n, a in enumerate(acc.accepted, start=1) if n in (1, 2, 4, 8, 16, 32, 64)))
     print("T(n) ms: " + ", ".join(f"{n}:{ms:.1f}" for n, ms in cost.items()))
     print(f"best on {device}: {size.nodes} nodes (depth {size.depth}, top-{size.topk}), expected {expected:.2f} "
           f"tokens/pass -> {tps:.1f} tokens/s (plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
+    print(f"best hybrid on {device}: {hybrid.nodes} nodes (depth {hybrid.depth}, top-{hybrid.topk}) and a "
+          f"{hybrid.chain}-token lookup chain, expected {hybrid_expected:.2f} tokens/pass -> {hybrid_tps:.1f} tokens/s")
     if args.dry_run:
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
     record = json.loads(path.read_text()) if path.is_file() else {}
-    record.setdefault("dynamic", {})[device] = dataclasses.asdict(size)
+    record.setdefault("dynamic", {})[device] = {**dataclasses.asdict(size), "hybrid": dataclasses.asdict(hybrid)}
+    del record["dynamic"][device]["chain"]
     record.setdefault("measured", {})[device] = {
         "expected_tokens_per_pass": expected, "tokens_per_second": tps, "cost_ms": {str(k): v for k, v in cost.items()},
         "cost_measured": not args.cost, "kernels": engine.kernels, "threads": torch.get_num_threads(),
         "accuracy_measured_on": engine.device.type,
-        "curves": {f"{d}x{k}": {"accepted": acc, "draft_ms": ms} for (d, k), (acc, ms) in curves.items()},
+        "curves": {f"{d}x{k}": acc.as_record() for (d, k), acc in curves.items()},
         "command": command(argv),
     }
     record["draft_vocab_coverage"] = coverage
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype,
-                             kernels=args.kernels, draft_dtype=args.draft_dtype)
+                             kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=False)
         heads, tok = engine.heads, engine.tokenizer
         heads.set_draft_vocab(None)
         stats = DataStats()

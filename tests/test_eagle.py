@@ -160,16 +160,16 @@ def test_a_tree_given_for_eagle_heads_is_an_error_not_ignored():
 
 
 def test_choose_dynamic_weighs_acceptance_against_pass_cost():
-    from medusa.decoding.eagle import choose_dynamic
+    from medusa.decoding.eagle import Acceptance, choose_dynamic
 
     cost = {1: 10.0, 2: 10.0, 4: 20.0}  # a 2-token pass costs a 1-token pass; 4 tokens twice that
-    curves = {(3, 2): ([0.6, 0.8, 0.9], 1.0)}  # accepted drafts with N = 1, 2, 3 nodes; 1 ms drafting
+    curves = {(3, 2): Acceptance([0.6, 0.8, 0.9], 1.0)}  # accepted drafts with N = 1, 2, 3 nodes; 1 ms drafting
     size, expected, tps = choose_dynamic(curves, cost)
     # N=1: 1.6 / 11 ms; N=2: 1.8 / (15 + 1) ms; N=3: 1.9 / 21 ms -> N=1 wins
     assert (size.nodes, size.depth, size.topk) == (1, 3, 2)
     assert expected == pytest.approx(1.6) and tps == pytest.approx(1.6 / 11 * 1e3)
     # drafts that never hit: plain decoding (no drafting) wins
-    size, expected, _ = choose_dynamic({(3, 2): ([0.0, 0.0], 1.0)}, cost)
+    size, expected, _ = choose_dynamic({(3, 2): Acceptance([0.0, 0.0], 1.0)}, cost)
     assert size.nodes == 0 and expected == 1.0
 
 
@@ -182,10 +182,10 @@ def test_acceptance_by_size_counts_the_longest_right_path():
     prompt = PROMPT
     answer = hf_greedy(model, prompt, 10)
     heads = noisy_eagle(model)
-    acc, draft_ms = acceptance_by_size(heads, model, [(prompt, answer)], DynamicTree(nodes=3, depth=3, topk=1))
+    result = acceptance_by_size(heads, model, [(prompt, answer)], DynamicTree(nodes=3, depth=3, topk=1))
     # at answer position i (0..8) the 3-node chain can be right for min(N, 9 - i) tokens
     expected = [sum(min(n, 9 - i) for i in range(9)) / 9 for n in (1, 2, 3)]
-    assert acc == pytest.approx(expected) and draft_ms > 0
+    assert result.accepted == pytest.approx(expected) and result.draft_ms > 0 and result.hybrid is None
     # the tree must be verifiable and the proposal unchanged by calibration: decoding still exact
     eng = Engine(model, heads=heads)
     assert eng.generate(prompt, max_new_tokens=10, mode="eagle").tokens == answer

@@ -158,13 +158,13 @@ def test_precompile_covers_every_pass_and_capacity(arch):
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
     saved = eng._pass  # SavedPasses: what this process traced, what it loaded
     buckets = eng.precompile("hybrid")
-    rows = len(TREE) + 1 + eng.proposer_config.lookup_tokens  # root, tree, lookup chain
+    rows = len(TREE) + 1 + eng.proposer_config.chain()  # root, tree, lookup chain
     least = pass_bucket(len(TREE) + 1)  # the whole tree without a chain: smaller passes pad up to it
     assert buckets == [b for b in PASS_BUCKETS if least <= b < rows] + [pass_bucket(rows)]
     assert saved.traced == buckets and saved.loaded == []
     assert eng.precompile("hybrid") == buckets and saved.traced == buckets  # already compiled
     chains = eng.precompile("lookup")  # lookup (and baseline): every size from the root alone
-    assert chains == [b for b in PASS_BUCKETS if b <= pass_bucket(1 + eng.proposer_config.lookup_tokens)]
+    assert chains == [b for b in PASS_BUCKETS if b <= pass_bucket(1 + eng.proposer_config.chain())]
     buckets = sorted(set(buckets) | set(chains))
     assert sorted(saved.traced) == buckets
     capacities = set()
@@ -222,8 +222,8 @@ def test_precompile_rows_come_from_the_proposer():
     eng = Engine(model, heads=heads, tree=TREE, compile="aot_eager")
     assert eng.proposer("baseline").max_rows == 1
     assert eng.proposer("medusa").max_rows == len(TREE) + 1
-    assert eng.proposer("lookup").max_rows == 1 + eng.proposer_config.lookup_tokens
-    assert eng.proposer("hybrid").max_rows == len(TREE) + 1 + eng.proposer_config.lookup_tokens
+    assert eng.proposer("lookup").max_rows == 1 + eng.proposer_config.chain()
+    assert eng.proposer("hybrid").max_rows == len(TREE) + 1 + eng.proposer_config.chain()
     # the smallest proposal but for a budget cut: a compiled pass pads smaller ones up to it
     assert [eng.proposer(m).min_rows for m in ("baseline", "medusa", "lookup", "hybrid")] == [1, 7, 1, 7]
     assert Engine(model, heads=heads, tree=TREE).precompile("hybrid") == []  # nothing to compile eagerly

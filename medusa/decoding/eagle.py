@@ -17,6 +17,7 @@ so they carry no ``q``: lossless sampling treats each as a point mass.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +39,21 @@ class DynamicTree:
     nodes: int = 8
     depth: int = 5
     topk: int = 4
+    chain: int | None = None  # mode hybrid: lookup tokens beside this tree (None: the engine's lookup_tokens)
 
     @classmethod
-    def for_device(cls, calibrated: dict[str, dict[str, int]], device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> DynamicTree:
+    def for_device(cls, calibrated: dict[str, dict], device: torch.device,
+                   dtype: torch.dtype = torch.float32, hybrid: bool = False) -> DynamicTree:
         """The size calibrated for this device type and the target's dtype (calibrate.tree_key),
         else for the device type, else a default by device kind (a pass over many tokens costs
-        about one pass on a GPU, about twice that on a CPU)."""
+        about one pass on a GPU, about twice that on a CPU). ``hybrid``: the size calibrated
+        for mode hybrid (an entry's ``"hybrid"``, with its lookup chain), else the same."""
         for key in (tree_key(device.type, dtype), device.type):
             if key in calibrated:
-                return cls(**calibrated[key])
+                entry = calibrated[key]
+                if hybrid and "hybrid" in entry:
+                    return cls(**entry["hybrid"])
+                return cls(**{k: v for k, v in entry.items() if k != "hybrid"})
         return cls(nodes=48, depth=6, topk=8) if device.type == "cuda" else cls()
 
 
@@ -114,6 +120,8 @@ class EagleProposer:
 
     @torch.inference_mode()  # the head's cache buffers are inference tensors (propose may regrow them)
     def begin(self, state: DecodeState) -> None:
+        if self.size.nodes == 0:  # sized to draft nothing here: the head never runs
+            return
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
         hidden = state.prefill_hidden
@@ -181,23 +189,85 @@ class EagleProposer:
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        if self.size.nodes == 0:
+            return
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)
         self._feed(outcome.hidden[nodes], outcome.tokens, outcome.start)
 
 
+@dataclass
+class Acceptance:
+    """Teacher-forced acceptance of one draft shape (see :func:`acceptance_by_size`)."""
+
+    accepted: list[float]  # [N - 1] mean draft tokens accepted per position with the N best nodes, N = 1..nodes
+    draft_ms: float  # mean milliseconds of a step's drafting
+    # with a lookup chain (mode hybrid), decoding simulated along the answers: [L][N] mean draft
+    # tokens accepted per step with an L-token chain beside the N best nodes (L = 0..chain,
+    # N = 0..nodes; L = 0 is mode eagle), and [L][N] the share of those steps that had a chain
+    # (prompt lookup found a match: its L rows join the pass)
+    hybrid: list[list[float]] | None = None
+    chain_share: list[list[float]] | None = None
+
+    def as_record(self) -> dict:
+        """For calibration.json (rounded: four decimals are far below the sampling noise)."""
+        record = {"accepted": _rounded(self.accepted), "draft_ms": round(self.draft_ms, 4)}
+        if self.hybrid is not None:
+            record.update(hybrid=_rounded(self.hybrid), chain_share=_rounded(self.chain_share))
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict) -> Acceptance:
+        return cls(list(record["accepted"]), float(record["draft_ms"]), record.get("hybrid"), record.get("chain_share"))
+
+
+def _rounded(values):
+    return [_rounded(v) for v in values] if isinstance(values, list) else round(values, 4)
+
+
+def simulate(positions: list[list[tuple[list[int], int, int]]], nodes: int, chain: int,
+             ) -> tuple[list[list[float]], list[list[float]]]:
+    """Decoding replayed on teacher-forced drafts: ``positions`` holds, per answer and answer
+    position, ``(right, hits, rows)``: the draft tokens the N best nodes get right (N = 0..nodes),
+    the chain tokens that are right and the chain's length. A step at position i accepts
+    a = max(right[N], min(hits, L)) drafts and the next step starts at i + a + 1, as in
+    decoding (a plain average over positions would count every position inside a long copied
+    span as its own step). Returns ([L][N] mean drafts accepted per step, [L][N] share of steps
+    with a chain)."""
+    accepted = [[0.0] * (nodes + 1) for _ in range(chain + 1)]
+    share = [[0.0] * (nodes + 1) for _ in range(chain + 1)]
+    for length in range(chain + 1):
+        for n in range(nodes + 1):
+            steps = total = with_chain = 0
+            for answer in positions:
+                i = 0
+                while i < len(answer):
+                    right, hits, rows = answer[i]
+                    a = max(right[n], min(hits, length))
+                    steps, total, with_chain = steps + 1, total + a, with_chain + (length > 0 and rows > 0)
+                    i += a + 1
+            accepted[length][n] = total / max(steps, 1)
+            share[length][n] = with_chain / max(steps, 1)
+    return accepted, share
+
+
 @torch.inference_mode()
 def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int], list[int]]],
-                       size: DynamicTree) -> tuple[list[float], float]:
+                       size: DynamicTree, chain: int = 0, lookup_ngram: int = 3) -> Acceptance:
     """Teacher-forced along the target's own answers (``(prompt, answer)`` token lists): for
-    every ``N`` in ``1..size.nodes``, the mean draft tokens accepted per step when the target
-    verifies the ``N`` best nodes (one drafting per position serves every ``N``: the best-N
-    sets are nested); and the mean milliseconds the drafting of a step takes."""
-    import time
+    every ``N`` in ``1..size.nodes``, the mean draft tokens accepted per position when the
+    target verifies the ``N`` best nodes (one drafting per position serves every ``N``: the
+    best-N sets are nested); and the mean milliseconds the drafting of a step takes. With
+    ``chain``, prompt lookup (``lookup_ngram``) copies up to ``chain`` tokens at each position
+    too, and decoding with a chain of every length up to it beside the N best nodes is replayed
+    (:func:`simulate`; chain length 0 is mode eagle)."""
+    from medusa.decoding.proposers import PromptLookup
 
     device = heads.fc.weight.device
     proposer = EagleProposer(heads, device, size)
+    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram) if chain else None
     totals = [0] * (size.nodes + 1)
+    positions: list[list[tuple[list[int], int, int]]] = []
     steps, seconds = 0, 0.0
     for prompt, answer in sequences:
         ids = prompt + answer
@@ -207,42 +277,70 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
         state = DecodeState(cache=None, tokens=ids[: p + 1], length=p, root=seq[p], hidden=hidden[p - 1],
                             logits=None, prefill_hidden=hidden[:p])
         proposer.begin(state)
+        if lookup is not None:
+            lookup.begin(state)
+        positions.append([])
         for t in range(p, len(ids) - 1):
             t0 = time.perf_counter()
             proposal = proposer.propose(state)
             seconds += time.perf_counter() - t0
             tokens = dict(zip(proposal.tree.paths, proposal.tokens[1:].tolist()))
             right: set[Path_] = set()
-            best = 0
-            for n, path in enumerate(proposer.ranked, start=1):
+            best, by_size = 0, [0]
+            for path in proposer.ranked:
                 d = len(path)
                 if (d == 1 or path[:-1] in right) and t + d < len(ids) and tokens[path] == ids[t + d]:
                     right.add(path)
                     best = max(best, d)
-                totals[n] += best
-            for n in range(len(proposer.ranked) + 1, size.nodes + 1):
-                totals[n] += best
+                by_size.append(best)
+            by_size += [best] * (size.nodes + 1 - len(by_size))
+            for n in range(1, size.nodes + 1):
+                totals[n] += by_size[n]
+            copied = [] if lookup is None else lookup.propose(state).tokens[1:].tolist()
+            hits = next((i for i, tok in enumerate(copied) if t + 1 + i >= len(ids) or tok != ids[t + 1 + i]),
+                        len(copied))
+            positions[-1].append((by_size, hits, len(copied)))
             steps += 1
             # advance by the one true token, as a step that accepted nothing would
             outcome = StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t)
             state.length, state.root = t + 1, seq[t + 1]
             state.tokens.append(ids[t + 1])
             proposer.update(state, outcome)
-    return [totals[n] / max(steps, 1) for n in range(1, size.nodes + 1)], seconds / max(steps, 1) * 1e3
+    steps = max(steps, 1)
+    result = Acceptance([totals[n] / steps for n in range(1, size.nodes + 1)], seconds / steps * 1e3)
+    if lookup is not None:
+        result.hybrid, result.chain_share = simulate(positions, size.nodes, chain)
+    return result
 
 
-def choose_dynamic(curves: dict[tuple[int, int], tuple[list[float], float]], cost_ms: dict[int, float],
-                   ) -> tuple[DynamicTree, float, float]:
-    """The tree size with the most expected tokens per second, from acceptance curves
-    ``{(depth, topk): (accepted[N - 1] for N = 1.., drafting ms per step)}`` and the target's
-    pass cost ``T(n)``; ``nodes=0`` (plain decoding) when no size beats it. Returns the size,
-    its expected tokens per pass and its tokens per second."""
+def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int, float], hybrid: bool = False,
+                   max_rows: int | None = None) -> tuple[DynamicTree, float, float]:
+    """The tree size with the most expected tokens per second, from the acceptance of each
+    ``(depth, topk)`` draft shape and the target's pass cost ``T(n)``; ``nodes=0`` (plain
+    decoding) when no size beats it. Curves with replayed decoding (:func:`simulate`) are
+    read from it, older ones from the per-position average. ``hybrid``: the size for mode
+    hybrid, the lookup chain's length (``chain``) chosen with it from the replay, its rows paid
+    in the steps that have a chain (older curves are sized without a chain). ``max_rows``: the
+    largest pass the engine verifies (root, nodes and chain). Returns the size, its expected
+    tokens per pass and its tokens per second."""
     from medusa.decoding.calibrate import interpolate
 
-    best = (DynamicTree(nodes=0, depth=1, topk=1), 1.0, 1e3 / cost_ms[1])
-    for (depth, topk), (accepted, draft_ms) in sorted(curves.items()):
-        for n, acc in enumerate(accepted, start=1):
-            tps = (1.0 + acc) / (interpolate(cost_ms, n + 1) + draft_ms) * 1e3
-            if tps > best[2]:
-                best = (DynamicTree(nodes=n, depth=depth, topk=topk), 1.0 + acc, tps)
+    simulated = all(acc.hybrid is not None for acc in curves.values())
+    chains = hybrid and simulated
+    best = (DynamicTree(nodes=0, depth=1, topk=1, chain=0 if chains else None), 1.0, 1e3 / cost_ms[1])
+    for (depth, topk), acc in sorted(curves.items()):
+        if simulated:  # decoding replayed (mode eagle: the chain of length 0)
+            tables, shares = (acc.hybrid, acc.chain_share) if chains else (acc.hybrid[:1], acc.chain_share[:1])
+        else:
+            tables, shares = [[0.0] + acc.accepted], [[0.0] * (len(acc.accepted) + 1)]
+        for length, (table, share) in enumerate(zip(tables, shares)):
+            for n, accepted in enumerate(table):
+                if max_rows is not None and 1 + n + length > max_rows:
+                    break
+                ms = (1 - share[n]) * interpolate(cost_ms, 1 + n) + share[n] * interpolate(cost_ms, 1 + n + length)
+                ms += acc.draft_ms if n else 0.0
+                tps = (1.0 + accepted) / ms * 1e3
+                if tps > best[2] * (1 + 1e-9):
+                    chain = length if chains else None
+                    best = (DynamicTree(nodes=n, depth=depth, topk=topk, chain=chain), 1.0 + accepted, tps)
     return best

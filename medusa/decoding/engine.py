@@ -275,6 +275,9 @@ class Engine:
         self.kernels = kernels
         self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
         self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
+        # medusa.load sets it: eagle trees sized for this machine (medusa/decoding/sizing.py);
+        # None: the sizes calibrated for the device type (calibration.json)
+        self.tree_sizes = None
         self._kernels = self._kernel_context(kernels, heads)
 
     def _set_pass(self, compile: bool | str, static_cache: bool, kernels: str) -> None:
@@ -393,8 +396,10 @@ class Engine:
         no_tree_for_eagle(tree, self.heads, mode)
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
+        sized = self.tree_sizes
+        size = None if sized is None else {"eagle": sized.eagle, "hybrid": sized.hybrid}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
-                             dtype=self.model.dtype)
+                             dtype=self.model.dtype, size=size)
 
     def precompile(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:

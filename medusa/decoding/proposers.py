@@ -317,6 +317,7 @@ class Hybrid:
 
 
 MODES = ("baseline", "medusa", "eagle", "draft", "lookup", "hybrid")
+LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
 
 
 @dataclass(frozen=True)
@@ -328,8 +329,14 @@ class ProposerConfig:
     adaptive_draft: bool = False  # grow/shrink draft_tokens per step by acceptance
     # > 0: end a draft chain after a token the draft gave less probability (0.4: transformers' default)
     draft_confidence: float = 0.4
-    lookup_tokens: int = 8  # modes "lookup"/"hybrid": tokens copied after a match
+    # modes "lookup"/"hybrid": tokens copied after a match (None: LOOKUP_TOKENS, or for hybrid with
+    # eagle heads the chain length sized with their tree for this device, medusa/decoding/sizing.py)
+    lookup_tokens: int | None = None
     lookup_ngram: int = 3  # longest n-gram looked up
+
+    def chain(self, sized: int | None = None) -> int:
+        """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
+        return self.lookup_tokens or sized or LOOKUP_TOKENS
 
 
 def make_proposer(
@@ -340,9 +347,11 @@ def make_proposer(
     paths: list[tuple[int, ...]] | None = None,
     draft: PreTrainedModel | None = None,
     dtype: torch.dtype = torch.float32,
+    size=None,
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
-    ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it)."""
+    ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
+    a :class:`~medusa.decoding.eagle.DynamicTree`, with mode hybrid's lookup chain)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode in ("medusa", "eagle", "hybrid"):
@@ -352,21 +361,25 @@ def make_proposer(
         if mode != "hybrid" and kind != mode:
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {kind} heads: "
                               f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
+        chain = config.chain()
         if kind == "eagle":
-            from medusa.decoding.eagle import EagleProposer
+            from medusa.decoding.eagle import DynamicTree, EagleProposer
 
-            guessed: Proposer = EagleProposer(heads, device, dtype=dtype)
+            size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=mode == "hybrid")
+            guessed: Proposer = EagleProposer(heads, device, size=size, dtype=dtype)
+            chain = config.chain(size.chain)
+            if mode == "hybrid" and size.chain == 0 and not config.lookup_tokens:
+                return guessed  # sized without a chain: the chain's rows cost more than it adds here
         else:
             guessed = MedusaProposer(heads, paths or [], device)
         if mode != "hybrid":
             return guessed
-        return Hybrid(guessed, PromptLookup(device, num_tokens=config.lookup_tokens, max_ngram=config.lookup_ngram),
-                      device)
+        return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram), device)
     if mode == "draft":
         if draft is None:
             raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
         return DraftModel(draft, device, num_tokens=config.draft_tokens, adaptive=config.adaptive_draft,
                           max_tokens=max(16, config.draft_tokens), confidence=config.draft_confidence)
     if mode == "lookup":
-        return PromptLookup(device, num_tokens=config.lookup_tokens, max_ngram=config.lookup_ngram)
+        return PromptLookup(device, num_tokens=config.chain(), max_ngram=config.lookup_ngram)
     raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")

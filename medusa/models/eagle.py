@@ -79,6 +79,9 @@ class EagleHeads(nn.Module):
         self._draft_weight: torch.Tensor | None = None
         # Calibrated dynamic-tree sizes by device type: {"cpu": {"nodes": N, "depth": D, "topk": k}}.
         self.dynamic: dict[str, dict[str, int]] = {}
+        # What calibration measured per device and dtype (calibration.json's "measured"): the
+        # teacher-forced acceptance curves medusa/decoding/sizing.py sizes trees from on any machine.
+        self.measured: dict[str, dict] = {}
         self.bind(target)
 
     # -- wiring -------------------------------------------------------------------------

@@ -355,6 +355,7 @@ def apply_calibration(heads: nn.Module, folder: str | Path) -> nn.Module:
             heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
         if hasattr(heads, "dynamic"):
             heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
+            heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
         if record.get("draft_vocab"):
             heads.set_draft_vocab(record["draft_vocab"])
     return heads

@@ -145,7 +145,7 @@ class HeadsTask:
                               "set kind to match")
         # calibrated for the old weights: recalibrate after training
         if cfg.kind == "eagle":
-            heads.dynamic = {}
+            heads.dynamic, heads.measured = {}, {}
         else:
             heads.trees = {}
         heads.config.base_model = base_model_name(target)

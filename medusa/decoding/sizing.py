@@ -1,0 +1,136 @@
+"""EAGLE trees sized for this machine, from its own measured pass costs.
+
+``scripts/calibrate_tree.py`` stores two things per heads folder: how many drafted tokens
+the target accepts with the N best nodes of each draft shape (teacher-forced on the target's
+own answers: a property of the heads and the model, not of the machine; with the lookup
+chain's statistics for mode hybrid), and the size that was best on the machine it ran on.
+The best size follows the pass-cost curve, and that curve differs between machines of one
+device type (a 16-token pass cost 1.27x a one-token one on one AMX Xeon in bfloat16 and 2.1x
+on another in float32), so the engine sizes its trees here: :func:`size_here` times the
+engine's own pass (its dtype, linear kernels and exact attention) for 1 to 32 new tokens and
+the head's drafting for each shape, once per machine (cached in ``sizing.json`` under
+``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
+most expected tokens per second for mode eagle and, chain length included, for mode hybrid
+(:func:`medusa.decoding.eagle.choose_dynamic`). Compiled engines keep the calibrated sizes:
+their passes cost what the compiled graphs cost, not what an eager pass does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from medusa.decoding.calibrate import measure_cost, tree_key
+from medusa.decoding.device import _cached, device_key, model_key
+from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
+from medusa.decoding.state import DecodeState
+
+SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
+PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
+KEY_VERSION = "s1"
+
+
+@dataclass(frozen=True)
+class SizeChoice:
+    eagle: DynamicTree  # mode eagle's tree
+    hybrid: DynamicTree  # mode hybrid's tree, with its lookup chain
+    reason: str  # one line for the chat banner and the bench
+    cost_ms: dict[int, float]  # the engine's pass over n new tokens, measured here
+    draft_ms: dict[str, float]  # a step's drafting per shape "DEPTHxTOPK", measured here
+
+
+def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], Acceptance]:
+    """The heads' teacher-forced acceptance per draft shape from their calibration (the entry
+    for this device and dtype first: its drafting ran in the same dtype; else any entry)."""
+    measured = getattr(heads, "measured", None) or {}
+    keys = [tree_key(device.type, dtype), device.type] + sorted(measured)
+    entry = next((measured[k] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("curves")), None)
+    if entry is None:
+        return {}
+    curves = {}
+    for shape, record in entry["curves"].items():
+        depth, topk = (int(x) for x in shape.split("x"))
+        curves[(depth, topk)] = Acceptance.from_record(record)
+    return curves
+
+
+@torch.inference_mode()
+def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = 7) -> dict[str, float]:
+    """Median milliseconds of one drafting step per ``(depth, topk)`` shape, the head reading a
+    prefill's worth of the target's features (what a decoding step's drafting costs here)."""
+    device = heads.fc.weight.device
+    ids = (torch.arange(PREFIX, device=device) * 7919 + 13) % (model.config.vocab_size - 1) + 1
+    hidden = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+    out = {}
+    for depth, topk in shapes:
+        proposer = EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
+        state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
+                            logits=None, prefill_hidden=hidden[:-1])
+        proposer.begin(state)
+        times = []
+        for _ in range(reps + 1):  # drafted pairs leave the head's cache after each proposal
+            t0 = time.perf_counter()
+            proposer.propose(state)
+            times.append(time.perf_counter() - t0)
+        out[f"{depth}x{topk}"] = statistics.median(times[1:]) * 1e3
+    return out
+
+
+def _measure(engine, shapes: list[tuple[int, int]]) -> dict:
+    sizes = [n for n in SIZES if n <= (engine.max_rows or SIZES[-1])]
+    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels)
+        cost = measure_cost(engine.model, sizes, prefix=PREFIX, reps=7)
+        draft = drafting_ms(engine.heads, engine.model, shapes)
+    return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft}
+
+
+def size_here(engine, cache_file: Path) -> SizeChoice | None:
+    """Mode eagle's and mode hybrid's tree sizes for ``engine`` on this machine (see the
+    module docstring); None where the heads are not eagle heads, carry no acceptance curves,
+    or the engine compiles its passes (then the calibrated sizes apply)."""
+    heads = engine.heads
+    if heads is None or heads.config.kind != "eagle" or engine.compile_mode != "off":
+        return None
+    curves = measured_curves(heads, engine.device, engine.model.dtype)
+    if not curves:
+        return None
+    vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
+    fingerprint = f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}"
+    key = " | ".join([device_key(engine.device), model_key(engine.model), str(engine.model.dtype), engine.kernels,
+                      f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])
+    entry, _ = _cached(cache_file, key, lambda: _measure(engine, sorted(curves)))
+    cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
+    draft = entry["draft_ms"]
+    here = {shape: Acceptance(acc.accepted, draft.get(f"{shape[0]}x{shape[1]}", acc.draft_ms), acc.hybrid,
+                              acc.chain_share) for shape, acc in curves.items()}
+    eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=engine.max_rows)
+    hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=engine.max_rows)
+    reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
+              f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
+              f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms")
+    return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft)
+
+
+def monotone(cost_ms: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing curve closest to measured pass costs (least squares: adjacent
+    violators pool into their mean). A pass over more tokens never costs less; where a timing
+    says so (a VM timed one token at 80 ms and two at 67), that is noise, which would
+    otherwise make the rows it undercuts look free."""
+    blocks: list[list] = []  # [sum, count, sizes]
+    for n in sorted(cost_ms):
+        blocks.append([cost_ms[n], 1, [n]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count, sizes = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+            blocks[-1][2] += sizes
+    return {n: total / count for total, count, sizes in blocks for n in sizes}
+
+
+def _describe(size: DynamicTree) -> str:
+    tree = "no tree" if size.nodes == 0 else f"{size.nodes} nodes (depth {size.depth}, top-{size.topk})"
+    return tree if size.chain is None else f"{tree} + {size.chain}-token lookup chain"

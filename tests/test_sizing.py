@@ -1,0 +1,141 @@
+"""EAGLE trees and hybrid's lookup chain sized from this machine's measured pass costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_eagle import PROMPT, noisy_eagle
+from tiny import hf_greedy, tiny_model
+
+from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, acceptance_by_size, choose_dynamic
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
+from medusa.decoding.sizing import SIZES, SizeChoice, monotone, size_here
+from medusa.models.heads import init_heads_for
+
+# one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that
+# half of the steps have
+CURVES = {(3, 1): Acceptance(accepted=[0.5, 0.6], draft_ms=1.0,
+                             hybrid=[[0.0, 0.5, 0.6], [0.4, 0.7, 0.8], [0.6, 0.8, 0.9]],
+                             chain_share=[[0.0] * 3, [0.5] * 3, [0.5] * 3])}
+COST = {1: 10.0, 2: 10.0, 3: 10.0, 4: 20.0, 10: 50.0}
+
+
+def test_hybrid_sizing_pays_for_the_chain_rows_it_adds():
+    # by hand, tokens/s = (1 + accepted) / (E[T(1 + n + chain rows)] + drafting if n) * 1e3:
+    # no chain (mode eagle): n=1 1.5/11, n=2 1.6/11 (145.5)
+    # chain 1: n=0 1.4/10 = 140, n=1 1.7/(10 + 1) = 154.5, n=2 1.8/(15 + 1)
+    # chain 2: n=0 1.6/(0.5 T(1) + 0.5 T(3)) = 160 (the best), n=1 1.8/16, n=2 1.9/(0.5 T(3) + 0.5 T(5) + 1)
+    size, expected, tps = choose_dynamic(CURVES, COST, hybrid=True)
+    assert (size.nodes, size.chain) == (0, 2) and expected == pytest.approx(1.6) and tps == pytest.approx(160)
+    size, expected, tps = choose_dynamic(CURVES, COST)  # mode eagle: no chain
+    assert (size.nodes, size.depth, size.topk, size.chain) == (2, 3, 1, None) and tps == pytest.approx(1.6 / 11 * 1e3)
+    # passes of at most 2 rows: chain 1 beside no node (140) beats one node alone (136.4)
+    size, _, tps = choose_dynamic(CURVES, COST, hybrid=True, max_rows=2)
+    assert (size.nodes, size.chain) == (0, 1) and tps == pytest.approx(140)
+    # a steep pass: nothing beside the root pays, so plain decoding (no tree, no chain)
+    size, expected, _ = choose_dynamic(CURVES, {1: 10.0, 2: 40.0, 3: 80.0}, hybrid=True)
+    assert (size.nodes, size.chain) == (0, 0) and expected == 1.0
+    # curves calibrated before decoding was replayed: the per-position average, the chain left to the engine
+    old = {shape: Acceptance([0.5, 0.9], acc.draft_ms) for shape, acc in CURVES.items()}
+    size, expected, _ = choose_dynamic(old, COST, hybrid=True)
+    assert (size.nodes, size.chain) == (2, None) and expected == pytest.approx(1.9)
+
+
+def test_acceptance_with_a_lookup_chain_replays_decoding():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_decoder().norm.weight.fill_(0.0)  # greedy answer: token 0 throughout
+    answer = hf_greedy(model, PROMPT, 10)
+    assert set(answer) == {0} and 0 not in PROMPT
+    heads = noisy_eagle(model)
+    result = acceptance_by_size(heads, model, [(PROMPT, answer)], DynamicTree(nodes=2, depth=2, topk=1), chain=3)
+    # Positions i = 0..8 have 9 - i true tokens ahead; N nodes get min(N, 9 - i) right. Lookup
+    # finds no earlier 0 at i = 0 (no chain), then copies the repeating zeros: min(L, 9 - i) right.
+    # Replayed by hand (a step at i accepting a moves to i + a + 1):
+    # L=0 N=0: 9 steps of 0. L=0 N=2: i=0,3,6 accept 2 each -> 2.0 per step, no chain.
+    # L=3 N=0: i=0 (0), i=1 (3), i=5 (3) -> 2.0, chains at 2 of 3 steps.
+    # L=3 N=2: i=0 (2), i=3 (3), i=7 (2) -> 7/3, chains at 2 of 3. L=1 N=1: i=0,2,4,6,8 accept 1, chains at 4 of 5.
+    want = {(0, 0): (0.0, 0.0), (0, 2): (2.0, 0.0), (3, 0): (2.0, 2 / 3), (3, 2): (7 / 3, 2 / 3), (1, 1): (1.0, 0.8)}
+    for (length, n), (accepted, share) in want.items():
+        assert result.hybrid[length][n] == pytest.approx(accepted), (length, n)
+        assert result.chain_share[length][n] == pytest.approx(share), (length, n)
+    # the per-position average counts every position: N=2 right for min(2, 9 - i), mean 17/9
+    assert result.accepted[1] == pytest.approx(17 / 9)
+    record = Acceptance.from_record(json.loads(json.dumps(result.as_record())))
+    flat = [x for table in (record.hybrid, record.chain_share) for row in table for x in row]
+    assert flat == pytest.approx([x for table in (result.hybrid, result.chain_share) for row in table for x in row],
+                                 abs=1e-4)
+    assert record.accepted == pytest.approx(result.accepted, abs=1e-4)
+
+
+def test_monotone_smooths_noise_into_a_non_decreasing_curve():
+    # a VM timed the one-token pass above the two-token one (80.4 vs 66.6 ms): noise
+    # (least squares: the first four pool into their mean, 71)
+    smooth = monotone({1: 80.0, 2: 66.0, 4: 70.0, 8: 68.0, 16: 90.0})
+    assert smooth == pytest.approx({1: 71.0, 2: 71.0, 4: 71.0, 8: 71.0, 16: 90.0})
+    assert monotone({2: 2.0, 1: 1.0, 4: 3.0}) == {1: 1.0, 2: 2.0, 4: 3.0}
+
+
+def _sized_engine(tmp_path, model, heads):
+    heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
+    return Engine(model, heads=heads), tmp_path / "sizing.json"
+
+
+def test_size_here_measures_once_and_follows_this_machines_costs(tmp_path):
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    engine, cache = _sized_engine(tmp_path, model, heads)
+    choice = size_here(engine, cache)
+    table = json.loads(cache.read_text())
+    (key, entry), = table.items()
+    assert sorted(map(int, entry["cost_ms"])) == list(SIZES) and set(entry["draft_ms"]) == {"3x1"}
+    assert choice.cost_ms[1] > 0 and "sized here" in choice.reason
+    # a later engine reads the cache: with these (written) costs the choice follows them
+    entry["cost_ms"] = {"1": 10.0, "2": 40.0, "32": 1000.0}  # steep: no tree pays
+    cache.write_text(json.dumps(table))
+    steep = size_here(engine, cache)
+    assert (steep.eagle.nodes, steep.hybrid.nodes, steep.hybrid.chain) == (0, 0, 0)
+    entry["cost_ms"] = {str(n): 10.0 for n in SIZES}  # flat, and drafting free: the largest tree and chain
+    entry["draft_ms"] = {"3x1": 0.0}
+    cache.write_text(json.dumps(table))
+    flat = size_here(engine, cache)
+    assert (flat.eagle.nodes, flat.hybrid.nodes, flat.hybrid.chain) == (2, 2, 2)
+    # the engine decodes with the sizes it was given, exactly
+    ref = hf_greedy(model, PROMPT, 24)
+    for sizes, kinds in ((steep, (EagleProposer, EagleProposer)), (flat, (EagleProposer, Hybrid))):
+        engine.tree_sizes = sizes
+        eagle, hybrid = engine.proposer("eagle"), engine.proposer("hybrid")
+        assert (type(eagle), type(hybrid)) == kinds
+        assert eagle.size == sizes.eagle
+        for mode in ("eagle", "hybrid"):
+            assert engine.generate(PROMPT, max_new_tokens=24, mode=mode).tokens == ref, (sizes.reason, mode)
+    assert engine.proposer("hybrid").lookup.k == 2  # the sized chain
+    engine.proposer_config = ProposerConfig(lookup_tokens=5)  # set by the user: it wins
+    assert engine.proposer("hybrid").lookup.k == 5 and engine.proposer("lookup").k == 5
+
+
+def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
+    model = tiny_model("llama")
+    engine, _ = _sized_engine(tmp_path, model, noisy_eagle(model))
+    proposer = Engine(model, heads=engine.heads).proposer("hybrid")
+    assert proposer.lookup.k == LOOKUP_TOKENS  # unsized: the calibrated tree and the default chain
+    engine.tree_sizes = SizeChoice(eagle=DynamicTree(nodes=0), hybrid=DynamicTree(nodes=0, chain=3), reason="",
+                                   cost_ms={}, draft_ms={})
+    hybrid = engine.proposer("hybrid")
+    assert hybrid.lookup.k == 3 and hybrid.heads.size.nodes == 0
+    res = engine.generate(PROMPT, max_new_tokens=24, mode="hybrid")
+    assert res.tokens == hf_greedy(model, PROMPT, 24) and max(res.stats.accepted) > 1  # the chain hit
+    assert hybrid.heads.length == 0  # the head never ran: nothing drafted, nothing fed
+
+
+def test_nothing_is_sized_without_curves_for_medusa_heads_or_compiled(tmp_path):
+    model = tiny_model("llama")
+    assert size_here(Engine(model, heads=noisy_eagle(model)), tmp_path / "s.json") is None  # no curves
+    assert size_here(Engine(model, heads=init_heads_for(model)), tmp_path / "s.json") is None
+    heads = noisy_eagle(model)
+    heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
+    assert size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json") is None
+    assert not (tmp_path / "s.json").exists()
