@@ -555,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = "hf" if "hf" in modes else None
         print(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, modes: {', '.join(modes)}",
               file=sys.stderr)
+        if uses_eagle or own_eagle:
+            print(f"eagle trees: {_sizes_reason(args.eagle_engine or engine)}", file=sys.stderr)
         args.compile_seconds = precompile(engine, modes, args)  # compiled passes: every size, before any timing
         for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
             MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))

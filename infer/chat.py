@@ -407,9 +407,13 @@ def embedded_needs_dequantising() -> bool:
 
 def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     import medusa
+    from medusa.models.target import cache_root
 
     if args.model is None and embedded_needs_dequantising():
         say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
+    if not (cache_root() / "dtype.json").is_file():  # the first of the picks load() measures and caches
+        say(style.dim("first start on this machine: timing passes to pick the dtype, kernels and tree sizes "
+                      "(cached for next time)"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         heads = args.heads
