@@ -373,7 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system", help="system prompt (default: the chat template's)")
     p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the faster exact one on this device, measured once and cached)")
     p.add_argument("--compile", nargs="?", const="on", choices=("auto", "on", "off"),
                    default=os.environ.get("MEDUSA_COMPILE", "auto"),
                    help="auto (the default; MEDUSA_COMPILE sets another): on a CPU in float32, the pass sizes "

@@ -10,6 +10,7 @@ from test_draft import noisy_copy
 from test_engine import random_heads
 from tiny import tiny_model
 
+from medusa.decoding import exact
 from medusa.decoding import hf as kv
 from medusa.decoding.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
 from medusa.decoding.engine import Engine
@@ -75,10 +76,22 @@ WIDE = [(i,) for i in range(6)] + [(i, j) for i in range(4) for j in range(4)] +
     + [(0, 0, 0, 0), (0, 0, 0, 0, 0)]  # 30 nodes
 
 
+@pytest.fixture(params=["flash", "matmul"])
+def attention_path(request, monkeypatch):
+    """exact.py's two ways: torch's CPU flash kernel per row (CPUs) and batched float32 matmuls
+    (other devices, softcapped logits), both run here."""
+    if request.param == "matmul":
+        monkeypatch.setattr(exact, "_FLASH", None)
+    else:
+        assert exact._FLASH is not None  # this torch ships the CPU flash kernel the CPU path uses
+    return request.param
+
+
 @pytest.mark.parametrize("paths", [PATHS, WIDE], ids=["10-nodes", "30-nodes"])
 @pytest.mark.parametrize("prefix", [40, 150, 700])  # 150, 700: rows share a head of prompt keys
 @pytest.mark.parametrize("kv_heads,g,dim", [(3, 3, 64), (4, 4, 128), (2, 1, 64), (2, 8, 128), (1, 2, 256)])
-def test_exact_attention_rows_equal_one_token_rows_for_real_head_shapes(kv_heads, g, dim, prefix, paths):
+def test_exact_attention_rows_equal_one_token_rows_for_real_head_shapes(kv_heads, g, dim, prefix, paths,
+                                                                        attention_path):
     # The attention function alone, on the head shapes of real targets (SmolLM2: 3 KV heads of
     # 3 queries, D 64; Llama-3-8B and Mistral-7B: g 4, D 128; MHA; Gemma: D 256): each node's
     # output row in the tree pass is bit-identical to its one-token pass over prompt + ancestors.
@@ -99,6 +112,29 @@ def test_exact_attention_rows_equal_one_token_rows_for_real_head_shapes(kv_heads
         if not torch.equal(one[0, 0], tree_out[0, node]):
             differing.append(node)
     assert differing == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [20, 150, 700])
+def test_exact_attention_computes_attention(prefix, dtype, attention_path):
+    # Invariance is worthless if the numbers are wrong: every row of a 30-node tree pass after a
+    # prompt, in a batch of 2 whose second entry's visible keys do not start at slot 0 (a window:
+    # all keys gathered), matches float64 attention to the dtype's rounding.
+    tree = compile_tree(WIDE)
+    n, length, kv_heads, g, dim = tree.num_nodes, prefix + tree.num_nodes, 3, 3, 64
+    gen = torch.Generator().manual_seed(prefix)
+    key, value = (torch.randn(2, kv_heads, length, dim, generator=gen) for _ in range(2))
+    query = torch.randn(2, kv_heads * g, n, dim, generator=gen)
+    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tree.ancestor.bool()], 1).expand(2, n, length).clone()
+    allowed[1, :, : prefix // 2] = False  # batch entry 1: a window that starts past slot 0
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(g, 1), value.double().repeat_interleave(g, 1),
+        attn_mask=mask.double()).transpose(1, 2)
+    for b in (1, 2):  # 1: rows past 64 keys read a shared head in place and a gathered tail (exact.py)
+        out, _ = exact_attention(None, query[:b].to(dtype), key[:b].to(dtype), value[:b].to(dtype), mask[:b].to(dtype))
+        assert out.dtype == dtype and out.shape == expected[:b].shape
+        torch.testing.assert_close(out.double(), expected[:b], atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
 def test_sdpa_tree_rows_differ_in_bfloat16():
