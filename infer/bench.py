@@ -79,6 +79,7 @@ class Run:
     seconds: float
     steps: int | None = None  # target passes after prefill (None when the mode does not say)
     accepted: list[int] | None = None  # tokens emitted per decode step, when the mode says
+    phases: dict[str, float] | None = None  # engine modes: seconds in prefill, draft, verify, update
 
 
 # -- prompts -------------------------------------------------------------------------------
@@ -151,7 +152,10 @@ def mode(name: str) -> Callable[[Runner], Runner]:
 def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, name: str) -> Run:
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=_static_tree(engine, args),
                           sampling=args.sampling)
-    return Run(tokens=res.tokens, seconds=res.stats.seconds, steps=res.stats.steps + 1, accepted=list(res.stats.accepted))
+    st = res.stats
+    phases = {"prefill": st.prefill_seconds, "draft": st.draft_seconds, "verify": st.verify_seconds,
+              "update": st.update_seconds}
+    return Run(tokens=res.tokens, seconds=st.seconds, steps=st.steps + 1, accepted=list(st.accepted), phases=phases)
 
 
 def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationConfig:
@@ -386,12 +390,39 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "speedup": tps / ref_tps if ref_tps else None,
             "tau": tokens / sum(steps) if len(steps) == len(rs) and sum(steps) else None,
             "identical": same, "identical_baseline": same_base, "sampled": sampled, "prompts": len(rs),
+            "step_ms": step_profile(rs),
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
                             "accepted": r.accepted} for p, r in zip(prompts, rs)],
         }
     return out
+
+
+def step_profile(rs: list[Run]) -> dict[str, float] | None:
+    """Milliseconds per decode step in each phase, over a mode's prompts (engine modes): the
+    proposer's drafting, the verification pass (acceptance and cache bookkeeping included), the
+    proposer's update, and the rest of the loop; None for modes that do not report phases."""
+    if not rs or any(r.phases is None for r in rs):
+        return None
+    steps = sum(r.steps - 1 for r in rs)  # Run.steps counts the prefill's pass
+    if steps <= 0:
+        return None
+    ms = {k: sum(r.phases[k] for r in rs) * 1e3 / steps for k in ("draft", "verify", "update")}
+    ms["other"] = max(0.0, (sum(r.seconds - sum(r.phases.values()) for r in rs)) * 1e3 / steps)
+    return ms
+
+
+def profile_lines(summary: dict) -> list[str]:
+    """One line per engine mode: where a decode step's time went (see :func:`step_profile`)."""
+    lines = []
+    for name, s in summary.items():
+        ms = s.get("step_ms")
+        if ms:
+            total = sum(ms.values())
+            parts = " + ".join(f"{k} {v:.1f}" + (f" ({v / total:.0%})" if k == "verify" else "") for k, v in ms.items())
+            lines.append(f"step profile, {name}: {total:.1f} ms per step = {parts}")
+    return lines
 
 
 TRANSFORMERS_PEERS = ("hf", "hf-compile", *(f"hf-{d}" for d in PLAIN_DTYPES))  # plain generate, as a user runs it
@@ -569,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = summarise(prompts, runs, reference, sampled=not args.sampling.greedy)
     print(table(summary, reference))
+    for line in profile_lines(summary):
+        print(line)
     fastest = against_fastest_peer(summary)
     if fastest:
         print(fastest)
@@ -593,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from infer.report import write_report
 
-        folder = write_report(Path(args.out), meta, summary, reference, table(summary, reference), engine.heads)
+        folder = write_report(Path(args.out), meta, summary, reference,
+                              "\n\n".join([table(summary, reference), *profile_lines(summary)]), engine.heads)
         print(f"report written to {folder}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,13 @@ def test_bench_cli_on_the_embedded_model(tmp_path):
         assert [p["tokens"] for p in modes[name]["per_prompt"]] == [p["tokens"] for p in modes["hf"]["per_prompt"]]
     assert all(len(p["tokens"]) > 0 for p in modes["hf"]["per_prompt"])
     assert modes["medusa"]["tau"] >= 1.0
+    # where a step's time went, per engine mode (transformers' generate does not say)
+    assert modes["hf"]["step_ms"] is None
+    for name in ("baseline", "medusa"):
+        ms = modes[name]["step_ms"]
+        assert set(ms) == {"draft", "verify", "update", "other"} and ms["verify"] > 0
+        assert re.search(rf"step profile, {name}: [\d.]+ ms per step = draft [\d.]+ \+ verify [\d.]+ \(\d+%\)", proc.stdout)
+    assert modes["medusa"]["step_ms"]["draft"] > modes["baseline"]["step_ms"]["draft"]  # heads draft, baseline does not
 
 
 def test_bench_cli_rejects_unknown_modes():

@@ -313,3 +313,24 @@ def test_hybrid_sampling_follows_the_target():
         multi += max(res.stats.accepted, default=0) > 1
     assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > 1e-4
     assert multi > 100  # candidates were accepted, not only the target's own tokens
+
+
+def test_stats_say_where_the_steps_time_went():
+    # A proposer that takes 20 ms to draft and 10 ms to update: its time shows in those phases
+    # and not in the verification pass's, and the phases fit in the wall clock.
+    import time
+
+    model = tiny_model("llama")
+    eng = Engine(model, heads=random_heads(model, 0))
+    proposer = eng.proposer("medusa")
+    propose, update = proposer.propose, proposer.update
+    proposer.propose = lambda state: (time.sleep(0.02), propose(state))[1]
+    proposer.update = lambda state, outcome: (time.sleep(0.01), update(state, outcome))[1]
+    st = eng.generate([5, 17, 33, 9], max_new_tokens=12, mode=proposer).stats
+    assert st.steps > 0
+    assert st.draft_seconds >= 0.02 * st.steps and st.update_seconds >= 0.01 * st.steps
+    assert st.verify_seconds > 0
+    # no time counted twice (the sleeps in verify too would overrun the wall clock)
+    assert st.prefill_seconds + st.draft_seconds + st.verify_seconds + st.update_seconds <= st.seconds
+    assert st.as_dict()["verify_seconds"] == st.verify_seconds
+

@@ -39,6 +39,14 @@ class GenerationStats:
     prefill_tokens: int = 0  # prompt tokens run at prefill: only the new ones when a state's cache is reused
     prefill_seconds: float = 0.0
     seconds: float = 0.0  # prefill + decode, wall clock
+    # Where the decode steps' time went (wall clock, summed over steps): the proposer drafting,
+    # the target's verification pass with acceptance and cache bookkeeping (it ends in the step's
+    # host sync, so on a GPU it also holds whatever queued work had not finished), the proposer's
+    # update. The rest of ``seconds`` is the prefill and the loop itself (and the caller's time
+    # between streamed chunks).
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    update_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -52,7 +60,8 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "tau": self.tau,
                 "tokens_per_second": self.tokens_per_second, "prefill_tokens": self.prefill_tokens,
-                "prefill_seconds": self.prefill_seconds,
+                "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
+                "verify_seconds": self.verify_seconds, "update_seconds": self.update_seconds,
                 "seconds": self.seconds, "accepted": list(self.accepted)}
 
 
@@ -584,8 +593,15 @@ class Engine:
             if reason is not None:
                 break
             with self._kernels:
-                outcome = self.step(state, self._propose(proposer, state, max_new_tokens - len(emitted)), least)
+                t1 = time.perf_counter()
+                proposal = self._propose(proposer, state, max_new_tokens - len(emitted))
+                t2 = time.perf_counter()
+                outcome = self.step(state, proposal, least)
+                t3 = time.perf_counter()
                 proposer.update(state, outcome)
+                stats.draft_seconds += t2 - t1
+                stats.verify_seconds += t3 - t2
+                stats.update_seconds += time.perf_counter() - t3
             chunk, reason = cut_chunk(outcome.tokens, self.eos, max_new_tokens - len(emitted))
             emitted += chunk
             stats.steps += 1
