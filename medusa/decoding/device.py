@@ -62,7 +62,8 @@ DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
 BUSY_SHARE = 0.25  # other processes used this much of the CPUs while a pick was timed: time it again
-KEY_VERSION = "v6"  # v6: exact attention through the CPU flash kernel; v3: the pick records the largest exact pass; v4: decided on the 16-row pass; v5: linear probe
+KEY_VERSION = "v6"  # v3: the pick records the largest exact pass; v4: decided on the 16-row pass; v5: linear probe;
+# v6: exact attention through the CPU flash kernel
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 

@@ -12,9 +12,9 @@ How: every row is computed from the list of keys it may see, in cache order (the
 its ancestors) - exactly the list its one-token pass sees - with the same shapes in every pass:
 the first keys, a multiple of 32 that leaves 33-64, are the prompt's cache slots, read in place
 and shared by all rows of the pass; the rest are gathered per row and padded to 64. With the
-matmuls, scores and weighted values are float32 products: the per-row ones (the gathered keys) have ``g`` rows (the
-query heads of a KV head) in every pass, batched, and a batched matmul's rows did not depend on
-the batch; the products with the shared head take ``g`` rows per query row and are padded to
+matmuls, scores and weighted values are float32 products: the per-row ones (the gathered keys)
+have ``g`` rows (the query heads of a KV head) in every pass, batched, and a batched matmul's
+rows did not depend on the batch; the products with the shared head take ``g`` rows per query row and are padded to
 at least 16 rows, because a small product's rows did depend on the row count (other kernels
 for a few rows: ``_shared_product``). The reduction over keys always has the same length for
 the same row (a matmul's result depended on it: 3 of 315 random cases differed by key count in
@@ -84,16 +84,16 @@ class _Group:
     rows: torch.Tensor
     head: int
     slots: torch.Tensor
-    extra: torch.Tensor
-    tail_bias: torch.Tensor | None = None  # CPU: ``extra``'s tail ``[B*r, 1, 1, W]`` in the query's dtype
-    head_bias: torch.Tensor | None = None  # CPU: ``extra``'s head likewise; None where it is all zero
+    extra: torch.Tensor | None  # the matmul path's bias (None in a flash plan)
+    tail_bias: torch.Tensor | None = None  # flash plans: the tail's bias ``[B, r, W]`` in the query's dtype
+    head_bias: torch.Tensor | None = None  # flash plans: the head's likewise; None where it is all zero
 
 
 _plans: dict = {}  # the plan of the pass in flight (every layer of a pass gets the same mask)
 
 
 def _plan(mask: torch.Tensor | None, n: int, length: int, device: torch.device,
-          dtype: torch.dtype = torch.float32) -> list[_Group]:
+          flash_dtype: torch.dtype | None = None) -> list[_Group]:
     """How each row of a pass is computed: a function of the row's own visible keys only, so
     a row gets the same computation in a tree pass as in its one-token pass.
 
@@ -124,21 +124,23 @@ def _plan(mask: torch.Tensor | None, n: int, length: int, device: torch.device,
         valid = torch.arange(w, device=device) < (count[:, rows] - h)[..., None]  # [B, r, W]
         tail = torch.gather(bias[:, rows], -1, slots).masked_fill(~valid, float("-inf"))
         head_bias = bias[:, rows, :h]
-        flash_head = head_bias.to(dtype).flatten(0, 1)[:, None, None] if bool(head_bias.any()) else None
-        groups.append(_Group(rows, h, slots, torch.cat([head_bias, tail], -1).float(),
-                             tail.to(dtype).flatten(0, 1)[:, None, None], flash_head))
+        if flash_dtype is None:  # the matmul path: one float32 bias over head and tail
+            groups.append(_Group(rows, h, slots, torch.cat([head_bias, tail], -1).float()))
+        else:
+            groups.append(_Group(rows, h, slots, None, tail.to(flash_dtype),
+                                 head_bias.to(flash_dtype) if bool(head_bias.any()) else None))
     return groups
 
 
 def _plan_for(mask: torch.Tensor | None, n: int, length: int, device: torch.device,
-              dtype: torch.dtype) -> list[_Group]:
+              flash_dtype: torch.dtype | None) -> list[_Group]:
     """:func:`_plan`, made once per pass: the first layer makes it, the others find it."""
-    key = (n, length, device, dtype)
+    key = (n, length, device, flash_dtype)
     cached = _plans.get("last")
     if cached is not None and cached[1] == key and (cached[0] is None if mask is None else
                                                     cached[0] is not None and cached[0]() is mask):
         return cached[2]
-    groups = _plan(mask, n, length, device, dtype)
+    groups = _plan(mask, n, length, device, flash_dtype)
     _plans["last"] = (None if mask is None else weakref.ref(mask), key, groups)
     return groups
 
@@ -214,14 +216,19 @@ def _flash_rows(rows_q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gr
     elements with other code than the vectorised body, so they must not see the lse itself)."""
     r = rows_q.shape[0]
     out, lse = _FLASH(rows_q, _gather_rows(key, group.slots), _gather_rows(value, group.slots),
-                      attn_mask=group.tail_bias, scale=scaling)
+                      attn_mask=_row_bias(group.tail_bias), scale=scaling)
     h = group.head
     if not h:
         return out.float()
     shared = (x[:, :, :h].expand(r, -1, -1, -1) for x in (key, value))  # b == 1 for split groups
-    head_out, head_lse = _FLASH(rows_q, *shared, attn_mask=group.head_bias, scale=scaling)
+    head_out, head_lse = _FLASH(rows_q, *shared, attn_mask=_row_bias(group.head_bias), scale=scaling)
     weights = torch.softmax(torch.stack([head_lse, lse], -1), -1)  # [B*r, Hkv, g, 2]
     return head_out * weights[..., :1] + out * weights[..., 1:]
+
+
+def _row_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, r, W]`` -> ``[B*r, 1, 1, W]``: one batch entry per row, shared by its heads and queries."""
+    return None if bias is None else bias.flatten(0, 1)[:, None, None]
 
 
 def _gather_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -238,8 +245,9 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
-    plan = _plan_for(attention_mask, n, length, query.device, query.dtype)
-    if query.device.type == "cpu" and softcap is None and _FLASH is not None:
+    flash = query.device.type == "cpu" and softcap is None and _FLASH is not None
+    plan = _plan_for(attention_mask, n, length, query.device, query.dtype if flash else None)
+    if flash:
         rows = query.transpose(1, 2).reshape(b, n, kv_heads, groups, dim)  # [B, n, Hkv, g, D]
         if len(plan) == 1 and n <= _ROW_CHUNK:
             out = _flash_rows(rows.flatten(0, 1), key, value, plan[0], scaling)
@@ -264,14 +272,9 @@ def _chunks(plan: list[_Group]):
     """The plan's groups, at most ``_ROW_CHUNK`` rows each (bounds a long prompt's gathered keys)."""
     for group in plan:
         for s in range(0, len(group.rows), _ROW_CHUNK):
-            yield _Group(group.rows[s:s + _ROW_CHUNK], group.head, group.slots[:, s:s + _ROW_CHUNK],
-                         group.extra[:, s:s + _ROW_CHUNK], _rows_of(group.tail_bias, group.slots.shape[0], s),
-                         _rows_of(group.head_bias, group.slots.shape[0], s))
-
-
-def _rows_of(bias: torch.Tensor | None, b: int, start: int) -> torch.Tensor | None:
-    """Rows ``start..start+_ROW_CHUNK`` of a ``[B*r, 1, 1, W]`` bias."""
-    return None if bias is None else bias.unflatten(0, (b, -1))[:, start:start + _ROW_CHUNK].flatten(0, 1)
+            part = slice(s, s + _ROW_CHUNK)
+            yield _Group(group.rows[part], group.head, *(None if x is None else x[:, part] for x in
+                                                         (group.slots, group.extra, group.tail_bias, group.head_bias)))
 
 
 AttentionInterface.register(NAME, exact_attention)
