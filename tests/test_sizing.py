@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tiny import hf_greedy, tiny_model
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, acceptance_by_size, choose_dynamic
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
-from medusa.decoding.sizing import SIZES, SizeChoice, monotone, size_here
+from medusa.decoding.sizing import SIZES, SizeChoice, drafting_ms, monotone, size_here
 from medusa.models.heads import init_heads_for
 
 # one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that
@@ -140,3 +141,24 @@ def test_nothing_is_sized_without_curves_for_medusa_heads_or_compiled(tmp_path):
     heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
     assert size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json") is None
     assert not (tmp_path / "s.json").exists()
+
+
+def test_drafting_is_timed_as_decoding_runs_it(monkeypatch):
+    # each timed drafting follows a target pass (the head's weights leave the caches as in
+    # decoding) and includes the head's update with the accepted pairs
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    events = []
+    model.get_decoder().register_forward_hook(lambda *_: events.append("pass"))
+    propose, update = EagleProposer.propose, EagleProposer.update
+
+    def slow_update(self, state, outcome):
+        events.append(f"update {len(outcome.tokens)}")
+        time.sleep(0.05)
+        return update(self, state, outcome)
+
+    monkeypatch.setattr(EagleProposer, "propose", lambda self, state: events.append("propose") or propose(self, state))
+    monkeypatch.setattr(EagleProposer, "update", slow_update)
+    timed = drafting_ms(heads, model, [(2, 2)], reps=3)
+    assert set(timed) == {"2x2"} and timed["2x2"] >= 50.0  # the update's time is in it
+    assert events == ["pass"] + ["pass", "propose", "update 2"] * 4  # the prefill, then per round

@@ -8,7 +8,8 @@ The best size follows the pass-cost curve, and that curve differs between machin
 device type (a 16-token pass cost 1.27x a one-token one on one AMX Xeon in bfloat16 and 2.1x
 on another in float32), so the engine sizes its trees here: :func:`size_here` times the
 engine's own pass (its dtype, linear kernels and exact attention) for 1 to 32 new tokens and
-the head's drafting for each shape, once per machine (cached in ``sizing.json`` under
+the head's work per step for each shape (drafting and update, after a target pass as in
+decoding: :func:`drafting_ms`), once per machine (cached in ``sizing.json`` under
 ``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
 most expected tokens per second for mode eagle and, chain length included, for mode hybrid
 (:func:`medusa.decoding.eagle.choose_dynamic`). Compiled engines keep the calibrated sizes:
@@ -27,11 +28,12 @@ import torch
 from medusa.decoding.calibrate import measure_cost, tree_key
 from medusa.decoding.device import _cached, device_key, model_key
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
-from medusa.decoding.state import DecodeState
+from medusa.decoding import hf as kv
+from medusa.decoding.state import DecodeState, StepOutcome
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
-KEY_VERSION = "s2"  # s2: exact attention through the CPU flash kernel (passes cost less)
+KEY_VERSION = "s3"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class SizeChoice:
     hybrid: DynamicTree  # mode hybrid's tree, with its lookup chain
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[int, float]  # the engine's pass over n new tokens, measured here
-    draft_ms: dict[str, float]  # a step's drafting per shape "DEPTHxTOPK", measured here
+    draft_ms: dict[str, float]  # the head's work per step (drafting, update) per shape "DEPTHxTOPK", measured here
 
 
 def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], Acceptance]:
@@ -60,21 +62,32 @@ def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tup
 
 @torch.inference_mode()
 def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = 7) -> dict[str, float]:
-    """Median milliseconds of one drafting step per ``(depth, topk)`` shape, the head reading a
-    prefill's worth of the target's features (what a decoding step's drafting costs here)."""
+    """Median milliseconds of the head's work in one decoding step per ``(depth, topk)`` shape:
+    its drafting and its update with the step's accepted pairs (two here), timed as decoding
+    runs them: right after a target pass, which streams the target's weights through the CPU's
+    caches, with a prefill's worth of context. Timed back to back instead, the head's weights
+    stay cached and the drafting looks cheaper than it is (one AMX Xeon, bfloat16: a 6x4
+    drafting took 13 ms that way and 16-23 ms in decoding, plus 2-3 ms of update)."""
     device = heads.fc.weight.device
     ids = (torch.arange(PREFIX, device=device) * 7919 + 13) % (model.config.vocab_size - 1) + 1
-    hidden = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+    cache = kv.new_cache()
+    _, hidden = kv.forward(model, ids[None], torch.arange(PREFIX, device=device)[None], cache, None,
+                           logits_rows=slice(-1, None))
+    root = torch.tensor([[PREFIX - 1]], device=device)
+    accepted = StepOutcome(nodes=[0, 1], tokens=ids[-2:].tolist(), hidden=hidden[-2:], start=PREFIX - 1)
     out = {}
     for depth, topk in shapes:
         proposer = EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
-        state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
-                            logits=None, prefill_hidden=hidden[:-1])
-        proposer.begin(state)
         times = []
-        for _ in range(reps + 1):  # drafted pairs leave the head's cache after each proposal
+        for _ in range(reps + 1):
+            state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
+                                logits=None, prefill_hidden=hidden[:-1])
+            proposer.begin(state)  # the head's cache as a prefill leaves it (the last step's pairs dropped)
+            kv.crop(cache, PREFIX - 1)
+            kv.forward(model, ids[None, -1:], root, cache, None)  # the step's target pass, untimed
             t0 = time.perf_counter()
             proposer.propose(state)
+            proposer.update(state, accepted)
             times.append(time.perf_counter() - t0)
         out[f"{depth}x{topk}"] = statistics.median(times[1:]) * 1e3
     return out
