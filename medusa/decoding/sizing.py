@@ -33,6 +33,10 @@ from medusa.decoding.state import DecodeState, StepOutcome
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
+# Timed rounds per pass size and per draft shape. With 7, four sizings in a row on one AMX Xeon
+# VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
+# (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
+REPS = 13
 KEY_VERSION = "s3"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included
 
 
@@ -61,7 +65,7 @@ def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tup
 
 
 @torch.inference_mode()
-def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = 7) -> dict[str, float]:
+def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -> dict[str, float]:
     """Median milliseconds of the head's work in one decoding step per ``(depth, topk)`` shape:
     its drafting and its update with the step's accepted pairs (two here), timed as decoding
     runs them: right after a target pass, which streams the target's weights through the CPU's
@@ -96,8 +100,8 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = 7) -> d
 def _measure(engine, shapes: list[tuple[int, int]]) -> dict:
     sizes = [n for n in SIZES if n <= (engine.max_rows or SIZES[-1])]
     with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels)
-        cost = measure_cost(engine.model, sizes, prefix=PREFIX, reps=7)
-        draft = drafting_ms(engine.heads, engine.model, shapes)
+        cost = measure_cost(engine.model, sizes, prefix=PREFIX, reps=REPS)
+        draft = drafting_ms(engine.heads, engine.model, shapes, reps=REPS)
     return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft}
 
 
