@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import measure_cost, tree_key
 from medusa.decoding.device import _cached, device_key, model_key
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
-from medusa.decoding import hf as kv
 from medusa.decoding.state import DecodeState, StepOutcome
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
