@@ -79,13 +79,13 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
                            logits_rows=slice(-1, None))
     root = torch.tensor([[PREFIX - 1]], device=device)
     accepted = StepOutcome(nodes=[0, 1], tokens=ids[-2:].tolist(), hidden=hidden[-2:], start=PREFIX - 1)
+    state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
+                        logits=None, prefill_hidden=hidden[:-1])  # read, never changed, by the proposer
     out = {}
     for depth, topk in shapes:
         proposer = EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
         times = []
         for _ in range(reps + 1):
-            state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
-                                logits=None, prefill_hidden=hidden[:-1])
             proposer.begin(state)  # the head's cache as a prefill leaves it (the last step's pairs dropped)
             kv.crop(cache, PREFIX - 1)
             kv.forward(model, ids[None, -1:], root, cache, None)  # the step's target pass, untimed
@@ -101,7 +101,7 @@ def _measure(engine, shapes: list[tuple[int, int]]) -> dict:
     sizes = [n for n in SIZES if n <= (engine.max_rows or SIZES[-1])]
     with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels)
         cost = measure_cost(engine.model, sizes, prefix=PREFIX, reps=REPS)
-        draft = drafting_ms(engine.heads, engine.model, shapes, reps=REPS)
+        draft = drafting_ms(engine.heads, engine.model, shapes)
     return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft}
 
 
