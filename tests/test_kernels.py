@@ -21,7 +21,14 @@ from medusa.decoding.device import (
 )
 from medusa.decoding.engine import PACKED_ROWS, Engine
 from medusa.decoding.exact import is_exact
-from medusa.decoding.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack
+from medusa.decoding.kernels import (
+    PACKING_VERSION,
+    PackedLinears,
+    linear_layers,
+    onednn_available,
+    pack,
+    sibling_groups,
+)
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 
@@ -169,6 +176,69 @@ def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, tmp_path
     assert stock(model)
 
 
+def linear_calls(model, ids):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids).logits
+    counts = {event.key: event.count for event in prof.key_averages()}
+    return logits, counts.get("mkldnn::_linear_pointwise", 0), counts.get("aten::linear", 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # qwen2: stacked biases
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sibling_layers_run_as_one_product_with_the_same_logits(arch, dtype):
+    from medusa.decoding.kernels import FUSED_ROWS
+
+    model = tiny_model(arch).to(dtype)
+    if not onednn_available("cpu", dtype):  # an AVX2-only CPU packs no bfloat16 weights: nothing to stack
+        assert not sibling_groups([model], linear_layers([model])) and PackedLinears(model).fused == 0
+        return
+    layers = model.config.num_hidden_layers
+    separate, stacked = PackedLinears(model, fuse=False), PackedLinears(model)
+    assert stacked.fused == 5 * layers and len(stacked) == len(separate)
+    for n in (1, 5, 16, FUSED_ROWS):
+        ids = torch.tensor([(PROMPT * 3)[:n]])
+        with torch.no_grad():
+            with separate:
+                ref, ref_calls, _ = linear_calls(model, ids)
+            with stacked:
+                out, calls, stock_calls = linear_calls(model, ids)
+        assert torch.equal(out, ref), n  # bit for bit: each output is the same dot product
+        assert (ref_calls, calls) == (7 * layers + 1, 4 * layers + 1), n  # q/k/v and gate/up: one product each
+    # more rows than FUSED_ROWS in half precision: the stacked layers run torch's own kernels
+    ids = torch.tensor([(PROMPT * 4)[:FUSED_ROWS + 1]])
+    with torch.no_grad(), stacked:
+        _, calls, stock_calls = linear_calls(model, ids)
+    if dtype == torch.bfloat16:
+        assert (calls, stock_calls) == (2 * layers + 1, 5 * layers)
+    else:
+        assert calls == 4 * layers + 1
+    assert stock(model)
+
+
+def test_a_stacked_layer_called_on_another_input_computes_its_own():
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    x, y = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
+    with torch.no_grad(), PackedLinears(model):
+        q, k_other, k, k_again, v = attn.q_proj(x), attn.k_proj(y), attn.k_proj(x), attn.k_proj(x), attn.v_proj(x)
+        x.mul_(2)  # changed in place after q's call: not the input q's product was made for
+        q2, k2 = attn.q_proj(y), attn.k_proj(x)
+    linear = torch.nn.functional.linear
+    for out, layer, inp in ((q, attn.q_proj, x / 2), (k_other, attn.k_proj, y), (k, attn.k_proj, x / 2),
+                            (k_again, attn.k_proj, x / 2), (v, attn.v_proj, x / 2), (q2, attn.q_proj, y),
+                            (k2, attn.k_proj, x)):
+        torch.testing.assert_close(out, linear(inp, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_shared_elsewhere_is_not_stacked():
+    model = tiny_model("llama")
+    shared = torch.nn.Module()
+    shared.proj = model.model.layers[0].self_attn.k_proj  # a second parent: its caller may not be q's
+    groups = sibling_groups([model, shared], linear_layers([model, shared]))
+    assert len(groups) == 2 * model.config.num_hidden_layers - 1
+    assert all(model.model.layers[0].self_attn.k_proj is not layer for group in groups for layer in group)
+
+
 def test_packed_weights_are_released_with_their_scope():
     import gc
 
@@ -178,7 +248,8 @@ def test_packed_weights_are_released_with_their_scope():
     gc.collect()  # engines of earlier tests that are unreachable but not yet collected
     before = len(kernels._PACKED)
     packed = PackedLinears(model)
-    assert len(kernels._PACKED) == before + len(packed)
+    assert 0 < packed.fused < len(packed)  # stacked layers (q/k/v, gate/up) keep no copy of their own
+    assert len(kernels._PACKED) == before + len(packed) - packed.fused
     del packed
     gc.collect()
     assert len(kernels._PACKED) == before

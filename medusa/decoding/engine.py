@@ -334,7 +334,9 @@ class Engine:
         # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
         # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
         half = self.model.dtype in (torch.bfloat16, torch.float16)
-        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None)
+        # Compiled passes call each layer's own packed copy (kernels.PackedLinears: fuse).
+        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None,
+                             fuse=not self._compiled)
 
     @property
     def compiled(self) -> bool:

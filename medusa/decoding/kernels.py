@@ -19,6 +19,10 @@ bench's ``hf`` peer) and training never see it: nothing in the model is forked o
 The packed copies double the memory of the linear weights, and they are a snapshot: weights
 changed after packing (training, a LoRA merge) need a new ``PackedLinears``.
 
+Stacked siblings: the layers a decoder layer calls on one input (q/k/v, gate/up) run as one
+product of their stacked packed weights, each taking its slice (:class:`_Siblings`): 60 of the
+embedded model's 211 products fewer per pass, bit-identical to the separate ones where used.
+
 Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
 ``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead,
 which inductor keeps as an extern call between the elementwise work it fuses (norms, rotary,
@@ -44,7 +48,12 @@ import torch
 from torch import nn
 
 KERNELS = ("default", "onednn")
-PACKING_VERSION = 2  # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked). Part of cache keys.
+# 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked); 3: sibling layers
+# (q/k/v, gate/up) stacked into one product (_Siblings). Part of cache keys.
+PACKING_VERSION = 3
+# layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
 
 # weight address -> the packed copies of that weight, newest last (one per live PackedLinears
 # that packed it). Layers and the custom op find a packed copy by the weight itself, so neither
@@ -133,6 +142,76 @@ def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
     return list(seen.values())
 
 
+class _Siblings:
+    """Linear layers of one module that read the same input, as one product: transformers'
+    decoder layers call ``q_proj``, ``k_proj`` and ``v_proj`` on one tensor, and ``gate_proj``
+    and ``up_proj`` on another. Whichever layer is called first multiplies the input by their
+    stacked packed weights and keeps the other layers' slices of the product for their calls
+    with that same tensor; a call with any other input multiplies again.
+
+    Why: a one-token pass is ~200 small products, each with a fixed cost beside its weights'
+    bandwidth (a 192x576 bfloat16 product took ~100 us in a pass on the AMX Xeon, a 576x576 one
+    ~160 us, the stacked 960x576 ~220 us), so stacking q/k/v and gate/up saves 60 of the
+    embedded model's 211 calls. Each output element is still one row's dot product over the
+    same inputs: the stacked product was bit-identical to the separate ones, and to torch's
+    own kernels, for 1-39 rows in bfloat16 and for any rows in float32 (measured there; not
+    for 64+ rows in bfloat16 with some shapes). So in half precision it is used for at most
+    ``FUSED_ROWS`` rows, and larger inputs run torch's own kernels layer by layer (a short
+    prompt's prefill); the exactness probe (device.py) checks the passes the engine runs."""
+
+    def __init__(self, layers: list[nn.Linear], max_rows: int | None) -> None:
+        with torch.no_grad():
+            self.packed = pack(torch.cat([layer.weight.detach() for layer in layers]))
+            self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.max_rows = max_rows
+        self._input: torch.Tensor | None = None  # held until every slice is taken, so its id stays its own
+        self._version: int | None = None
+        self._parts: list[torch.Tensor | None] = []
+
+    def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[index]
+        if torch.compiler.is_compiling() or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]):
+            return nn.functional.linear(x, layer.weight, layer.bias)
+        version = None if x.is_inference() else x._version  # inference tensors keep no version
+        if self._input is not x or self._version != version or self._parts[index] is None:
+            self._input, self._version = x, version
+            self._parts = list(self._product(x).split(self.sizes, -1))
+        part, self._parts[index] = self._parts[index], None
+        if all(p is None for p in self._parts):
+            self._input = None
+        return part
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        except RuntimeError:  # as packed_product: torch's kernels compute it or raise torch's error
+            return torch.cat([nn.functional.linear(x, layer.weight, layer.bias) for layer in self.layers], -1)
+
+
+def sibling_groups(modules: list[nn.Module], layers: list[nn.Linear]) -> list[list[nn.Linear]]:
+    """Groups of ``layers`` that one module calls on the same input (``SIBLINGS`` names), with
+    one input size, dtype and bias-or-not, each layer in at most one group and nowhere else."""
+    packable = {id(layer) for layer in layers}
+    every = list({id(m): m for module in modules for m in module.modules()}.values())
+    uses: dict[int, int] = {}  # parents per layer: a layer shared elsewhere keeps its own product
+    for child in every:
+        for layer in child.children():
+            uses[id(layer)] = uses.get(id(layer), 0) + 1
+    groups, taken = [], set()
+    for child in every:
+        for names in SIBLINGS:
+            found = [getattr(child, name, None) for name in names]
+            if not all(isinstance(layer, nn.Linear) and id(layer) in packable and id(layer) not in taken
+                       and uses.get(id(layer)) == 1 for layer in found):
+                continue
+            if len({(layer.in_features, layer.weight.dtype, layer.bias is None) for layer in found}) == 1:
+                groups.append(found)
+                taken.update(id(layer) for layer in found)
+    return groups
+
+
 class PackedLinears:
     """Inside ``with packed:``, the linear layers of ``modules`` run oneDNN with packed weights.
 
@@ -140,30 +219,43 @@ class PackedLinears:
     prefill). In bfloat16 the packed kernels matched torch's bit for bit for 1-288 rows on an
     AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
     layers differed from 289 rows), so an engine that promises stock transformers' tokens
-    packs only its decoding passes. Entering twice (nested) is allowed; the layers are
-    restored when the outermost exits."""
+    packs only its decoding passes. ``fuse``: layers called on one input (q/k/v, gate/up:
+    :class:`_Siblings`) run as one product; they then have no packed copy of their own, so a
+    compiled pass, which calls ``medusa::packed_linear`` per layer, needs ``fuse=False``.
+    Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
 
-    def __init__(self, *modules: nn.Module | None, stock_above: int | None = None) -> None:
+    def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True) -> None:
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
+        modules = [m for m in modules if m is not None]
+        layers = linear_layers(modules)
+        groups = sibling_groups(modules, layers) if fuse else []
+        fused = {id(layer) for group in groups for layer in group}
         with torch.no_grad():
             self._packed = [(layer, pack(layer.weight.detach()), None if layer.bias is None else layer.bias.detach())
-                            for layer in linear_layers([m for m in modules if m is not None])]
+                            for layer in layers if id(layer) not in fused]
         owner = next(_OWNERS)
         for layer, packed, _ in self._packed:
             _PACKED.setdefault(layer.weight.data_ptr(), []).append((owner, packed))
         weakref.finalize(self, _release, owner, [layer.weight.data_ptr() for layer, _, _ in self._packed])
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
-        self._forwards = [functools.partial(_packed_forward, layer, bias, stock_above) for layer, _, bias in self._packed]
+        self._forwards = [(layer, functools.partial(_packed_forward, layer, bias, stock_above))
+                          for layer, _, bias in self._packed]
+        for group in groups:
+            half = group[0].weight.dtype in (torch.bfloat16, torch.float16)
+            limit = min(FUSED_ROWS, stock_above or FUSED_ROWS) if half else stock_above
+            siblings = _Siblings(group, limit)
+            self._forwards += [(layer, functools.partial(siblings.forward, i)) for i, layer in enumerate(group)]
+        self.fused = len(fused)  # layers that run as part of a stacked product
         self._depth = 0
 
     def __len__(self) -> int:
-        return len(self._packed)
+        return len(self._forwards)
 
     def __enter__(self) -> PackedLinears:
         if self._depth == 0:
-            for (layer, _, _), forward in zip(self._packed, self._forwards):
+            for layer, forward in self._forwards:
                 layer.forward = forward
         self._depth += 1
         return self
@@ -171,7 +263,7 @@ class PackedLinears:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0:
-            for layer, _, _ in self._packed:
+            for layer, _ in self._forwards:
                 del layer.forward
 
 
