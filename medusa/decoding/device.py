@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from medusa.decoding.calibrate import measure_cost
+from medusa.decoding.calibrate import measure_cost, measure_costs
 from medusa.decoding.exact import is_exact, set_exact
 from medusa.decoding.kernels import (
     PACKING_VERSION,
@@ -51,6 +51,7 @@ from medusa.decoding.kernels import (
     onednn_available,
     pack,
     packed_product,
+    sibling_groups,
 )
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
@@ -149,7 +150,11 @@ def linear_invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, kerne
     bitwise its one-row result, on :func:`_order_sensitive` inputs (weights of ones), on each
     layer's own device (the inputs are drawn on the CPU and moved there)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = {(layer.weight.shape, layer.weight.dtype, layer.weight.device) for layer in linear_layers([model])}
+    layers = linear_layers([model])
+    shapes = {(tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device) for layer in layers}
+    if kernels == "onednn":  # and the stacked products of sibling layers (kernels._Siblings)
+        shapes |= {((sum(layer.out_features for layer in group), group[0].in_features), group[0].weight.dtype,
+                    group[0].weight.device) for group in sibling_groups([model], layers)}
     rows = limit
     for (out_features, in_features), dtype, device in sorted(shapes, key=str):
         linear = _linear_of_ones(out_features, in_features, dtype, device, kernels)
@@ -209,21 +214,20 @@ def _bf16_supported(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.is_bf16_supported()
 
 
-def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 3,
+def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 5,
                    ) -> tuple[dict[str, dict[int, float]], int | None]:
     """Pass cost by new-token count for ``model`` (float32) and a bfloat16 copy of it with
     exact attention, and the copy's :func:`invariant_rows` when bfloat16 is the faster (else
     None). ``model`` is left as it was."""
     device = model.get_output_embeddings().weight.device
-    costs = {"float32": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
-    rows = None
-    if _bf16_supported(device):
-        half = copy.deepcopy(model).to(torch.bfloat16)
-        set_exact(half, True)
-        costs["bfloat16"] = measure_cost(half, list(SIZES), prefix=prefix, reps=reps)
-        if costs["bfloat16"][16] < MARGIN * costs["float32"][16]:
-            rows = invariant_rows(half)
-        del half
+    if not _bf16_supported(device):
+        return {"float32": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}, None
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    set_exact(half, True)
+    costs = measure_costs({"float32": (model, nullcontext()), "bfloat16": (half, nullcontext())}, list(SIZES),
+                          prefix=prefix, reps=reps)  # round-robin: a slow spell falls on both
+    rows = invariant_rows(half) if costs["bfloat16"][16] < MARGIN * costs["float32"][16] else None
+    del half
     return costs, rows
 
 
@@ -367,16 +371,15 @@ def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | N
     return "onednn", f"oneDNN linear kernels: faster here by measurement{exact}, {detail}"
 
 
-def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 3) -> dict[str, dict[int, float]]:
+def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7) -> dict[str, dict[int, float]]:
     """Pass cost by new-token count with the default and with packed oneDNN linears (for a
-    half-precision model with exact attention, as its engine runs it)."""
+    half-precision model with exact attention, as its engine runs it), timed round-robin."""
     device = model.get_output_embeddings().weight.device
+    variants = {"default": (model, nullcontext())}
+    if onednn_available(device, model.dtype):
+        variants["onednn"] = (model, PackedLinears(model))
     with _exact(model) if model.dtype != torch.float32 else nullcontext():
-        costs = {"default": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}
-        if onednn_available(device, model.dtype):
-            with PackedLinears(model):
-                costs["onednn"] = measure_cost(model, list(SIZES), prefix=prefix, reps=reps)
-    return costs
+        return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
 
 
 def pick_kernels(model: PreTrainedModel, cache_file: Path, rows_file: Path | None = None) -> KernelChoice:
