@@ -137,6 +137,31 @@ def test_exact_attention_computes_attention(prefix, dtype, attention_path):
         torch.testing.assert_close(out.double(), expected[:b], atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_attention_with_an_additive_bias_on_the_shared_head(dtype, attention_path):
+    # A mask that adds finite values to visible keys (ALiBi-like) reaches the shared head's call
+    # as one bias row per query: still attention, and still each row's one-token result.
+    tree = compile_tree(PATHS)
+    prefix, kv_heads, g, dim = 150, 3, 3, 64
+    n, length = tree.num_nodes, prefix + tree.num_nodes
+    gen = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=gen) for _ in range(2))
+    query = torch.randn(1, kv_heads * g, n, dim, generator=gen)
+    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tree.ancestor.bool()], 1)
+    bias = -torch.rand(n, length, generator=gen)  # per row and key
+    mask = bias.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(g, 1), value.double().repeat_interleave(g, 1),
+        attn_mask=mask.to(dtype).double()).transpose(1, 2)
+    out, _ = exact_attention(None, query.to(dtype), key.to(dtype), value.to(dtype), mask.to(dtype))
+    torch.testing.assert_close(out.double(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    for node in range(n):
+        keys = torch.cat([torch.arange(prefix), prefix + tree.ancestor[node].nonzero()[:, 0]])
+        one, _ = exact_attention(None, query[:, :, node:node + 1].to(dtype), key[:, :, keys].to(dtype),
+                                 value[:, :, keys].to(dtype), mask[:, :, node:node + 1, keys].to(dtype))
+        assert torch.equal(one[0, 0], out[0, node]), node
+
+
 def test_sdpa_tree_rows_differ_in_bfloat16():
     # The probe above can fail: with the stock SDPA kernel some tree rows round differently
     # from their one-token passes (the query length changes the kernel's blocking).

@@ -138,7 +138,7 @@ def measure_costs(variants: dict[str, tuple[PreTrainedModel, contextlib.Abstract
                   prefix: int = 256, reps: int = 9, static_cache: bool = False,
                   compile: bool | str = False) -> dict[str, dict[int, float]]:
     """:func:`measure_cost` for several ``(model, scope)`` variants (a model in two dtypes, one
-    model with two kernel scopes), each pass run inside its variant's scope, timed round-robin
+    model with two kernel scopes), each pass run inside its variant's (re-entrant) scope, timed round-robin
     over variants and sizes: a slow spell of the machine (a VM's speed drifts by half within
     minutes) then falls on every variant alike instead of deciding a comparison."""
     runs = {name: _pass_timer(model, scope, sizes, prefix, static_cache, compile)

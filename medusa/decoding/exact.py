@@ -21,8 +21,9 @@ the same row (a matmul's result depended on it: 3 of 315 random cases differed b
 bf16). So a row's result depends neither on the other rows nor on masked slots between its keys. The
 prompt, a tree and a one-token step all run through this one function.
 
-On a CPU the arithmetic is torch's flash-attention kernel, one batch entry per row
-(:func:`_flash_rows`): the shared head and the gathered tail are two calls merged through their
+On a CPU the arithmetic is torch's flash-attention kernel (:func:`_flash_rows`): the gathered
+tail is one call with a batch entry per row, the shared head one call with every row's
+queries (padded to whole query blocks: :func:`_shared_head`), merged through their
 log-sum-exps. Elsewhere, and for softcapped scores, it is float32 matmuls (:func:`_group_attention`).
 The flash path cost 270 us per layer for a one-token pass against 396 for the matmuls (2-core
 AMX Xeon, bfloat16, 256 cached keys): a 135M model's one-token pass is 30 such layers.
@@ -51,6 +52,7 @@ _TAIL = 64  # keys a row gathers past its shared head (a tree must be shallower 
 EXACT_MAX_ROWS = min(32, _TAIL - _KEY_BUCKET + 1)
 _HEAD_ROWS = 32  # matmul rows per product with the shared head's values
 _MIN_ROWS = 16  # matmul rows of a product with the shared head, at least (see _shared_product)
+_QUERY_PAD = 16  # the flash path's shared-head call: queries padded to a multiple (see _shared_head)
 # torch's CPU flash-attention kernel, which also returns each row's log-sum-exp (_flash_rows)
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -203,27 +205,53 @@ def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gr
 
 def _flash_rows(rows_q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: _Group,
                 scaling: float) -> torch.Tensor:
-    """Attention for a group's rows on a CPU, each row its own batch entry of torch's flash
-    kernel: rows_q ``[B*r, Hkv, g, D]`` -> ``[B*r, Hkv, g, D]`` (float32).
+    """Attention for a group's rows on a CPU with torch's flash kernel: rows_q ``[B*r, Hkv, g, D]``
+    -> ``[B*r, Hkv, g, D]`` (float32).
 
-    The kernel computes every (batch entry, KV head) on its own with the same code, blocked by
+    The tail (gathered keys, -inf on padding) is one call with each row its own batch entry:
+    the kernel computes every (batch entry, KV head) on its own with the same code, blocked by
     the query length (``g``, fixed per model) and the key count (fixed per row: the tail's
-    width, the head's length), so a row's result does not depend on the other rows; measured
-    bit-identical in bfloat16 and float32 (tests/test_exact.py). The tail (gathered keys, -inf
-    on padding) and the shared head (read in place, broadcast to every row: no copy) are two
-    calls, merged with their log-sum-exps through a row-wise softmax over the pair, whose code
-    path is the same for every row (elementwise kernels may compute a tensor's last few
-    elements with other code than the vectorised body, so they must not see the lse itself)."""
-    r = rows_q.shape[0]
+    width), so a row's result does not depend on the other rows; measured bit-identical in
+    bfloat16 and float32 (tests/test_exact.py). The shared head is one call for all rows
+    (:func:`_shared_head`). The two are merged with their log-sum-exps through a row-wise softmax
+    over the pair, whose code path is the same for every row (elementwise kernels may compute
+    a tensor's last few elements with other code than the vectorised body, so they must not
+    see the lse itself)."""
     out, lse = _FLASH(rows_q, _gather_rows(key, group.slots), _gather_rows(value, group.slots),
                       attn_mask=_row_bias(group.tail_bias), scale=scaling)
     h = group.head
     if not h:
         return out.float()
-    shared = (x[:, :, :h].expand(r, -1, -1, -1) for x in (key, value))  # b == 1 for split groups
-    head_out, head_lse = _FLASH(rows_q, *shared, attn_mask=_row_bias(group.head_bias), scale=scaling)
-    weights = torch.softmax(torch.stack([head_lse, lse], -1), -1)  # [B*r, Hkv, g, 2]
+    head_out, head_lse = _shared_head(rows_q, key, value, h, group.head_bias, scaling)  # b == 1 for split groups
+    weights = torch.softmax(torch.stack([head_lse, lse], -1), -1)  # [r, Hkv, g, 2]
     return head_out * weights[..., :1] + out * weights[..., 1:]
+
+
+def _shared_head(rows_q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, h: int, bias: torch.Tensor | None,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every row over the shared head (cache slots ``0..h-1``, read in place), as
+    one flash call whose queries are all rows' (``r x g`` per KV head): rows_q ``[r, Hkv, g, D]``
+    -> ``(out [r, Hkv, g, D], lse [r, Hkv, g])``.
+
+    The kernel's matmuls compute a query's scores with other code when a block of queries has
+    a few rows left over (one call with the rows' 3-99 queries: 1-2 leftover queries differed
+    in bfloat16), so the queries are padded with zero rows to a multiple of ``_QUERY_PAD``:
+    then every row's result was bit-identical to its one-row call for 1-33 rows, 1-8 queries
+    per KV head, head dims 64-256 and 32-544 keys, in bfloat16 and float32 (28,000 rows; 1,668
+    of 13,440 differed when padding to 4). One call instead of a batch entry per row: 79 us
+    for 16 rows against 166 us, 56 against 31 us for one (embedded model's shapes, 160 keys,
+    AMX Xeon)."""
+    r, kv_heads, g, dim = rows_q.shape
+    m = r * g
+    q = rows_q.new_zeros(1, kv_heads, -(-m // _QUERY_PAD) * _QUERY_PAD, dim)
+    q[0, :, :m].view(kv_heads, r, g, dim).copy_(rows_q.transpose(0, 1))
+    mask = None
+    if bias is not None:  # [1, r, h] -> a row per query, zero on the padding queries
+        mask = bias.new_zeros(1, 1, q.shape[2], h)
+        mask[0, 0, :m].view(r, g, h).copy_(bias[0, :, None, :].expand(r, g, h))
+    out, lse = _FLASH(q, key[:, :, :h], value[:, :, :h], attn_mask=mask, scale=scaling)
+    return (out[0, :, :m].reshape(kv_heads, r, g, dim).transpose(0, 1),
+            lse[0, :, :m].reshape(kv_heads, r, g).transpose(0, 1))
 
 
 def _row_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
