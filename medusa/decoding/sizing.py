@@ -38,7 +38,8 @@ PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an a
 # VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
 # (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
 REPS = 13
-KEY_VERSION = "s3"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included
+KEY_VERSION = "s4"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included;
+# s4: the shared head in one flash call (exact.py)
 
 
 @dataclass(frozen=True)
