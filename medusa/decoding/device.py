@@ -45,8 +45,8 @@ from transformers import PreTrainedModel
 from medusa.decoding.calibrate import measure_cost, measure_costs
 from medusa.decoding.exact import is_exact, set_exact
 from medusa.decoding.kernels import (
-    PACKING_VERSION,
     PackedLinears,
+    kernels_key,
     linear_layers,
     onednn_available,
     pack,
@@ -322,8 +322,7 @@ def exact_rows(model: PreTrainedModel, cache_file: Path, kernels: str = "default
     """For a half-precision model: the largest exact pass on this device with these linear
     ``kernels``, probed once with exact attention (:func:`invariant_rows`) and cached."""
     device = model.get_output_embeddings().weight.device
-    packing = f"-p{PACKING_VERSION}" if kernels == "onednn" else ""
-    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels}{packing} | {KEY_VERSION}"
+    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels_key(kernels)} | {KEY_VERSION}"
 
     def measure() -> dict:
         with _exact(model), (PackedLinears(model) if kernels == "onednn" else nullcontext()):

@@ -20,7 +20,7 @@ The packed copies double the memory of the linear weights, and they are a snapsh
 changed after packing (training, a LoRA merge) need a new ``PackedLinears``.
 
 Stacked siblings: the layers a decoder layer calls on one input (q/k/v, gate/up) run as one
-product of their stacked packed weights, each taking its slice (:class:`_Siblings`): 60 of the
+product of their stacked packed weights, each taking its slice (:class:`_Siblings`): 90 of the
 embedded model's 211 products fewer per pass, bit-identical to the separate ones where used.
 
 Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
@@ -81,6 +81,12 @@ def _probe(dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return bool(torch.equal(out.float(), torch.full((1, 2), 2.0)))
+
+
+def kernels_key(kernels: str) -> str:
+    """``kernels`` as cache keys name it: packed ones carry :data:`PACKING_VERSION`, so a pick or
+    a size measured with another packing is measured again."""
+    return f"{kernels}-p{PACKING_VERSION}" if kernels == "onednn" else kernels
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -151,7 +157,7 @@ class _Siblings:
 
     Why: a one-token pass is ~200 small products, each with a fixed cost beside its weights'
     bandwidth (a 192x576 bfloat16 product took ~100 us in a pass on the AMX Xeon, a 576x576 one
-    ~160 us, the stacked 960x576 ~220 us), so stacking q/k/v and gate/up saves 60 of the
+    ~160 us, the stacked 960x576 ~220 us), so stacking q/k/v and gate/up saves 90 of the
     embedded model's 211 calls. Each output element is still one row's dot product over the
     same inputs: the stacked product was bit-identical to the separate ones, and to torch's
     own kernels, for 1-39 rows in bfloat16 and for any rows in float32 (measured there; not

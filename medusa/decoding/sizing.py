@@ -29,7 +29,7 @@ from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import measure_cost, tree_key
 from medusa.decoding.device import _cached, device_key, model_key
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
-from medusa.decoding.kernels import PACKING_VERSION
+from medusa.decoding.kernels import kernels_key
 from medusa.decoding.state import DecodeState, StepOutcome
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
@@ -119,8 +119,8 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
         return None
     vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
     fingerprint = f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}"
-    kernels = engine.kernels + (f"-p{PACKING_VERSION}" if engine.kernels == "onednn" else "")
-    key = " | ".join([device_key(engine.device), model_key(engine.model), str(engine.model.dtype), kernels,
+    key = " | ".join([device_key(engine.device), model_key(engine.model), str(engine.model.dtype),
+                      kernels_key(engine.kernels),
                       f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])
     entry, _ = _cached(cache_file, key, lambda: _measure(engine, sorted(curves)))
     cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
