@@ -12,6 +12,7 @@ from tiny import tiny_model
 from tiny_heads import random_heads
 
 from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
+from medusa.decoding.eagle import DynamicTree, EagleProposer
 from medusa.models.eagle import EagleHeads
 from medusa.models.heads import HeadsConfig
 
@@ -57,3 +58,20 @@ def test_default_heads_are_the_kind_measured_fastest_on_the_device_type():
     assert (SHIPPED_EAGLE_HEADS / "config.json").is_file() and (SHIPPED_HEADS / "config.json").is_file()
     assert shipped_heads_for(torch.device("cpu")) == SHIPPED_EAGLE_HEADS
     assert shipped_heads_for(torch.device("cuda", 0)) == SHIPPED_HEADS
+
+
+def test_eagle_drafting_reads_nothing_back_until_every_level_is_queued():
+    # A read from the device (.tolist(), .item(), a tensor as a Python bool) makes a GPU wait
+    # for the work queued so far; on the meta device it raises instead. The tree's growth
+    # (medusa/decoding/eagle.py: EagleProposer._draft) must queue every level without one.
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    heads.set_draft_vocab(list(range(0, model.config.vocab_size, 2)))
+    model.to("meta")
+    heads.to("meta")
+    proposer = EagleProposer(heads, torch.device("meta"), DynamicTree(nodes=9, depth=4, topk=3))
+    proposer.last = torch.empty(model.config.hidden_size, device="meta")
+    parents, tokens, scores = proposer._draft(root=0, depth=4)
+    assert [p.shape for p in parents] == [(3,)] * 3
+    assert [t.shape for t in tokens] == [(3,), (9,), (9,), (9,)] and [s.shape for s in scores] == [(3,), (9,), (9,), (9,)]
+    assert proposer.cache.get_seq_length() == 9  # three expanded levels of three pairs

@@ -138,54 +138,55 @@ class EagleProposer:
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
-        root = state.length  # the root's position; draft tokens follow it
-        paths: list[Path_] = []
-        tokens: list[torch.Tensor] = []
-        scores: list[torch.Tensor] = []
-        logp = torch.log_softmax(self.heads.logits(self.last, self.heads.draft_vocab).float(), dim=-1)  # [V or S]
-        vocab = self.heads.draft_vocab  # read after scoring: logits() keeps it on the projection's device
-        top = logp.topk(size.topk)
-        ids = top.indices if vocab is None else vocab[top.indices]
-        frontier = [((r,), ids[r], top.values[r], self.last) for r in range(size.topk)]
-        slots: dict[Path_, int] = {}  # path -> its pair's index among the drafted pairs
-        for d in range(1, depth + 1):
-            paths += [f[0] for f in frontier]
-            tokens += [f[1] for f in frontier]
-            scores += [f[2] for f in frontier]
-            if d == depth:
-                break
-            # expand the best `topk` nodes of the newest level
-            best = torch.stack([f[2] for f in frontier]).topk(min(size.topk, len(frontier))).indices.tolist()
-            grow = [frontier[i] for i in best]
-            feats = torch.stack([f[3] for f in grow])  # [g, H] the features that produced them
-            toks = torch.stack([f[1] for f in grow]).view(-1)
-            drafted = len(slots)
-            visible = torch.zeros(len(grow), root - self.start + drafted + len(grow), dtype=torch.bool,
-                                  device=self.device)
-            visible[:, : root - self.start] = True
-            for g, f in enumerate(grow):
-                for k in range(1, len(f[0])):  # its ancestors' pairs
-                    visible[g, root - self.start + slots[f[0][:k]]] = True
-                visible[g, root - self.start + drafted + g] = True
-                slots[f[0]] = drafted + g
-            out = self.heads(feats, toks, torch.full((len(grow),), root + d - 1, device=self.device), self.cache,
-                             additive_mask(visible, self.heads.fc.weight.dtype))  # [g, H]
-            logp = torch.log_softmax(self.heads.logits(out, vocab).float(), dim=-1)  # [g, V or S]
-            top = logp.topk(size.topk, dim=-1)
-            child = top.indices if vocab is None else vocab[top.indices]
-            cum = top.values + torch.stack([f[2] for f in grow])[:, None]  # [g, topk]
-            frontier = [(f[0] + (r,), child[g, r], cum[g, r], out[g]) for g, f in enumerate(grow)
-                        for r in range(size.topk)]
+        parents, tokens, scores = self._draft(state.length, depth)
         kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
-        score_list = torch.stack(scores).tolist()  # the drafting's one host sync
+        # the drafting's host sync: what was drafted, once every level is queued
+        token_list, score_list = torch.cat(tokens).tolist(), torch.cat(scores).tolist()
+        parent_lists = [[0]] + [p.tolist() for p in parents]
+        paths: list[Path_] = []
+        level: list[Path_] = [()]
+        for up in parent_lists:  # level d's nodes: topk ranked children of each listed node of level d-1
+            level = [level[p] + (r,) for p in up for r in range(size.topk)]
+            paths += level
         keep = select(paths, score_list, min(size.nodes, len(paths)))
         self.ranked = [paths[i] for i in keep]  # best first (calibration reads it)
         self.scores = [score_list[i] for i in keep]  # their cumulative draft log-probabilities
         tree = _compiled(tuple(sorted(self.ranked, key=lambda p: (len(p), p)))).to(self.device)
         index = {p: i for i, p in enumerate(paths)}
-        order = torch.tensor([index[p] for p in tree.paths], device=self.device)
-        drafted_tokens = torch.stack(tokens).view(-1)[order]
-        return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted_tokens]))
+        drafted = torch.tensor([token_list[index[p]] for p in tree.paths], device=self.device)
+        return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted]))
+
+    def _draft(self, root: int, depth: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Grow the draft to ``depth`` levels: ``(parents, tokens, scores)``, per level the
+        nodes' draft tokens and cumulative log-probabilities; level d's nodes are the ``topk``
+        ranked children of each node of level d-1 listed in ``parents[d - 2]`` (level 1: of
+        the root). Fixed shapes and no host sync: ``topk`` nodes at level 1, ``topk * topk``
+        below, and the ``topk`` best of a level are expanded by one head pass over them."""
+        k, vocab, past = self.size.topk, self.heads.draft_vocab, root - self.start
+        logp = torch.log_softmax(self.heads.logits(self.last, vocab).float(), dim=-1)  # [V or S]
+        vocab = self.heads.draft_vocab  # read after scoring: logits() keeps it on the projection's device
+        top = logp.topk(k)
+        tokens = [top.indices if vocab is None else vocab[top.indices]]  # [k]
+        scores, features = [top.values], self.last.expand(k, -1)  # [k], [k, H]: the feature that drafted them
+        ancestors = torch.zeros(k, 0, dtype=torch.long, device=self.device)  # their ancestors' drafted pairs
+        parents: list[torch.Tensor] = []
+        rows = torch.arange(k, device=self.device)
+        for d in range(1, depth):
+            best = scores[-1].topk(k).indices  # [k] the best nodes of the newest level, best first
+            drafted = (d - 1) * k  # pairs the levels above put in the head's cache
+            visible = torch.zeros(k, past + drafted + k, dtype=torch.bool, device=self.device)
+            visible[:, :past] = True  # the accepted context
+            visible.scatter_(1, past + ancestors[best], True)  # the node's ancestors' pairs
+            visible[rows, past + drafted + rows] = True  # and its own
+            out = self.heads(features[best], tokens[-1][best], torch.full((k,), root + d - 1, device=self.device),
+                             self.cache, additive_mask(visible, self.heads.fc.weight.dtype))  # [k, H]
+            top = torch.log_softmax(self.heads.logits(out, vocab).float(), dim=-1).topk(k, dim=-1)  # [k, k]
+            tokens.append((top.indices if vocab is None else vocab[top.indices]).flatten())  # parent-major
+            scores.append((top.values + scores[-1][best][:, None]).flatten())
+            features = out.repeat_interleave(k, 0)
+            ancestors = torch.cat([ancestors[best], (drafted + rows)[:, None]], 1).repeat_interleave(k, 0)
+            parents.append(best)
+        return parents, tokens, scores
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
