@@ -16,8 +16,8 @@ sys.modules["probe_compiled"] = probe  # dynamo resolves the traced functions' m
 spec.loader.exec_module(probe)
 
 
-def test_compiled_bfloat16_passes_match_eager_with_opaque_norm_reduction_and_attention(monkeypatch):
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
+@inductor_config.patch(emulate_precision_casts=True)  # torch's own patch: restored after (monkeypatch deletes it)
+def test_compiled_bfloat16_passes_match_eager_with_opaque_norm_reduction_and_attention():
     model = tiny_model("llama").to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     norm = type(model.get_decoder().norm)
@@ -28,3 +28,7 @@ def test_compiled_bfloat16_passes_match_eager_with_opaque_norm_reduction_and_att
         differing, eager_ms, compiled_ms = probe.decode_steps(model, prefix=12, steps=4)
         assert differing == 0 and eager_ms > 0 and compiled_ms > 0
     assert model.config._attn_implementation == "sdpa" and norm.forward is stock
+
+
+def test_the_probe_leaves_inductor_settings_as_they_were():
+    assert inductor_config.emulate_precision_casts is False
