@@ -317,8 +317,11 @@ def _register_compiled(modes: list[str]) -> None:
 
 
 def _compiled_twin(engine: Engine, heads, proposers: ProposerConfig) -> Engine:
-    return Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
-                  proposer_config=proposers, kernels=engine.kernels)
+    """``engine`` with compiled passes: the same target, heads, kernels, rows per pass and trees."""
+    twin = Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
+                  proposer_config=proposers, kernels=engine.kernels, max_rows=engine.max_rows)
+    twin.tree_sizes = engine.tree_sizes
+    return twin
 
 
 def precompile(engine: Engine, modes: list[str], args: argparse.Namespace) -> dict[str, float]:

@@ -494,7 +494,8 @@ def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Sty
         log = saved.folder / "precompile.log"
         saved.folder.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "infer.precompile", "--sizes", ",".join(map(str, missing)), "--kernels",
-               engine.kernels, "--threads", str(torch.get_num_threads()), "--nice", "19"]
+               engine.kernels, "--dtype", str(engine.model.dtype).removeprefix("torch."),
+               "--threads", str(torch.get_num_threads()), "--nice", "19"]
         cmd += ["--model", args.model] if args.model else []
         with open(log, "a", encoding="utf-8") as out:
             holder = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -70,13 +70,14 @@ def _exact_pass_rows(lm, picked: DtypeChoice | None, kernels: str) -> int | None
 
 
 def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
-    """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``;
-    with ``compile`` none is picked: compiled passes are exact in float32 only (the Engine
-    refuses exact attention with them), so the loaded dtype is kept."""
-    if not compile or compile == "auto":  # auto compiles only where the pick is float32 (Engine)
+    """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``.
+    With ``compile=True`` off the CPU none is picked: compiled passes there are exact in float32
+    only (the Engine refuses exact attention with them), so the loaded dtype is kept; on the CPU
+    compiled exact passes are bit-identical to eager ones (README "Compiled exact passes")."""
+    if not compile or compile == "auto" or lm.device.type == "cpu":
         return adopt_picked_dtype(lm, cache_root() / "dtype.json")
-    lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), "compile=True: the loaded dtype is kept "
-                                  "(compiled passes are not exact in bfloat16 yet, README \"Compiled\")", {})
+    lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), f"compile=True on {lm.device.type}: the "
+                                  "loaded dtype is kept (compiled passes are exact in float32 only there)", {})
     return None
 
 

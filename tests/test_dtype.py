@@ -142,19 +142,17 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     assert packed.generate(ids, max_new_tokens=16, mode="hybrid").tokens == own
 
 
-def test_compile_keeps_the_loaded_dtype_and_exact_engines_refuse_it(tmp_path, monkeypatch):
+def test_compile_on_the_cpu_picks_the_dtype_and_half_precision_compiles_exact(tmp_path, monkeypatch):
     import medusa
     from medusa.decoding.engine import Engine
-    from medusa.errors import MedusaError
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     eng = medusa.load(model=str(target_folder(tmp_path)), heads="init", compile="aot_eager")
-    assert eng.model.dtype == torch.float32 and not eng.exact  # no bfloat16 pick under compile
-    assert "compile=True" in eng.model.dtype_choice.reason
-    assert not (tmp_path / "cache" / "dtype.json").exists()  # nothing was measured for a pick
+    assert "compile=True" not in eng.model.dtype_choice.reason  # the pick, as without compile
+    assert (tmp_path / "cache" / "dtype.json").exists()
+    assert eng.exact == (eng.model.dtype == torch.bfloat16) and eng.compiled
     half = tiny_model("llama").to(torch.bfloat16)
-    with pytest.raises(MedusaError, match="compile=True is not supported with exact attention"):
-        Engine(half, compile="aot_eager")
+    assert Engine(half, compile="aot_eager").exact  # compiled exact passes (tests/test_compiled_exact.py)
     assert Engine(half, compile="aot_eager", exact=False).max_rows is None  # the caller's explicit opt-out
 
 

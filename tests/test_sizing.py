@@ -133,14 +133,19 @@ def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
     assert hybrid.heads.length == 0  # the head never ran: nothing drafted, nothing fed
 
 
-def test_nothing_is_sized_without_curves_for_medusa_heads_or_compiled(tmp_path):
+def test_nothing_is_sized_without_curves_for_medusa_heads_and_compiled_cpu_engines_share_eager_sizes(tmp_path):
     model = tiny_model("llama")
     assert size_here(Engine(model, heads=noisy_eagle(model)), tmp_path / "s.json") is None  # no curves
     assert size_here(Engine(model, heads=init_heads_for(model)), tmp_path / "s.json") is None
+    assert not (tmp_path / "s.json").exists()
     heads = noisy_eagle(model)
     heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
-    assert size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json") is None
-    assert not (tmp_path / "s.json").exists()
+    compiled = size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json")
+    timed = (tmp_path / "s.json").read_text()
+    eager = size_here(Engine(model, heads=heads), tmp_path / "s.json")
+    # a CPU engine with compiled passes is sized from the eager passes' costs: one entry, one choice
+    assert compiled is not None and (compiled.eagle, compiled.hybrid) == (eager.eagle, eager.hybrid)
+    assert (tmp_path / "s.json").read_text() == timed
 
 
 def test_drafting_is_timed_as_decoding_runs_it(monkeypatch):

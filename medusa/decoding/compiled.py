@@ -9,7 +9,7 @@ tracing (seconds).
 
 What a saved graph assumes is in its file name, :func:`fingerprint`: torch, transformers and
 Python, the CPU's architecture, vector ISA and feature flags, this package's traced code, the
-model's class, config, dtype and attention, the linear kernels and the backend; then the
+model's class, config, dtype, attention and opaque modules, the linear kernels and the backend; then the
 thread count (inductor's CPU kernels bake it in) and the pass size. Dynamo's guards on modules,
 functions and constants cannot be saved, so a saved graph keeps only its guards on the
 inputs' tensors and shapes (``keep_portable_guards_unsafe``) and the fingerprint stands in for
@@ -46,6 +46,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from medusa.decoding import exact
 from medusa.decoding import hf as kv
 from medusa.decoding import kernels as packed
 
@@ -56,7 +57,7 @@ RECHECK_S = 5.0  # build=False: how often a missing size's file is looked for ag
 
 def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
     """What a saved pass depends on besides its inputs' shapes, hashed (see the module doc)."""
-    traced = b"".join(Path(m.__file__).read_bytes() for m in (kv, packed))
+    traced = b"".join(Path(m.__file__).read_bytes() for m in (kv, packed, exact))
     parts = {
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
@@ -65,6 +66,8 @@ def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
         "config": model.config.to_json_string(use_diff=False),
         "attention": str(getattr(model.config, "_attn_implementation", None)),
         "dtype": str(model.dtype), "kernels": kernels, "packing": packed.PACKING_VERSION, "backend": backend,
+        # opaque norms and rotary (exact.opaque_ops) move the rotary's buffers the graph reads
+        "opaque": sum(isinstance(m, (exact.OpaqueRMSNorm, exact.OpaqueRotary)) for m in model.modules()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -104,6 +107,7 @@ class SavedPasses:
     def __init__(self, model: PreTrainedModel, folder: Path, backend: str = "inductor",
                  kernels: str = "default", build: bool = True) -> None:
         self.folder, self.backend, self.build = Path(folder), backend, build
+        self.options = kv.compile_options(model) if backend == "inductor" else {}
         self.key = fingerprint(model, kernels, backend)
         self.graphs: dict[Path, object] = {}  # by file: pass size and thread count
         self.traced: list[int] = []
@@ -185,7 +189,7 @@ class SavedPasses:
     @torch.inference_mode()
     def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
         compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
-                                 options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+                                 options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe, **self.options})
         return compiler.aot_compile((example_pass(model, rows, cache_arg), {"cache_arg": cache_arg}))
 
     def _fall_back(self, reason: str) -> None:
@@ -195,7 +199,7 @@ class SavedPasses:
 
     def _traced(self):
         if self._traced_fn is None:
-            self._traced_fn = kv.compiled_forward(torch.device("cpu"), self.backend)
+            self._traced_fn = kv.compiled_forward(torch.device("cpu"), self.backend, self.options)
         return self._traced_fn
 
 

@@ -19,7 +19,7 @@ from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
 from medusa.decoding.compiled import SavedPasses, example_pass
-from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, set_exact
+from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, opaque_ops, set_exact
 from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
@@ -185,13 +185,14 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
     vary with the row count anyway (README "Exactness in bfloat16")."""
     if exact is None:
         exact = model.dtype in (torch.bfloat16, torch.float16)
+    device = model.get_output_embeddings().weight.device
     if compile and exact:
-        # exact attention's per-pass plan is data-dependent Python (graph breaks per layer), and
-        # inductor's fused norms round otherwise than eager: on the AMX Xeon in bf16, compiled
-        # baseline answers differed from eager ones (3 of 3 prompts) and ran slower
-        raise MedusaError("compile=True is not supported with exact attention (a bfloat16/float16 target) yet: "
-                          "compiled passes are not bit-identical to eager ones; load the target in float32 "
-                          "(dtype='float32') or drop compile")
+        # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
+        # the norms' reduction run as opaque ops (exact.py), the rest with inductor's emulated
+        # precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
+        if device.type != "cpu":
+            raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
+                              f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
     if exact != is_exact(model):
         set_exact(model, exact)
     return exact
@@ -219,21 +220,24 @@ AUTO = "auto"
 
 
 def auto_compile(device: torch.device, model: PreTrainedModel, exact: bool = False) -> tuple[bool, str]:
-    """``compile="auto"``: whether to compile, and why. On a CPU with a float32 target the
-    passes run compiled where this machine has them saved and eagerly otherwise, never
-    compiling in the process (compiled passes measured 3-16% faster end to end on both AMD
-    EPYC CPUs, README "Compiled"; compiling takes minutes, so ``python -m infer.precompile``
-    does it beside the process, as the chat starts it). Elsewhere eager: compiled passes are
-    not exact in half precision, and on CUDA, where CUDA graphs made plain decoding 5x faster
-    end to end on an H200 (README "On a GPU"), they compile in the process (about 45 s per
-    pass size), which ``compile=True`` asks for and auto does not do behind a user's back."""
+    """``compile="auto"``: whether to compile, and why. On a CPU the passes run compiled where
+    this machine has them saved and eagerly otherwise, never compiling in the process (compiled
+    passes measured 3-16% faster end to end on both AMD EPYC CPUs in float32 and 12-15% faster
+    per pass on the AMX Xeon in bfloat16, exact ones bit-identical to eager: README "Compiled"
+    and "Compiled exact passes"; compiling takes minutes, so ``python -m infer.precompile`` does
+    it beside the process, as the chat starts it). Elsewhere eager: on CUDA, where CUDA graphs
+    made plain decoding 5x faster end to end on an H200 (README "On a GPU"), they compile in
+    the process (about 45 s per pass size), which ``compile=True`` asks for and auto does not do
+    behind a user's back."""
     if device.type != "cpu":
         why = ("CUDA graphs ran 5x faster on an H200 but compile for ~45 s per pass size in the process: "
                "pass compile=True (--compile)") if device.type == "cuda" else "compiled passes are measured on CPUs and CUDA only"
         return False, f"compile=auto: eager on {device.type} ({why})"
-    if model.dtype != torch.float32 or exact:
-        why = "with exact attention" if model.dtype == torch.float32 else f"in {str(model.dtype).removeprefix('torch.')}"
-        return False, f"compile=auto: eager {why} (compiled passes are exact in float32 without it only)"
+    if exact:
+        try:
+            opaque_ops(model)
+        except MedusaError as e:
+            return False, f"compile=auto: eager ({e})"
     return True, "compile=auto: pass sizes saved for this machine run compiled, the others eagerly until saved"
 
 
@@ -316,6 +320,8 @@ class Engine:
         if compile:
             from medusa.models.target import cache_root
 
+            if self.exact:
+                opaque_ops(self.model)
             kv.persist_compiled(cache_root() / "inductor")
             self._pass = compiled_pass(self.model, self.device, compile, kernels, cache_root() / "compiled", build=not auto)
             # traced in each process (CUDA): step marks the capacity dynamic, and outputs are
@@ -334,9 +340,7 @@ class Engine:
         # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
         # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
         half = self.model.dtype in (torch.bfloat16, torch.float16)
-        # Compiled passes call each layer's own packed copy (kernels.PackedLinears: fuse).
-        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None,
-                             fuse=not self._compiled)
+        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None)
 
     @property
     def compiled(self) -> bool:

@@ -42,6 +42,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from medusa.errors import MedusaError
+
 NAME = "medusa_exact"
 _ROW_CHUNK = 64  # query rows per gather: bounds the [n, L, D] gathered keys of a long prompt
 _KEY_BUCKET = 32  # key lists are padded to a multiple: a matmul's reduction over keys depends on their number
@@ -268,7 +270,32 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query ``[B, H, n, D]``, key/value ``[B, Hkv, L, D]``,
-    mask ``[B, 1, n, L]``; returns ``([B, n, H, D], None)``. Inference only (no dropout)."""
+    mask ``[B, 1, n, L]``; returns ``([B, n, H, D], None)``. Inference only (no dropout).
+
+    Inside a compiled pass it is one opaque op (:func:`attention_op`): the per-pass plan is
+    data-dependent Python, and the op runs exactly the eager code, so a compiled pass's
+    attention is bit-identical to an eager one's (README "Compiled exact passes")."""
+    if torch.compiler.is_compiling():
+        return torch.ops.medusa.exact_attention(query, key, value, attention_mask, scaling, softcap), None
+    return _attention(query, key, value, attention_mask, scaling, softcap), None
+
+
+@torch.library.custom_op("medusa::exact_attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                 scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """:func:`exact_attention` as a custom op that compilers leave alone: ``[B, n, H, D]``."""
+    return _attention(query, key, value, attention_mask, scaling, softcap)
+
+
+@attention_op.register_fake
+def _(query, key, value, attention_mask, scaling, softcap):
+    b, heads, n, dim = query.shape
+    return query.new_empty(b, n, heads, dim)
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """:func:`exact_attention`'s arithmetic: ``[B, n, H, D]``, contiguous."""
     b, heads, n, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -279,21 +306,21 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         rows = query.transpose(1, 2).reshape(b, n, kv_heads, groups, dim)  # [B, n, Hkv, g, D]
         if len(plan) == 1 and n <= _ROW_CHUNK:
             out = _flash_rows(rows.flatten(0, 1), key, value, plan[0], scaling)
-            return out.reshape(b, n, heads, dim).to(query.dtype), None
+            return out.reshape(b, n, heads, dim).to(query.dtype)
         out = query.new_empty(b, n, kv_heads, groups, dim)
         for part in _chunks(plan):
             flat = rows[:, part.rows].flatten(0, 1)
             out[:, part.rows] = _flash_rows(flat, key, value, part, scaling).unflatten(0, (b, -1)).to(out.dtype)
-        return out.reshape(b, n, heads, dim), None
+        return out.reshape(b, n, heads, dim)
     # the g query heads that share a KV head become the M rows of one small matmul per query row
     q = query.view(b, kv_heads, groups, n, dim).transpose(2, 3)  # [B, Hkv, n, g, D]
     if len(plan) == 1 and n <= _ROW_CHUNK:  # one group of all rows in order (a step, most trees)
         out = _group_attention(q, key, value, plan[0], scaling, softcap).to(query.dtype)
-        return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
+        return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous()
     out = torch.empty_like(q)
     for part in _chunks(plan):
         out[:, :, part.rows] = _group_attention(q[:, :, part.rows], key, value, part, scaling, softcap).to(out.dtype)
-    return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
+    return out.transpose(2, 3).reshape(b, heads, n, dim).transpose(1, 2).contiguous()
 
 
 def _chunks(plan: list[_Group]):
@@ -316,3 +343,126 @@ def set_exact(model: PreTrainedModel, exact: bool) -> None:
 
 def is_exact(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation == NAME
+
+
+# A compiled exact pass (README "Compiled exact passes"): inductor, with its emulated
+# precision casts, rounds every fused elementwise op as eager does, but its own reductions
+# sum in another order. An RMSNorm's mean of squares is the one reduction of a decoder layer
+# outside the linear layers and attention, so it too runs as an opaque op, by eager's kernel.
+@torch.library.custom_op("medusa::mean_square", mutates_args=())
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """``x.pow(2).mean(-1, keepdim=True)``, by eager's kernels inside a compiled pass too."""
+    return x.pow(2).mean(-1, keepdim=True)
+
+
+@mean_square.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], 1)
+
+
+class OpaqueRMSNorm(torch.nn.Module):
+    """A Llama-style RMSNorm (Llama, Qwen2/3, Mistral: ``variance_epsilon``), same weight, same
+    arithmetic, with its mean of squares an opaque op inside a compiled pass."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.replaced = type(norm).__name__
+
+    def forward(self, hidden_states: torch.Tensor, opaque: bool | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        opaque = torch.compiler.is_compiling() if opaque is None else opaque  # opaque: force either way
+        square = torch.ops.medusa.mean_square(h) if opaque else h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(square + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, replaces {self.replaced}"
+
+
+@torch.library.custom_op("medusa::rope", mutates_args=())
+def rope(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: float, like: torch.Tensor,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary embedding's ``(cos, sin)`` in ``like``'s dtype, by eager's kernels inside a
+    compiled pass too (inductor's cos and sin rounded otherwise at a few positions)."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=like.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
+
+
+@rope.register_fake
+def _(inv_freq, position_ids, scaling, like):
+    shape = (*position_ids.shape, 2 * inv_freq.shape[-1])
+    return like.new_empty(shape), like.new_empty(shape)
+
+
+class OpaqueRotary(torch.nn.Module):
+    """A rotary embedding of fixed frequencies (not ``dynamic`` or ``longrope``) whose
+    ``(cos, sin)`` are one opaque op inside a compiled pass; eager, the module it wraps."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, opaque: bool | None = None):
+        if torch.compiler.is_compiling() if opaque is None else opaque:
+            return torch.ops.medusa.rope(self.rotary.inv_freq, position_ids, float(self.rotary.attention_scaling), x)
+        return self.rotary(x, position_ids)
+
+
+def opaque_ops(model: PreTrainedModel) -> int:
+    """Make a compiled pass of ``model`` round as eager does where inductor's own code does not:
+    each RMSNorm becomes an :class:`OpaqueRMSNorm` sharing its weight and each rotary embedding
+    an :class:`OpaqueRotary`, each checked on random input to be bit-identical to the module it
+    replaces in eager. Returns how many modules are replaced (again: counted, not replaced twice).
+    Raises MedusaError for another form (Gemma's ``1 + weight`` norm, a dynamic rotary), whose
+    compiled pass this package cannot make exact yet."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (OpaqueRMSNorm, OpaqueRotary)):
+            count += 1
+            continue
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm"):
+            replacement = _opaque_norm(module)
+        elif kind.endswith("RotaryEmbedding") and not isinstance(model.get_submodule(name.rpartition(".")[0]), OpaqueRotary):
+            replacement = _opaque_rotary(module)
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, replacement)
+        count += 1
+    return count
+
+
+def _unsupported(module: torch.nn.Module) -> MedusaError:
+    return MedusaError(f"compiled exact passes need Llama-style RMSNorms and fixed rotary embeddings; "
+                       f"{type(module).__name__} is another form: load the target in float32 (dtype='float32') "
+                       "or drop compile")
+
+
+def _opaque_norm(norm: torch.nn.Module) -> OpaqueRMSNorm:
+    weight = getattr(norm, "weight", None)
+    if weight is None or not hasattr(norm, "variance_epsilon"):
+        raise _unsupported(norm)
+    opaque = OpaqueRMSNorm(norm)
+    x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    if not torch.equal(norm(x), opaque(x, opaque=True)):
+        raise _unsupported(norm)
+    return opaque
+
+
+def _opaque_rotary(rotary: torch.nn.Module) -> OpaqueRotary:
+    kinds = getattr(rotary, "rope_type", "default")
+    if (not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) or not hasattr(rotary, "attention_scaling")
+            or not isinstance(kinds, str) or kinds in ("dynamic", "longrope")):
+        raise _unsupported(rotary)
+    opaque = OpaqueRotary(rotary)
+    x = torch.zeros(1, device=rotary.inv_freq.device)  # only its dtype and device are read
+    positions = torch.arange(4096, device=rotary.inv_freq.device)[None]
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = opaque(x.to(dtype), positions, opaque=True), rotary(x.to(dtype), positions)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            raise _unsupported(rotary)
+    return opaque

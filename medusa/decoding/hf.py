@@ -397,10 +397,10 @@ def mark_capacity_dynamic(cache: Cache, mask: torch.Tensor | dict[str, torch.Ten
         torch._dynamo.mark_dynamic(m, m.dim() - 1)
 
 
-def compiled_forward(device: torch.device, compile: bool | str = True):
+def compiled_forward(device: torch.device, compile: bool | str = True, options: dict | None = None):
     """:func:`forward` through ``torch.compile`` (``compile``: True for inductor, with CUDA
-    graphs on CUDA, or another backend's name), for static caches. Shapes are static: each
-    new-token count compiles once. On CUDA the outputs live in the graph's memory until its
+    graphs on CUDA, or another backend's name; ``options``: inductor's, :func:`compile_options`),
+    for static caches. Shapes are static: each new-token count compiles once. On CUDA the outputs live in the graph's memory until its
     next replay, so callers that keep them clone them."""
     import torch._dynamo
 
@@ -408,6 +408,22 @@ def compiled_forward(device: torch.device, compile: bool | str = True):
     # 64 of them, more than dynamo's default of 8 (past it, new shapes silently run eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     backend = compile if isinstance(compile, str) else "inductor"
+    if options and backend == "inductor":
+        return torch.compile(forward, backend=backend, options=options, dynamic=False)
     mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
     return torch.compile(forward, backend=backend, mode=mode, dynamic=False)
+
+
+def compile_options(model: PreTrainedModel) -> dict:
+    """Inductor's settings for ``model``'s compiled passes: stacked linear products merged
+    (kernels.MergeStacked); in half precision emulated precision casts too, so a fused chain
+    of elementwise ops rounds to the model's dtype after each op as eager does (with attention,
+    the norms' reduction and the rotary embedding as opaque ops, a compiled bfloat16 pass was
+    bit-identical to eager: README "Compiled exact passes")."""
+    from medusa.decoding.kernels import MergeStacked
+
+    options = {"post_grad_custom_pre_pass": MergeStacked()}
+    if model.dtype in (torch.bfloat16, torch.float16):
+        options["emulate_precision_casts"] = True
+    return options
 

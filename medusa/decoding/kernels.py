@@ -24,9 +24,9 @@ product of their stacked packed weights, each taking its slice (:class:`_Sibling
 embedded model's 211 products fewer per pass, bit-identical to the separate ones where used.
 
 Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
-``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead,
-which inductor keeps as an extern call between the elementwise work it fuses (norms, rotary,
-activations, residual adds). Eager passes call oneDNN directly (a custom op's dispatch costs
+``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead
+(stacked siblings ``medusa::stacked_linear``), which inductor keeps as an extern call between
+the elementwise work it fuses (norms, rotary, activations, residual adds). Eager passes call oneDNN directly (a custom op's dispatch costs
 ~5 us per call, ~1 ms over a pass of 211 linears).
 
 Exactness: in float32 oneDNN rounds differently from MKL (both are within ~1e-6 of float64
@@ -41,8 +41,10 @@ decided per device by timing, and for a half-precision model by the exactness pr
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,6 +62,8 @@ FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this m
 # the model nor a compiled graph holds an opaque-layout tensor or a per-layer constant: a
 # compiled pass can be saved and loaded by another process (medusa/decoding/hf.py).
 _PACKED: dict[int, list[tuple[int, torch.Tensor]]] = {}
+# first sibling's weight address -> the stacked products (_Siblings) of that group, likewise
+_STACKED: dict[int, list[tuple[int, _Siblings]]] = {}
 _OWNERS = itertools.count()
 
 
@@ -110,6 +114,48 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` a live PackedLinears holds."""
     return packed_product(x, packed_copy(weight), weight, bias)
+
+
+@torch.library.custom_op("medusa::stacked_linear", mutates_args=())
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The stacked product ``[..., out_features]`` of the sibling layers (:class:`_Siblings`)
+    whose first layer's weight is ``weight``, as a live PackedLinears registered them. Each
+    sibling's call in a compiled pass asks for it with the same arguments, and the compiler's
+    common-subexpression pass keeps one call: one product per group, each layer its slice."""
+    stacked = _STACKED.get(weight.data_ptr())
+    if not stacked:
+        raise RuntimeError("no stacked product of these linear layers (they were replaced after packing): "
+                           "make a new PackedLinears, or use kernels='default'")
+    return stacked[-1][1].product(x)
+
+
+@stacked_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class MergeStacked:
+    """An inductor graph pass (``post_grad_custom_pre_pass``) that keeps one call of each
+    ``medusa::stacked_linear`` with the same arguments: the siblings of a group each ask for
+    their stacked product, and inductor's inference graphs get no common-subexpression pass of
+    their own. Without it a compiled pass multiplied q/k/v's stacked weights three times."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        target = torch.ops.medusa.stacked_linear.default
+        first: dict[tuple, torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not target:
+                continue
+            key = (node.args, tuple(sorted(node.kwargs.items())))
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+    def uuid(self) -> bytes:
+        """For inductor's caches: this module's source (the pass and the op it merges)."""
+        return hashlib.sha256(Path(__file__).read_bytes()).digest()
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -178,18 +224,21 @@ class _Siblings:
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         layer = self.layers[index]
-        if torch.compiler.is_compiling() or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]):
+        if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
             return nn.functional.linear(x, layer.weight, layer.bias)
+        if torch.compiler.is_compiling():  # one call per group after the compiler's CSE (stacked_linear)
+            return torch.ops.medusa.stacked_linear(x, self.layers[0].weight, sum(self.sizes)).split(self.sizes, -1)[index]
         version = None if x.is_inference() else x._version  # inference tensors keep no version
         if self._input is not x or self._version != version or self._parts[index] is None:
             self._input, self._version = x, version
-            self._parts = list(self._product(x).split(self.sizes, -1))
+            self._parts = list(self.product(x).split(self.sizes, -1))
         part, self._parts[index] = self._parts[index], None
         if all(p is None for p in self._parts):
             self._input = None
         return part
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times every sibling's weight: ``[..., sum of out_features]``."""
         try:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         except RuntimeError:  # as packed_product: torch's kernels compute it or raise torch's error
@@ -226,8 +275,8 @@ class PackedLinears:
     AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
     layers differed from 289 rows), so an engine that promises stock transformers' tokens
     packs only its decoding passes. ``fuse``: layers called on one input (q/k/v, gate/up:
-    :class:`_Siblings`) run as one product; they then have no packed copy of their own, so a
-    compiled pass, which calls ``medusa::packed_linear`` per layer, needs ``fuse=False``.
+    :class:`_Siblings`) run as one product, in eager passes and compiled ones alike
+    (``medusa::stacked_linear``); they then have no packed copy of their own.
     Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
 
     def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True) -> None:
@@ -243,7 +292,7 @@ class PackedLinears:
         owner = next(_OWNERS)
         for layer, packed, _ in self._packed:
             _PACKED.setdefault(layer.weight.data_ptr(), []).append((owner, packed))
-        weakref.finalize(self, _release, owner, [layer.weight.data_ptr() for layer, _, _ in self._packed])
+        addresses = [layer.weight.data_ptr() for layer, _, _ in self._packed]
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
         self._forwards = [(layer, functools.partial(_packed_forward, layer, bias, stock_above))
@@ -253,6 +302,9 @@ class PackedLinears:
             limit = min(FUSED_ROWS, stock_above or FUSED_ROWS) if half else stock_above
             siblings = _Siblings(group, limit)
             self._forwards += [(layer, functools.partial(siblings.forward, i)) for i, layer in enumerate(group)]
+            _STACKED.setdefault(group[0].weight.data_ptr(), []).append((owner, siblings))
+            addresses.append(group[0].weight.data_ptr())
+        weakref.finalize(self, _release, owner, addresses)
         self.fused = len(fused)  # layers that run as part of a stacked product
         self._depth = 0
 
@@ -274,9 +326,10 @@ class PackedLinears:
 
 
 def _release(owner: int, addresses: list[int]) -> None:
-    for address in addresses:
-        kept = [entry for entry in _PACKED.get(address, ()) if entry[0] != owner]
-        if kept:
-            _PACKED[address] = kept
-        else:
-            _PACKED.pop(address, None)
+    for registry in (_PACKED, _STACKED):
+        for address in addresses:
+            kept = [entry for entry in registry.get(address, ()) if entry[0] != owner]
+            if kept:
+                registry[address] = kept
+            else:
+                registry.pop(address, None)
