@@ -376,7 +376,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the faster exact one on this device, measured once and cached)")
     p.add_argument("--compile", nargs="?", const="on", choices=("auto", "on", "off"),
                    default=os.environ.get("MEDUSA_COMPILE", "auto"),
-                   help="auto (the default; MEDUSA_COMPILE sets another): on a CPU in float32, the pass sizes "
+                   help="auto (the default; MEDUSA_COMPILE sets another): on a CPU, the pass sizes "
                         "this machine has saved run compiled and the others eagerly while python -m "
                         "infer.precompile compiles them in the background, at low priority (a --prompt answer "
                         "stays eager); on: static KV cache and a torch.compile'd pass (CUDA graphs on CUDA), "

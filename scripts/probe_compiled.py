@@ -3,9 +3,10 @@
 Compiles a Llama-family target with inductor's ``emulate_precision_casts`` (bfloat16 roundings
 kept between fused ops) and compares it with eager, bit for bit: a prompt pass, then one-token
 decoding steps over a static cache, timed interleaved. ``--opaque`` hides the RMSNorm's mean of
-squares and the attention behind custom ops, so that eager's kernels compute them (inductor's own
-reduction and its lowering of masked SDPA round otherwise). A probe, not an engine path: it
-patches the model's norm class and attention for the process.
+squares (the engine's ``medusa::mean_square``) and SDPA behind custom ops, so that eager's kernels
+compute them (inductor's own reduction and its lowering of masked SDPA round otherwise). A probe
+with torch's SDPA and linear kernels; the engine's compiled exact passes (README "Compiled exact
+passes") are built on what it found. It patches the model's norm class and attention while it runs.
 
     python scripts/probe_compiled.py [--model M] [--opaque] [--prefix 200] [--steps 29]
 """
@@ -23,16 +24,7 @@ from transformers import AttentionInterface, StaticCache
 
 import medusa
 from medusa.config import count
-
-
-@torch.library.custom_op("medusa_probe::mean_square", mutates_args=())
-def mean_square(x: torch.Tensor) -> torch.Tensor:
-    return x.pow(2).mean(-1, keepdim=True)
-
-
-@mean_square.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], 1)
+from medusa.decoding.exact import OpaqueRMSNorm
 
 
 @torch.library.custom_op("medusa_probe::sdpa", mutates_args=())
@@ -45,13 +37,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 @sdpa.register_fake
 def _(q, k, v, mask, scale):
     return torch.empty_like(q)
-
-
-def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    dtype = hidden_states.dtype  # Llama's RMSNorm, its reduction by eager's kernel
-    h = hidden_states.to(torch.float32)
-    h = h * torch.rsqrt(torch.ops.medusa_probe.mean_square(h) + self.variance_epsilon)
-    return self.weight * h.to(dtype)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -68,7 +53,7 @@ def opaque(model):
     if not hasattr(model.get_decoder().norm, "variance_epsilon"):
         raise SystemExit(f"--opaque patches Llama-style RMSNorm; {norm.__name__} is not one")
     forward, attention = norm.forward, model.config._attn_implementation
-    norm.forward = _norm_forward
+    norm.forward = OpaqueRMSNorm.forward  # Llama's RMSNorm, its reduction by eager's kernel when compiled
     model.config._attn_implementation = "medusa_probe_sdpa"
     try:
         yield model

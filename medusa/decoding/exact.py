@@ -31,6 +31,12 @@ AMX Xeon, bfloat16, 256 cached keys): a 135M model's one-token pass is 30 such l
 It is registered with transformers' ``AttentionInterface`` as ``"medusa_exact"`` (masks built
 by transformers' eager mask function), so the stock model runs it: no forked model code.
 Cost: a gather of ``n x 64`` keys per layer and small kernels; see the README.
+
+Compiled exact passes (CPU): inside ``torch.compile`` the attention is one opaque custom op
+(``medusa::exact_attention``), and :func:`opaque_ops` makes the two other places where inductor
+rounds otherwise than eager opaque too: the RMSNorm's mean of squares and the rotary
+embedding's cos and sin. With inductor's emulated precision casts for the rest, a compiled
+bfloat16 pass was bit-identical to the eager one (README "Compiled exact passes").
 """
 
 from __future__ import annotations

@@ -408,10 +408,11 @@ def compiled_forward(device: torch.device, compile: bool | str = True, options: 
     # 64 of them, more than dynamo's default of 8 (past it, new shapes silently run eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     backend = compile if isinstance(compile, str) else "inductor"
-    if options and backend == "inductor":
+    if backend == "inductor" and torch.device(device).type == "cuda":
+        return torch.compile(forward, backend=backend, mode="reduce-overhead", dynamic=False)
+    if options and backend == "inductor":  # the CPU's (compile_options)
         return torch.compile(forward, backend=backend, options=options, dynamic=False)
-    mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
-    return torch.compile(forward, backend=backend, mode=mode, dynamic=False)
+    return torch.compile(forward, backend=backend, dynamic=False)
 
 
 def compile_options(model: PreTrainedModel) -> dict:
