@@ -107,10 +107,9 @@ def load(
 
     ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the pass with
     ``torch.compile`` (CUDA graphs on CUDA; a string names a backend) once per size, saved on the
-    CPU for later processes (``engine.precompile(mode)``: a mode's sizes, now). On the CPU the dtype
-    is picked and half-precision passes compile exact (bit-identical to eager); on a GPU the loaded
-    dtype is kept (float32 only there). ``"auto"`` (the chat's default): the dtype is picked, and on
-    a CPU the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
+    CPU for later processes (``engine.precompile(mode)``: a mode's sizes, now); exact in half precision
+    on the CPU (on a GPU the loaded dtype is kept). ``"auto"`` (the chat's default): the dtype is
+    picked, and on a CPU the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster here by
