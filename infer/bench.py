@@ -317,10 +317,12 @@ def _register_compiled(modes: list[str]) -> None:
 
 
 def _compiled_twin(engine: Engine, heads, proposers: ProposerConfig) -> Engine:
-    """``engine`` with compiled passes: the same target, heads, kernels, rows per pass and trees."""
+    """``engine`` with compiled passes: the same target, heads, kernels and rows per pass; its
+    eagle trees sized here as the engine's were, for passes padded to their buckets."""
     twin = Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
                   proposer_config=proposers, kernels=engine.kernels, max_rows=engine.max_rows)
-    twin.tree_sizes = engine.tree_sizes
+    if engine.tree_sizes is not None:
+        twin.tree_sizes = size_here(twin, cache_root() / "sizing.json") or engine.tree_sizes
     return twin
 
 
@@ -591,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         if uses_eagle or own_eagle:
             print(f"eagle trees: {_sizes_reason(args.eagle_engine or engine)}", file=sys.stderr)
+            if args.compiled_engine is not None:
+                print(f"compiled eagle trees: {_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)}",
+                      file=sys.stderr)
         args.compile_seconds = precompile(engine, modes, args)  # compiled passes: every size, before any timing
         for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
             MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
@@ -621,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds,
             "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None,
             "tree_sizes": _sizes_reason(args.eagle_engine or engine),
+            "compiled_tree_sizes": (_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)
+                                    if args.compiled_engine is not None else None),
             "fastest_transformers": fastest}
     if args.json:
         path = Path(args.json)

@@ -123,7 +123,7 @@ def load(
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
 
     ``size_trees``: eagle trees (and hybrid's lookup chain) sized from this machine's pass costs,
-    measured once, cached (medusa/decoding/sizing.py, eager engines); False: the calibrated sizes.
+    measured once, cached (medusa/decoding/sizing.py; compiled CPU passes at their padded sizes); False: calibrated.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     picked = _picked_dtype(lm, compile) if dtype is None else None

@@ -13,7 +13,7 @@ from tiny import hf_greedy, tiny_model
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, acceptance_by_size, choose_dynamic
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
-from medusa.decoding.sizing import SIZES, SizeChoice, drafting_ms, monotone, size_here
+from medusa.decoding.sizing import SIZES, SizeChoice, bucketed, drafting_ms, monotone, size_here
 from medusa.models.heads import init_heads_for
 
 # one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that
@@ -133,7 +133,7 @@ def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
     assert hybrid.heads.length == 0  # the head never ran: nothing drafted, nothing fed
 
 
-def test_nothing_is_sized_without_curves_for_medusa_heads_and_compiled_cpu_engines_share_eager_sizes(tmp_path):
+def test_nothing_is_sized_without_curves_for_medusa_heads_and_compiled_cpu_engines_share_eager_timings(tmp_path):
     model = tiny_model("llama")
     assert size_here(Engine(model, heads=noisy_eagle(model)), tmp_path / "s.json") is None  # no curves
     assert size_here(Engine(model, heads=init_heads_for(model)), tmp_path / "s.json") is None
@@ -143,9 +143,25 @@ def test_nothing_is_sized_without_curves_for_medusa_heads_and_compiled_cpu_engin
     compiled = size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json")
     timed = (tmp_path / "s.json").read_text()
     eager = size_here(Engine(model, heads=heads), tmp_path / "s.json")
-    # a CPU engine with compiled passes is sized from the eager passes' costs: one entry, one choice
-    assert compiled is not None and (compiled.eagle, compiled.hybrid) == (eager.eagle, eager.hybrid)
-    assert (tmp_path / "s.json").read_text() == timed
+    # a CPU engine with compiled passes is sized from the eager passes' timings: one entry
+    assert compiled is not None and eager is not None and (tmp_path / "s.json").read_text() == timed
+    assert compiled.cost_ms == bucketed(eager.cost_ms) and "padded to their buckets" in compiled.reason
+
+
+def test_compiled_passes_are_sized_at_their_padded_buckets():
+    # compiled, a pass of 3 rows runs as 4 and one of 5-8 rows as 8 (engine.PASS_BUCKETS)
+    assert bucketed({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}) == {1: 10.0, 2: 11.0, 3: 13.0, 4: 13.0, 5: 17.0, 6: 17.0,
+                                                              7: 17.0, 8: 17.0}
+    cost = {1: 10.0, 4: 10.0, 8: 12.0}  # eager T(5..7) = 10.5, 11, 11.5 (interpolated)
+    curves = {(3, 2): Acceptance(accepted=[0.5, 0.9, 1.2, 1.45, 1.65, 1.75, 1.8], draft_ms=1.0)}
+    # eager, tokens/s = (1 + accepted(n)) / (T(1 + n) + 1 ms drafting): n=3 2.2/11 = 200,
+    # n=4 2.45/11.5 = 213, n=5 2.65/12 = 220.8 (best), n=6 2.75/12.5 = 220, n=7 2.8/13 = 215.4
+    size, _, tps = choose_dynamic(curves, cost)
+    assert size.nodes == 5 and tps == pytest.approx(2.65 / 12 * 1e3)
+    # compiled, n=4..7 all pay T(8): n=5 2.65/13 = 203.8, n=7 2.8/13 = 215.4 (best), n=3 200:
+    # the nodes that fill the bucket come free
+    size, expected, tps = choose_dynamic(curves, bucketed(cost))
+    assert size.nodes == 7 and expected == pytest.approx(2.8) and tps == pytest.approx(2.8 / 13 * 1e3)
 
 
 def test_drafting_is_timed_as_decoding_runs_it(monkeypatch):
@@ -167,3 +183,19 @@ def test_drafting_is_timed_as_decoding_runs_it(monkeypatch):
     timed = drafting_ms(heads, model, [(2, 2)], reps=3)
     assert set(timed) == {"2x2"} and timed["2x2"] >= 50.0  # the update's time is in it
     assert events == ["pass"] + ["pass", "propose", "update 2"] * 4  # the prefill, then per round
+
+
+def test_the_benchs_compiled_twin_is_sized_for_its_padded_passes(tmp_path, monkeypatch):
+    from infer import bench
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
+    engine = Engine(model, heads=heads)
+    engine.tree_sizes = size_here(engine, bench.cache_root() / "sizing.json")
+    twin = bench._compiled_twin(engine, heads, ProposerConfig())
+    assert twin.compiled and twin.tree_sizes is not engine.tree_sizes
+    assert twin.tree_sizes.cost_ms == bucketed(engine.tree_sizes.cost_ms)  # the same timings, read from the cache
+    engine.tree_sizes = None  # calibrated sizes: the twin keeps them
+    assert bench._compiled_twin(engine, heads, ProposerConfig()).tree_sizes is None

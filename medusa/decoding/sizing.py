@@ -12,8 +12,10 @@ the head's work per step for each shape (drafting and update, after a target pas
 decoding: :func:`drafting_ms`), once per machine (cached in ``sizing.json`` under
 ``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
 most expected tokens per second for mode eagle and, chain length included, for mode hybrid
-(:func:`medusa.decoding.eagle.choose_dynamic`). Compiled engines keep the calibrated sizes:
-their passes cost what the compiled graphs cost, not what an eager pass does.
+(:func:`medusa.decoding.eagle.choose_dynamic`). A CPU engine with compiled passes runs a
+proposal of n rows padded to its pass bucket (``engine.pass_bucket``), so it is sized with
+T(bucket(n)): a 14-row hybrid pass costs a 16-row one there, and the nodes that fill the
+bucket come free. Compiled engines off the CPU keep the calibrated sizes.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from pathlib import Path
 import torch
 
 from medusa.decoding import hf as kv
-from medusa.decoding.calibrate import measure_cost, tree_key
+from medusa.decoding.calibrate import interpolate, measure_cost, tree_key
 from medusa.decoding.device import _cached, device_key, model_key
 from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
+from medusa.decoding.engine import pass_bucket
 from medusa.decoding.kernels import kernels_key
 from medusa.decoding.state import DecodeState, StepOutcome
 
@@ -111,9 +114,9 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     """Mode eagle's and mode hybrid's tree sizes for ``engine`` on this machine (see the
     module docstring); None where the heads are not eagle heads, carry no acceptance curves,
     or the engine compiles its passes off the CPU (then the calibrated sizes apply). A CPU
-    engine with compiled passes is sized from the eager passes' costs: compiled ones measured
-    12-15% cheaper at every size on the AMX Xeon (README "Compiled exact passes"), a curve of
-    the same shape."""
+    engine with compiled passes is sized from the eager passes' costs at its padded sizes
+    (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX Xeon
+    (README "Compiled exact passes"), a curve of the same shape, so one timing serves both."""
     heads = engine.heads
     if heads is None or heads.config.kind != "eagle" or (engine.compile_mode != "off" and engine.device.type != "cpu"):
         return None
@@ -127,6 +130,9 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
                       f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])
     entry, _ = _cached(cache_file, key, lambda: _measure(engine, sorted(curves)))
     cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
+    compiled = engine.compile_mode != "off"
+    if compiled:
+        cost = bucketed(cost)
     draft = entry["draft_ms"]
     here = {shape: Acceptance(acc.accepted, draft.get(f"{shape[0]}x{shape[1]}", acc.draft_ms), acc.hybrid,
                               acc.chain_share) for shape, acc in curves.items()}
@@ -134,8 +140,15 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=engine.max_rows)
     reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
               f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
-              f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms")
+              f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms"
+              + ("; compiled passes padded to their buckets" if compiled else ""))
     return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft)
+
+
+def bucketed(cost_ms: dict[int, float]) -> dict[int, float]:
+    """The cost of a compiled pass of n rows, for every n up to the largest timed: the (eager,
+    interpolated) cost of the bucket it runs padded to. Beyond the last bucket, n itself."""
+    return {n: interpolate(cost_ms, pass_bucket(n)) for n in range(1, max(cost_ms) + 1)}
 
 
 def monotone(cost_ms: dict[int, float]) -> dict[int, float]:
