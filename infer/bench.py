@@ -318,11 +318,12 @@ def _register_compiled(modes: list[str]) -> None:
 
 def _compiled_twin(engine: Engine, heads, proposers: ProposerConfig) -> Engine:
     """``engine`` with compiled passes: the same target, heads, kernels and rows per pass; its
-    eagle trees sized here as the engine's were, for passes padded to their buckets."""
+    eagle trees sized as ``medusa.load(compile=True)`` sizes them (on the CPU: here, for passes
+    padded to their buckets; on a GPU: calibrated), unless the engine's are the calibrated ones."""
     twin = Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
                   proposer_config=proposers, kernels=engine.kernels, max_rows=engine.max_rows)
     if engine.tree_sizes is not None:
-        twin.tree_sizes = size_here(twin, cache_root() / "sizing.json") or engine.tree_sizes
+        twin.tree_sizes = size_here(twin, cache_root() / "sizing.json")
     return twin
 
 
