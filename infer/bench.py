@@ -508,9 +508,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", choices=KERNELS, default=None,
                     help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
                          "(default: the faster here, measured once); hf modes always run stock transformers")
-    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
-                         "or bfloat16 beside a float32 target where it measures faster here")
+                         "or bfloat16 beside a float32 target where it measures faster here; int8: eagle heads on "
+                         "int8 weights, CPU")
     ap.add_argument("--tree-sizes", choices=("here", "calibrated"), default="here",
                     help="eagle heads' trees and eagle-hybrid's lookup chain: sized from this machine's pass costs "
                          "(measured once, cached) or as calibrated for the device type (calibration.json)")

@@ -385,9 +385,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernels", choices=("default", "onednn"),
                    help="linear kernels: torch's default or packed oneDNN weights on a CPU (default: the faster here, "
                         "measured once and cached)")
-    p.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
+    p.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"),
                    help="the heads' dtype: drafts only, the target verifies every token in --dtype (default: the "
-                        "target's, or bfloat16 beside a float32 target where it measures faster here)")
+                        "target's, or bfloat16 beside a float32 target where it measures faster here; int8: eagle "
+                        "heads on int8 weights, CPU)")
     p.add_argument("--show-accepted", action="store_true",
                    help="colour the tokens drafted by the heads/draft that the target accepted")
     p.add_argument("--prompt", help="answer this one message and exit")

@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kernels", choices=("default", "onednn"), default=None,
                     help="the engine's linear kernels (default: the faster on this device, as medusa.load picks)")
-    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="the heads' dtype while drafting (default: as medusa.load picks on this device)")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                    help="the heads' dtype while drafting (default: as medusa.load picks on this device; "
+                         "int8: eagle heads on int8 weights, CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     args = ap.parse_args(argv)
     if args.for_device and not args.cost:

@@ -19,6 +19,7 @@ from medusa.decoding.device import (
     pick_draft_dtype,
 )
 from medusa.decoding.engine import Engine
+from medusa.decoding.kernels import int8_available
 from medusa.errors import MedusaError
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
@@ -116,5 +117,46 @@ def test_load_applies_the_draft_dtype_and_rejects_unknown_ones(tmp_path):
     expected = hf_greedy(eng.model, ids, 12)
     assert eng.generate(ids, max_new_tokens=12, mode="hybrid").tokens == expected
     with pytest.raises(MedusaError, match="draft_dtype must be") as err:
+        medusa.load(model=folder, heads="init", draft_dtype="int4", kernels="default")
+    assert "\n" not in str(err.value)
+    with pytest.raises(MedusaError, match="int8 is for eagle heads") as err:  # "init": Medusa heads
         medusa.load(model=folder, heads="init", draft_dtype="int8", kernels="default")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+def test_int8_eagle_heads_draft_beside_any_target_and_keep_its_greedy_output(target_dtype, one_thread):
+    model = tiny_model("llama").to(target_dtype)
+    n = 40
+    ref = hf_greedy(model, PROMPT, n)
+    bf16 = noisy_eagle(model)
+    adopt_draft_dtype(bf16, model, None, "bfloat16")
+    heads = noisy_eagle(model).to(torch.bfloat16)
+    heads.load_state_dict(bf16.state_dict())  # the same heads, to be quantized
+    vocab = list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17]
+    for h in (bf16, heads):
+        h.set_draft_vocab(vocab)
+    state = {k: v.clone() for k, v in bf16.state_dict().items()}
+    assert int8_available() and adopt_draft_dtype(heads, model, None, "int8").dtype == "int8"
+    assert heads.int8 and heads.fc.weight.dtype == torch.bfloat16
+    # the float weights stay (saving writes them), under the same names
+    assert {k: v.dtype for k, v in heads.state_dict().items()} == {k: v.dtype for k, v in state.items()}
+    assert all(torch.equal(heads.state_dict()[k], v) for k, v in state.items())
+    # int8 products: close to the bf16 ones (per-row scales)
+    feature = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = bf16.logits(feature, bf16.draft_vocab).float(), heads.logits(feature, heads.draft_vocab).float()
+        assert got.shape == want.shape and not torch.equal(got, want)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        x = torch.randn(2, 2 * model.config.hidden_size, dtype=torch.bfloat16)
+        # fc is "take the feature" plus noise: the diagonal's 1.0 sets each row's scale, so the
+        # noise rounds to steps of 1/127 (measured: 2.4% of the largest output)
+        assert (heads.fc(x).float() - bf16.fc(x).float()).abs().max() <= 0.05 * bf16.fc(x).float().abs().max()
+    for kernels in ("default", "onednn"):
+        engine = Engine(model, heads=heads, kernels=kernels)  # an engine packs the target, not int8 heads
+        for mode in ("eagle", "hybrid"):
+            res = engine.generate(PROMPT, max_new_tokens=n, mode=mode)
+            assert res.tokens == ref, (kernels, mode)
+        assert max(res.stats.accepted) > 1  # the int8 head drafted tokens the target accepted
+    tau = Engine(model, heads=bf16).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau
+    assert abs(Engine(model, heads=heads).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau - tau) <= 0.5 * tau

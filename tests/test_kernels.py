@@ -327,3 +327,33 @@ def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_pa
     assert "not exact" in decide_kernels(faster, None, half=True)[1]
     assert decide_kernels(faster, 32, half=True) == ("onednn", decide_kernels(faster, 32, half=True)[1])
     assert "exact up to 32 rows" in decide_kernels(faster, 32, half=True)[1]
+
+
+def test_int8_rows_multiply_like_their_dequantized_weights_on_any_view():
+    from medusa.decoding.kernels import INT8_K_MULTIPLE, Int8Rows, int8_available, int8_linears
+
+    assert int8_available() and not int8_available("meta")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((3, 16), (96, 64), (576, 576)):
+        rows = Int8Rows.of(torch.randn(n, k, generator=g).to(torch.bfloat16))
+        assert rows.q.dtype == torch.int8 and rows.q.abs().max() == 127
+        dequantized = rows.q.float() * rows.scales.float()[:, None]
+        for m in (1, 3, 5, 300):
+            big = torch.randn(m + 1, k + 3, generator=g).to(torch.bfloat16)
+            # a fresh input, a strided view, and a contiguous view starting off any 32-byte boundary
+            for x in (big[1:, :k].contiguous(), big[1:, 3:], big.flatten()[1:1 + m * k].view(m, k)):
+                want = x.float() @ dequantized.T
+                got = rows.matmul(x).float()
+                assert got.shape == (m, n) and (got - want).abs().max() <= 0.01 * want.abs().max(), (n, k, m)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int8Rows.of(torch.randn(4, INT8_K_MULTIPLE + 8))
+    narrow = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="got 8"):
+        int8_linears(narrow)
+    assert all("forward" not in layer.__dict__ for layer in narrow)  # nothing changed
+    wide = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8)).to(torch.bfloat16)
+    x = torch.randn(2, 32, generator=g).to(torch.bfloat16)
+    want = wide(x).float()
+    assert int8_linears(wide) == 2 and list(wide.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    got = wide(x).float()
+    assert not torch.equal(got, want) and (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -406,7 +406,7 @@ def pick_kernels(model: PreTrainedModel, cache_file: Path, rows_file: Path | Non
 
 @dataclass(frozen=True)
 class DraftDtypeChoice:
-    dtype: str  # the heads' dtype: "float32" or "bfloat16"
+    dtype: str  # the heads' dtype: "float32" or "bfloat16" (or "int8" weights, asked for: EagleHeads.to_int8)
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[str, float]  # dtype -> ms to score DRAFT_ROWS features over the draft vocabulary
 
@@ -476,10 +476,18 @@ def adopt_draft_dtype(heads, model: PreTrainedModel, cache_file: Path, dtype: to
         choice = pick_draft_dtype(model, heads, cache_file)
     else:
         name = str(dtype).removeprefix("torch.")
-        if name not in ("float32", "bfloat16", "float16"):
+        if name not in ("float32", "bfloat16", "float16", "int8"):
             from medusa.errors import MedusaError
 
-            raise MedusaError(f"draft_dtype must be float32, bfloat16 or float16, got {dtype!r}")
+            raise MedusaError(f"draft_dtype must be float32, bfloat16, float16 or int8, got {dtype!r}")
         choice = DraftDtypeChoice(name, "asked for", {})
-    heads.to(getattr(torch, choice.dtype))
+    if choice.dtype == "int8":
+        if heads.config.kind != "eagle":
+            from medusa.errors import MedusaError
+
+            raise MedusaError("draft_dtype int8 is for eagle heads (their linears and draft vocabulary run on int8 "
+                              "weights): use bfloat16 for Medusa heads")
+        heads.to_int8()
+    else:
+        heads.to(getattr(torch, choice.dtype))
     return choice

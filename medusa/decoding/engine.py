@@ -340,7 +340,8 @@ class Engine:
         # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
         # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
         half = self.model.dtype in (torch.bfloat16, torch.float16)
-        return PackedLinears(self.model, self.draft, heads, stock_above=PACKED_ROWS if half else None)
+        packed_heads = None if getattr(heads, "int8", False) else heads  # int8 heads run their own kernel
+        return PackedLinears(self.model, self.draft, packed_heads, stock_above=PACKED_ROWS if half else None)
 
     @property
     def compiled(self) -> bool:

@@ -124,7 +124,7 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     if not curves:
         return None
     vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
-    fingerprint = f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}"
+    fingerprint = f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
     key = " | ".join([device_key(engine.device), model_key(engine.model), str(engine.model.dtype),
                       kernels_key(engine.kernels),
                       f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])

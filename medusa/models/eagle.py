@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from medusa.decoding import hf as kv
+from medusa.decoding.kernels import Int8Rows, int8_available, int8_linears
 from medusa.errors import MedusaError
 from medusa.models.heads import HeadsConfig, checked_draft_vocab
 
@@ -77,6 +78,8 @@ class EagleHeads(nn.Module):
         self._target: tuple[PreTrainedModel, ...] = ()
         self.draft_vocab: torch.Tensor | None = None
         self._draft_weight: torch.Tensor | None = None
+        self.int8 = False  # drafting on int8 copies of the weights (:meth:`to_int8`)
+        self._draft_int8: tuple[torch.Tensor, Int8Rows] | None = None  # the draft vocabulary's rows, as int8
         # Calibrated dynamic-tree sizes by device type: {"cpu": {"nodes": N, "depth": D, "topk": k}}.
         self.dynamic: dict[str, dict[str, int]] = {}
         # What calibration measured per device and dtype (calibration.json's "measured"): the
@@ -180,6 +183,23 @@ class EagleHeads(nn.Module):
         device = self.target.get_output_embeddings().weight.device
         self.draft_vocab, self._draft_weight = checked_draft_vocab(ids, self.config.vocab_size, device), None
 
+    def to_int8(self) -> EagleHeads:
+        """Draft on int8 weights (``medusa.load(draft_dtype="int8")``, CPU only): the head runs
+        in bfloat16 and its linears and the draft vocabulary's rows multiply through int8 copies
+        with one scale per row (:func:`medusa.decoding.kernels.int8_linears`). Drafts only
+        propose, so the target's output is unchanged; the float weights stay for saving."""
+        device = self.fc.weight.device
+        if not int8_available(device):
+            raise MedusaError(f"int8 drafting needs a CPU torch build with torch._weight_int8pack_mm, not "
+                              f"{device.type} here: use draft_dtype='bfloat16'")
+        self.to(torch.bfloat16)
+        try:
+            int8_linears(self)
+        except ValueError as err:
+            raise MedusaError(f"these eagle heads cannot draft on int8 weights: {err}; use draft_dtype='bfloat16'") from None
+        self.int8, self._draft_int8 = True, None
+        return self
+
     # -- compute ------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -211,6 +231,10 @@ class EagleHeads(nn.Module):
             if w is None or w.device != lm_head.weight.device or w.dtype != dtype:
                 self.draft_vocab = vocab = vocab.to(lm_head.weight.device)
                 w = self._draft_weight = lm_head.weight[vocab].to(dtype).contiguous()  # [S, H]
+            if self.int8:
+                if self._draft_int8 is None or self._draft_int8[0] is not w:
+                    self._draft_int8 = (w, Int8Rows.of(w))
+                return self._draft_int8[1].matmul(features)
         else:
             w = lm_head.weight[vocab]
         return features.to(w.dtype) @ w.T
