@@ -287,6 +287,14 @@ def run_eagle_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -
     return _engine_run(_eagle_engine(engine, args), ids, args, name="hybrid")
 
 
+def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
+    """What the hybrid modes' chains draw on besides the text: the heads' n-gram table, if used."""
+    table = getattr(engine.heads, "ngrams", None)
+    if table is None or not wanted:
+        return None
+    return f"{len(table)} contexts from {table.sequences} answers"
+
+
 EAGLE_MODES = ("eagle", "eagle-hybrid")  # bench modes on the engine holding eagle heads
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
 
@@ -484,6 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens copied per step (lookup, hybrid, prompt-lookup; default 8, and for eagle-hybrid "
                          "the chain sized with the tree for this machine)")
     ap.add_argument("--lookup-ngram", type=count(), default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
+    ap.add_argument("--no-answer-ngrams", dest="answer_ngrams", action="store_false",
+                    help="hybrid, eagle-hybrid: draft no chain from the heads folder's n-gram table of the target's "
+                         "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category")
@@ -568,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & bases else None)
         proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
                                    draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
-                                   lookup_ngram=args.lookup_ngram)
+                                   lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams)
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              static_cache=args.static_cache, compile=args.compile, proposers=proposers,
                              kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=args.tree_sizes == "here")
@@ -619,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             "draft": draft, "draft_tokens": args.draft_tokens, "adaptive_draft": args.adaptive_draft,
             "draft_confidence": args.draft_confidence,
             "lookup_tokens": args.lookup_tokens, "lookup_ngram": args.lookup_ngram,
+            "answer_ngrams": _answer_ngrams(args.eagle_engine or engine, args.answer_ngrams),
             "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
             "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
             "dtype_reason": getattr(getattr(engine.model, "dtype_choice", None), "reason", "asked for (--dtype)"),

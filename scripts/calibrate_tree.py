@@ -34,8 +34,9 @@ from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynami
 from medusa.decoding.proposers import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 from medusa.models.heads import CALIBRATION_NAME
-from medusa.training.sources import DataStats, load_conversations
+from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
+DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
 COST_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]
 
 
@@ -44,6 +45,22 @@ def greedy_answers(engine, prompts: list[list[int]], max_new_tokens: int) -> lis
     mode reproduces)."""
     return [engine.generate(p, max_new_tokens=max_new_tokens, mode="baseline").tokens
             for p in tqdm(prompts, desc="target answers", file=sys.stderr)]
+
+
+def split_pool(pool: list, samples: int, exclude: list[str], source: str) -> tuple[list, list]:
+    """The first ``samples`` conversations whose prompt no ``exclude`` file answered (the held-out
+    prompts the target answers: answers the heads trained on, or an n-gram table holds, would
+    flatter them), and the others (reference answers for the draft vocabulary)."""
+    ids, texts = answered_prompts(exclude)
+    held_out, reference = [], []
+    for cid, messages in pool:
+        first = next(m["content"] for m in messages if m["role"] == "user")
+        fresh = cid.split(":", 1)[-1] not in ids and prompt_key(first) not in texts
+        (held_out if fresh and len(held_out) < samples else reference).append((cid, messages))
+    if len(held_out) < samples:
+        raise MedusaError(f"{source} gave only {len(held_out)} conversations outside the --exclude files; "
+                          f"need {samples}")
+    return held_out, reference
 
 
 def parse_cost(text: str) -> dict[int, float]:
@@ -125,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", required=True, help="heads folder to calibrate (calibration.json is written into it)")
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
     ap.add_argument("--prompts", default="sharegpt", help="conversation source for held-out prompts (sharegpt, .json/.jsonl, Hub id)")
-    ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the held-out prompts")
+    ap.add_argument("--seed", type=int, default=4321,
+                    help="shuffle seed picking the held-out prompts (not scripts/heldout_prompts.py's 1234: the benchmark's prompts stay unseen)")
+    ap.add_argument("--exclude", nargs="*", default=DEFAULT_EXCLUDE,
+                    help="answer files (.jsonl or .jsonl.gz with id and messages) whose prompts are not held-out "
+                         "prompts (default: data/selfdistill/*.jsonl.gz, the heads' training data)")
     ap.add_argument("--samples", type=count(1), default=48, help="how many prompts the target answers")
     ap.add_argument("--max-new-tokens", type=count(1), default=128)
     ap.add_argument("--max-prompt-tokens", type=count(1), default=256)
@@ -158,10 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         heads, tok = engine.heads, engine.tokenizer
         heads.set_draft_vocab(None)
         stats = DataStats()
-        pool = load_conversations(args.prompts, stats, max_samples=args.samples + args.reference_answers, seed=args.seed)
-        if len(pool) < args.samples:
-            raise MedusaError(f"{args.prompts} gave only {len(pool)} conversations; need {args.samples}")
-        held_out, reference = pool[: args.samples], pool[args.samples:]
+        pool = load_conversations(args.prompts, stats, seed=args.seed)
+        held_out, reference = split_pool(pool, args.samples, args.exclude, args.prompts)
+        reference = reference[: args.reference_answers]
         prompts = []
         for _, messages in held_out:
             first = next(m for m in messages if m["role"] == "user")

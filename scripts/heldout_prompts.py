@@ -13,7 +13,6 @@ JSON (``id``, ``conversations``), the format ``infer.bench --prompts`` reads.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from medusa.config import count, writable_folder
 from medusa.errors import MedusaError
-from medusa.training.sources import SHAREGPT, DataStats, load_conversations
+from medusa.training.sources import SHAREGPT, DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
 
@@ -45,41 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _key(text: str) -> str:
-    return " ".join(text.split())
-
-
-def training_prompts(paths: list[str]) -> tuple[set[str], set[str]]:
-    """Ids and (whitespace-normalised) first user turns of the answers in ``paths``."""
-    ids: set[str] = set()
-    texts: set[str] = set()
-    for path in paths:
-        if not Path(path).is_file():
-            raise MedusaError(f"--exclude file not found: {path}")
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    raise MedusaError(f"{path}:{n} is not valid JSON") from None
-                if rec.get("id") is not None:
-                    ids.add(str(rec["id"]).split(":", 1)[-1])
-                first = next((m.get("content") for m in rec.get("messages", []) if m.get("role") == "user"), None)
-                if isinstance(first, str):
-                    texts.add(_key(first))
-    return ids, texts
-
-
 def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max_chars: int) -> list[dict]:
-    ids, texts = training_prompts(exclude)
+    ids, texts = answered_prompts(exclude)
     picked: list[dict] = []
     seen: set[str] = set()
     for cid, messages in load_conversations(source, DataStats(), seed=seed):
         first = next(m["content"] for m in messages if m["role"] == "user")
-        key = _key(first)
+        key = prompt_key(first)
         if cid.split(":", 1)[-1] in ids or key in texts or key in seen or not min_chars <= len(key) <= max_chars:
             continue
         seen.add(key)

@@ -337,3 +337,19 @@ def test_training_pushes_the_heads_at_the_end(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "upload to tester/pushed failed" in last and f"the heads are saved in {out}" in last
     assert token not in proc.stdout and token not in proc.stderr
+
+
+def test_a_heads_folder_publishes_its_ngram_table(target, tmp_path):
+    from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
+
+    _, model, _ = target
+    _, folder = saved_heads(model, tmp_path)
+    out = build_publish_folder(folder, tmp_path / "publish", "tester/tiny-heads")
+    assert not (out / NGRAMS_NAME).exists()
+    NgramTable.build([[3, 4, 5, 6]] * 2, model.config.vocab_size).save(folder / NGRAMS_NAME)
+    out = build_publish_folder(folder, tmp_path / "publish", "tester/tiny-heads")
+    loaded = load_heads_from(str(out), model)
+    assert loaded.ngrams is not None and loaded.ngrams.chain([3, 4], 3) == [5, 6]
+    (folder / NGRAMS_NAME).unlink()
+    build_publish_folder(folder, tmp_path / "publish", "tester/tiny-heads")
+    assert not (out / NGRAMS_NAME).exists()  # a table left from an earlier build is not published again

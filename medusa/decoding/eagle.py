@@ -266,7 +266,8 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
 
     device = heads.fc.weight.device
     proposer = EagleProposer(heads, device, size)
-    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram) if chain else None
+    # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
+    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)
     positions: list[list[tuple[list[int], int, int]]] = []
     steps, seconds = 0, 0.0

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding import hf as kv
+from medusa.decoding.ngrams import NgramTable
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, chain, compile_tree
@@ -211,18 +212,22 @@ class PromptLookup:
     at their latest earlier occurrence and the ``num_tokens`` tokens that followed it are
     proposed as a chain (fewer where the text ends first; a span repeating up to the end,
     such as ``a b a b``, is continued with its period). An index of every n-gram's latest end position is extended
-    as the sequence grows, so a lookup costs O(``max_ngram``) per step. The proposal is
+    as the sequence grows, so a lookup costs O(``max_ngram``) per step. Where the text has no
+    match, ``table`` (an :class:`~medusa.decoding.ngrams.NgramTable` of the target's own
+    answers, mode hybrid) drafts the chain instead. The proposal is
     deterministic given the text, so it carries no ``q``: lossless verification treats
     each candidate as a point mass.
     """
 
-    def __init__(self, device: torch.device, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, device: torch.device, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1,
+                 table: NgramTable | None = None) -> None:
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise MedusaError(f"lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram, "
                               f"got {num_tokens}, {min_ngram}, {max_ngram}")
         self.device = device
         self.k = num_tokens
         self.ngrams = range(max_ngram, min_ngram - 1, -1)
+        self.table = table
         self.trees: dict[int, TreeBuffers] = {}
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self.indexed = 0  # n-grams ending at or before this position are indexed
@@ -252,6 +257,8 @@ class PromptLookup:
                     j = end + i
                     follow.append(tokens[j] if j < total else follow[j - total])
                 break
+        if not follow and self.table is not None:
+            follow = self.table.chain(tokens, state.max_depth(self.k))
         chain_tokens = torch.tensor(tokens[-1:] + follow, device=self.device)  # [1 + k]: the root, then the copy
         return Proposal(tree=_chain_tree(self.trees, len(follow), self.device), tokens=chain_tokens, is_chain=True)
 
@@ -333,6 +340,9 @@ class ProposerConfig:
     # eagle heads the chain length sized with their tree for this device, medusa/decoding/sizing.py)
     lookup_tokens: int | None = None
     lookup_ngram: int = 3  # longest n-gram looked up
+    # mode hybrid: where the text has no match, draft the chain from the heads folder's n-gram
+    # table of the target's answers (medusa/decoding/ngrams.py), if it has one
+    answer_ngrams: bool = True
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -374,7 +384,9 @@ def make_proposer(
             guessed = MedusaProposer(heads, paths or [], device)
         if mode != "hybrid":
             return guessed
-        return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram), device)
+        table = heads.ngrams if config.answer_ngrams else None
+        return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table),
+                      device)
     if mode == "draft":
         if draft is None:
             raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")

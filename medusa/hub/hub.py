@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.errors import MedusaError
 from medusa.hub.card import HUB_ID, card_base_model, model_card, public_record
 from medusa.hub.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
@@ -42,7 +43,7 @@ from medusa.models.heads import (
 )
 
 CARD_NAME = "README.md"
-PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CALIBRATION_NAME)
+PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CALIBRATION_NAME, NGRAMS_NAME)
 # What a Hub download fetches: configs and safetensors, never pickles or anything runnable.
 HUB_PATTERNS = ["*.json", "*.safetensors"]
 
@@ -169,7 +170,8 @@ def read_bench(path: str | Path | None) -> dict[str, Any] | None:
 def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, bench_json: str | Path | None = None,
                          base_model: str | None = None, license: str | None = None) -> Path:
     """Write ``README.md``, ``config.json``, ``model.safetensors`` and, when the heads have
-    one, ``calibration.json`` (calibrated trees, draft vocabulary) for ``repo_id`` into ``out``.
+    them, ``calibration.json`` (calibrated trees, draft vocabulary) and ``ngrams.safetensors``
+    (mode hybrid's n-gram table) for ``repo_id`` into ``out``.
 
     Only these files are published, whatever else ``heads_dir`` holds (optimizer state,
     logs). Heads in FasterDecoding's layout are converted to ours.
@@ -192,6 +194,10 @@ def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, b
         (out / CALIBRATION_NAME).write_text(json.dumps(calibration, allow_nan=False) + "\n")
     else:
         (out / CALIBRATION_NAME).unlink(missing_ok=True)  # left from an earlier build
+    if (Path(heads_dir) / NGRAMS_NAME).is_file():  # the n-gram table of the target's answers (mode hybrid)
+        NgramTable.load(Path(heads_dir) / NGRAMS_NAME, config.vocab_size).save(out / NGRAMS_NAME)
+    else:
+        (out / NGRAMS_NAME).unlink(missing_ok=True)
     card = model_card(public, repo_id, bench=bench, license=license, calibration=calibration,
                       weights_bytes=(out / WEIGHTS_NAME).stat().st_size)
     (out / CARD_NAME).write_text(card)

@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache
 
 from medusa.decoding import hf as kv
 from medusa.decoding.kernels import Int8Rows, int8_available, int8_linears
+from medusa.decoding.ngrams import NgramTable
 from medusa.errors import MedusaError
 from medusa.models.heads import HeadsConfig, checked_draft_vocab
 
@@ -85,6 +86,8 @@ class EagleHeads(nn.Module):
         # What calibration measured per device and dtype (calibration.json's "measured"): the
         # teacher-forced acceptance curves medusa/decoding/sizing.py sizes trees from on any machine.
         self.measured: dict[str, dict] = {}
+        # The folder's n-gram table of the target's answers (mode hybrid's chain where the text has no match).
+        self.ngrams: NgramTable | None = None
         self.bind(target)
 
     # -- wiring -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.errors import MedusaError
 from medusa.models.checkpoint import atomic_folder
 from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
@@ -135,6 +136,8 @@ class MedusaHeads(nn.Module):
         self._draft_weight: torch.Tensor | None = None
         # Calibrated trees by device type ("cpu", "cuda"), from calibration.json.
         self.trees: dict[str, list[tuple[int, ...]]] = {}
+        # The folder's n-gram table of the target's answers (mode hybrid's chain where the text has no match).
+        self.ngrams: NgramTable | None = None
 
     # -- wiring -------------------------------------------------------------------------
     def bind(self, lm_head: nn.Module) -> MedusaHeads:
@@ -347,7 +350,9 @@ def check_state(config: HeadsConfig, expected: dict[str, torch.Tensor], state: d
 
 
 def apply_calibration(heads: nn.Module, folder: str | Path) -> nn.Module:
-    """Take the calibrated trees and draft vocabulary of a heads folder, if it has them."""
+    """Take the calibrated trees, draft vocabulary and n-gram table of a heads folder, if it has them."""
+    table = Path(folder) / NGRAMS_NAME
+    heads.ngrams = NgramTable.load(table, heads.config.vocab_size) if table.is_file() else None
     calibration = Path(folder) / CALIBRATION_NAME
     if calibration.is_file():
         record = json.loads(calibration.read_text())

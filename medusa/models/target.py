@@ -153,6 +153,16 @@ def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
     return model
 
 
+def load_tokenizer(model: str | None = None, trust_remote_code: bool = False,
+                   cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``model`` (as :func:`load_target` resolves it), without loading the weights."""
+    try:
+        return AutoTokenizer.from_pretrained(_resolve(model, cache_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MedusaError(f"cannot load the tokenizer of {model!r}: {first}") from err
+
+
 def load_target(
     model: str | None = None,
     device: str | torch.device | None = None,

@@ -256,3 +256,32 @@ def load_conversations(source: str, stats: DataStats, split: str = "train", max_
             convs.append((str(rid) if rid is not None else f"{Path(source).name}:{n}", messages))
     random.Random(seed).shuffle(convs)
     return convs[:max_samples] if max_samples else convs
+
+
+def prompt_key(text: str) -> str:
+    """A prompt's text with its whitespace normalised (ShareGPT repeats prompts under other ids)."""
+    return " ".join(text.split())
+
+
+def answered_prompts(paths: list[str]) -> tuple[set[str], set[str]]:
+    """Ids and (whitespace-normalised) first user turns of the answers in ``paths``."""
+    ids: set[str] = set()
+    texts: set[str] = set()
+    for path in paths:
+        if not Path(path).is_file():
+            raise MedusaError(f"--exclude file not found: {path}")
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    raise MedusaError(f"{path}:{n} is not valid JSON") from None
+                if rec.get("id") is not None:
+                    ids.add(str(rec["id"]).split(":", 1)[-1])
+                first = next((m.get("content") for m in rec.get("messages", []) if m.get("role") == "user"), None)
+                if isinstance(first, str):
+                    texts.add(prompt_key(first))
+    return ids, texts
