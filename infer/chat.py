@@ -539,6 +539,9 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
         label = "sized here" if engine.tree_sizes is not None else label
         chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
+        table = proposer.lookup.table if isinstance(proposer, Hybrid) else None
+        if table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
+            chain += f" (else from {len(table):,} n-grams of {table.sequences:,} answers)"
         lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
         if engine.tree_sizes is not None:
