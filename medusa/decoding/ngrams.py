@@ -81,9 +81,10 @@ class NgramTable:
         run = np.arange(len(flat)) - starts
         keys: dict[int, np.ndarray] = {}
         best: dict[int, np.ndarray] = {}
-        for n in range(min_n, max_n + 1):
+        hashes = {n: _hashes(flat, n) for n in range(min_n, max_n + 1)}  # per position, its context's key
+        for n in hashes:
             at = np.flatnonzero((flat >= 0) & (run > n))  # positions with n real tokens before them
-            ctx, nxt = _hashes(flat, n)[at], flat[at]
+            ctx, nxt = hashes[n][at], flat[at]
             order = np.lexsort((nxt, ctx))
             ctx, nxt = ctx[order], nxt[order]
             pair = np.ones(len(ctx), dtype=bool)
@@ -98,10 +99,11 @@ class NgramTable:
             top = order[head]
             kept = top[counts[top] >= min_count]
             keys[n], best[n] = pctx[kept], pnxt[kept]
-        return cls._pruned(keys, best, flat, run, vocab_size, min_count, len(seqs), int((flat >= 0).sum()))
+        return cls._pruned(keys, best, hashes, flat >= 0, run, vocab_size, min_count, len(seqs),
+                           int((flat >= 0).sum()))
 
     @classmethod
-    def _pruned(cls, keys, best, flat, run, vocab_size, min_count, sequences, corpus_tokens) -> NgramTable:
+    def _pruned(cls, keys, best, hashes, real, run, vocab_size, min_count, sequences, corpus_tokens) -> NgramTable:
         """Drop entries that predict what their one-shorter suffix predicts (the lookup backs off
         to it): decided on the full tables, so every lookup answers as before."""
         pruned_keys, pruned_best = {}, {}
@@ -111,8 +113,8 @@ class NgramTable:
                 pruned_keys[n], pruned_best[n] = keys[n], best[n]
                 continue
             # one position per context: its key at n and its suffix's at n - 1
-            at = np.flatnonzero((flat >= 0) & (run > n))
-            long_keys, short_keys = _hashes(flat, n)[at], _hashes(flat, n - 1)[at]
+            at = np.flatnonzero(real & (run > n))
+            long_keys, short_keys = hashes[n][at], hashes[n - 1][at]
             where = np.searchsorted(keys[n], long_keys).clip(max=max(len(keys[n]) - 1, 0))
             hit = keys[n][where] == long_keys if len(keys[n]) else np.zeros(len(at), dtype=bool)
             suffix = np.zeros(len(keys[n]), dtype=np.uint64)
@@ -139,14 +141,15 @@ class NgramTable:
 
     def chain(self, context: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens, each the table's next token after the context and the ones before it."""
-        tail = list(context[-max(self.ngrams, default=0):]) if self.ngrams else []
+        longest = self.ngrams[0] if self.ngrams else 0
+        tail = list(context[-longest:]) if longest else []
         out: list[int] = []
         for _ in range(k):
             token = self.next_token(tail)
             if token is None:
                 break
             out.append(token)
-            tail = tail[1:] + [token] if len(tail) >= self.ngrams[0] else tail + [token]
+            tail = (tail + [token])[-longest:]
         return out
 
     # -- files ------------------------------------------------------------------------------
