@@ -31,7 +31,6 @@ import medusa
 from medusa.config import count
 from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts, tree_key
 from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
-from medusa.decoding.proposers import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 from medusa.models.heads import CALIBRATION_NAME
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
@@ -101,9 +100,9 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
         size = DynamicTree(nodes=min(args.max_nodes, depth * topk * topk), depth=depth, topk=topk)
         with engine.kernel_scope():  # drafting timed as the engine drafts
-            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size, chain=LOOKUP_TOKENS,
+            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size, chain=args.max_chain,
                                                        lookup_ngram=engine.proposer_config.lookup_ngram)
-    cost = measured_cost(args, engine, prompts, args.max_nodes + 1 + LOOKUP_TOKENS)
+    cost = measured_cost(args, engine, prompts, args.max_nodes + 1 + args.max_chain)
     size, expected, tps = choose_dynamic(curves, cost, max_rows=engine.max_rows)
     hybrid, hybrid_expected, hybrid_tps = choose_dynamic(curves, cost, hybrid=True, max_rows=engine.max_rows)
     # kept per device and dtype, as the Medusa trees below (the engine reads its dtype's first)
@@ -153,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=count(0), default=8192, help="draft vocabulary size (0: score the full vocabulary)")
     ap.add_argument("--reference-answers", type=count(0), default=2000, help="reference answers counted for the draft vocabulary")
     ap.add_argument("--max-nodes", type=count(1), default=64, help="largest tree considered (candidates, root excluded)")
+    ap.add_argument("--max-chain", type=count(1), default=16,
+                    help="eagle heads: the longest lookup chain mode hybrid is sized with (chains of 0 to this "
+                         "many tokens are tried)")
     ap.add_argument("--max-rank", type=count(1), default=10, help="deepest rank of a head's top-k considered")
     ap.add_argument("--cost", default=None,
                     help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")

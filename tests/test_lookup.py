@@ -135,3 +135,46 @@ def test_hybrid_without_a_match_is_the_heads_tree():
     state = Engine(model, heads=heads).generate([7, 8, 9, 10], max_new_tokens=1, mode="baseline").state
     hybrid.begin(state)
     assert hybrid.propose(state).tree.paths == tuple(sorted(HEADS_TREE, key=lambda p: (len(p), p)))
+
+
+def test_hybrid_chain_shares_the_nodes_the_heads_drafted_too():
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=2, seed=2, scale=0.3)
+    device = torch.device("cpu")
+    medusa = MedusaProposer(heads, HEADS_TREE, device)
+    hybrid = Hybrid(medusa, PromptLookup(device, num_tokens=3, max_ngram=2), device)
+    state = Engine(model, heads=heads).generate([7, 8, 9], max_new_tokens=1, mode="baseline").state
+    state.tokens, state.root = [7, 8, 9, 1, 2], torch.tensor(2)
+    guessed = medusa.propose(state)
+    drafted = dict(zip(guessed.tree.paths, guessed.tokens[1:].tolist()))
+    # the text copies the heads' first guess, then a token the heads did not draft below it
+    other = next(t for t in range(40, 60) if t != drafted[(0, 0)])
+    state.tokens = [7, 8, 9, 1, 2, drafted[(0,)], other, 1, 2]
+    hybrid.begin(state)
+    proposal = hybrid.propose(state)
+    tree = proposal.tree
+    assert tree.num_nodes == guessed.tree.num_nodes + 2  # 3 chain tokens, the first one shared
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    for p, token in drafted.items():
+        assert proposal.tokens[index[p]] == token
+    # the chain's rest hangs off the heads' node (0,), beside its child (0, 0)
+    assert proposal.tokens[[index[(0, 1)], index[(0, 1, 0)]]].tolist() == [other, 1]
+    assert tree.parent[index[(0, 1)]] == index[(0,)]
+
+
+def test_hybrid_layout_attaches_the_chain_below_the_deepest_shared_node():
+    from medusa.decoding.proposers import _hybrid_layout, _shared_prefix
+
+    base = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    tokens = [5, 6, 7, 8, 9]  # per path above
+    assert _shared_prefix(base, tokens, [5, 7, 4, 4]) == (0, 0)
+    assert _shared_prefix(base, tokens, [5, 8]) == (0, 1)
+    assert _shared_prefix(base, tokens, [6, 7]) == (1,)
+    assert _shared_prefix(base, tokens, [7, 5]) == ()
+    tree, base_nodes, chain_nodes, is_chain = _hybrid_layout(base, 2, (0, 0))
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 1, 0))
+    assert base_nodes.tolist() == [0, 1, 2, 3, 4, 5] and chain_nodes.tolist() == [6, 7]
+    assert tree.parent[6] == 3 and tree.parent[7] == 6 and not is_chain
+    # a chain continuing a one-path tree is a chain: plain causal attention verifies it
+    assert _hybrid_layout(((0,), (0, 0)), 2, (0, 0))[3]
+    assert not _hybrid_layout(((0,), (0, 0)), 2, (0,))[3]

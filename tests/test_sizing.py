@@ -45,6 +45,18 @@ def test_hybrid_sizing_pays_for_the_chain_rows_it_adds():
     assert (size.nodes, size.chain) == (2, None) and expected == pytest.approx(1.9)
 
 
+def test_hybrid_sizing_pays_only_for_chain_rows_the_tree_does_not_hold():
+    # the same curves, but the chain's first token is mostly one of the tree's nodes: with
+    # 2 nodes, a 1-token chain adds no row and a 2-token one adds 1 (of 2 rows)
+    shared = {shape: Acceptance(acc.accepted, acc.draft_ms, acc.hybrid, acc.chain_share,
+                                chain_rows=[[0.0] * 3, [1.0, 1.0, 0.0], [2.0, 2.0, 1.0]])
+              for shape, acc in CURVES.items()}
+    # chain 2 beside 2 nodes now costs 0.5 T(3) + 0.5 T(4) + 1 = 16: 1.9 / 16 = 118.75 (was 1.9 / 21);
+    # chain 1 beside 2 nodes: T(3) + 1 = 11: 1.8 / 11 = 163.6, the best (chain 2 alone: 160)
+    size, expected, tps = choose_dynamic(shared, COST, hybrid=True)
+    assert (size.nodes, size.chain) == (2, 1) and expected == pytest.approx(1.8) and tps == pytest.approx(1.8 / 11 * 1e3)
+
+
 def test_acceptance_with_a_lookup_chain_replays_decoding():
     model = tiny_model("llama")
     with torch.no_grad():
@@ -58,17 +70,21 @@ def test_acceptance_with_a_lookup_chain_replays_decoding():
     # Replayed by hand (a step at i accepting a moves to i + a + 1):
     # L=0 N=0: 9 steps of 0. L=0 N=2: i=0,3,6 accept 2 each -> 2.0 per step, no chain.
     # L=3 N=0: i=0 (0), i=1 (3), i=5 (3) -> 2.0, chains at 2 of 3 steps.
-    # L=3 N=2: i=0 (2), i=3 (3), i=7 (2) -> 7/3, chains at 2 of 3. L=1 N=1: i=0,2,4,6,8 accept 1, chains at 4 of 5.
-    want = {(0, 0): (0.0, 0.0), (0, 2): (2.0, 0.0), (3, 0): (2.0, 2 / 3), (3, 2): (7 / 3, 2 / 3), (1, 1): (1.0, 0.8)}
-    for (length, n), (accepted, share) in want.items():
+    # L=3 N=2: i=0 (2), i=3 (3), i=7 (2) -> 7/3, chains at 2 of 3. L=1 N=1: i=0,2,4,6,8 accept 1.
+    # The tree's nodes are zeros too, so the chain shares them: at L=1 N=1 its one token is the
+    # tree's node (no step adds a row); at L=3 N=2 it adds 1 row (3 tokens, 2 shared), at N=0 all 3.
+    want = {(0, 0): (0.0, 0.0, 0), (0, 2): (2.0, 0.0, 0), (3, 0): (2.0, 2 / 3, 3), (3, 2): (7 / 3, 2 / 3, 1),
+            (1, 1): (1.0, 0.0, 1)}
+    for (length, n), (accepted, share, rows) in want.items():
         assert result.hybrid[length][n] == pytest.approx(accepted), (length, n)
         assert result.chain_share[length][n] == pytest.approx(share), (length, n)
+        assert result.rows_added(length, n) == pytest.approx(rows), (length, n)
     # the per-position average counts every position: N=2 right for min(2, 9 - i), mean 17/9
     assert result.accepted[1] == pytest.approx(17 / 9)
     record = Acceptance.from_record(json.loads(json.dumps(result.as_record())))
-    flat = [x for table in (record.hybrid, record.chain_share) for row in table for x in row]
-    assert flat == pytest.approx([x for table in (result.hybrid, result.chain_share) for row in table for x in row],
-                                 abs=1e-4)
+    flat = [x for table in (record.hybrid, record.chain_share, record.chain_rows) for row in table for x in row]
+    assert flat == pytest.approx([x for table in (result.hybrid, result.chain_share, result.chain_rows)
+                                  for row in table for x in row], abs=1e-4)
     assert record.accepted == pytest.approx(result.accepted, abs=1e-4)
 
 

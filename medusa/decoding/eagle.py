@@ -205,51 +205,86 @@ class Acceptance:
     draft_ms: float  # mean milliseconds of a step's drafting
     # with a lookup chain (mode hybrid), decoding simulated along the answers: [L][N] mean draft
     # tokens accepted per step with an L-token chain beside the N best nodes (L = 0..chain,
-    # N = 0..nodes; L = 0 is mode eagle), and [L][N] the share of those steps that had a chain
-    # (prompt lookup found a match: its L rows join the pass)
+    # N = 0..nodes; L = 0 is mode eagle), [L][N] the share of those steps whose chain adds rows
+    # to the pass (prompt lookup or the n-gram table drafted tokens the tree does not hold), and
+    # [L][N] the mean rows it adds in those steps (the chain shares the nodes the tree drafted too)
     hybrid: list[list[float]] | None = None
     chain_share: list[list[float]] | None = None
+    chain_rows: list[list[float]] | None = None
 
     def as_record(self) -> dict:
         """For calibration.json (rounded: four decimals are far below the sampling noise)."""
         record = {"accepted": _rounded(self.accepted), "draft_ms": round(self.draft_ms, 4)}
         if self.hybrid is not None:
             record.update(hybrid=_rounded(self.hybrid), chain_share=_rounded(self.chain_share))
+        if self.chain_rows is not None:
+            record.update(chain_rows=_rounded(self.chain_rows))
         return record
 
     @classmethod
     def from_record(cls, record: dict) -> Acceptance:
-        return cls(list(record["accepted"]), float(record["draft_ms"]), record.get("hybrid"), record.get("chain_share"))
+        return cls(list(record["accepted"]), float(record["draft_ms"]), record.get("hybrid"), record.get("chain_share"),
+                   record.get("chain_rows"))
+
+    def rows_added(self, length: int, nodes: int) -> float:
+        """Mean rows an L-token chain adds to a pass with the N best nodes, in the steps where it
+        adds any (files calibrated before chains shared nodes: all L)."""
+        return float(length) if self.chain_rows is None else self.chain_rows[length][nodes]
 
 
 def _rounded(values):
     return [_rounded(v) for v in values] if isinstance(values, list) else round(values, 4)
 
 
-def simulate(positions: list[list[tuple[list[int], int, int]]], nodes: int, chain: int,
-             ) -> tuple[list[list[float]], list[list[float]]]:
+def simulate(positions: list[list[tuple]], nodes: int, chain: int,
+             ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
     """Decoding replayed on teacher-forced drafts: ``positions`` holds, per answer and answer
-    position, ``(right, hits, rows)``: the draft tokens the N best nodes get right (N = 0..nodes),
-    the chain tokens that are right and the chain's length. A step at position i accepts
-    a = max(right[N], min(hits, L)) drafts and the next step starts at i + a + 1, as in
-    decoding (a plain average over positions would count every position inside a long copied
-    span as its own step). Returns ([L][N] mean drafts accepted per step, [L][N] share of steps
-    with a chain)."""
+    position, ``(right, hits, rows[, along])``: the draft tokens the N best nodes get right
+    (N = 0..nodes), the chain tokens that are right, the chain's length and, optionally, the
+    best-first ranks of the draft nodes that spell the chain's first tokens (increasing: a
+    parent ranks before its children). A step at position i accepts a = max(right[N],
+    min(hits, L)) drafts and the next step starts at i + a + 1, as in decoding (a plain average
+    over positions would count every position inside a long copied span as its own step). The
+    chain shares the nodes of ``along`` that the N best keep (mode hybrid lays out only the
+    rest: proposers.Hybrid). Returns ([L][N] mean drafts accepted per step, [L][N] share of
+    steps whose chain adds rows, [L][N] mean rows it adds in those steps)."""
     accepted = [[0.0] * (nodes + 1) for _ in range(chain + 1)]
     share = [[0.0] * (nodes + 1) for _ in range(chain + 1)]
+    added = [[float(length)] * (nodes + 1) for length in range(chain + 1)]
     for length in range(chain + 1):
         for n in range(nodes + 1):
-            steps = total = with_chain = 0
+            steps = total = with_chain = rows_added = 0
             for answer in positions:
                 i = 0
                 while i < len(answer):
-                    right, hits, rows = answer[i]
+                    right, hits, rows, *along = answer[i]
                     a = max(right[n], min(hits, length))
-                    steps, total, with_chain = steps + 1, total + a, with_chain + (length > 0 and rows > 0)
+                    used = min(rows, length)
+                    extra = used - sum(1 for rank in (along[0][:used] if along else ()) if rank < n)
+                    steps, total = steps + 1, total + a
+                    if extra > 0:
+                        with_chain, rows_added = with_chain + 1, rows_added + extra
                     i += a + 1
             accepted[length][n] = total / max(steps, 1)
             share[length][n] = with_chain / max(steps, 1)
-    return accepted, share
+            if with_chain:
+                added[length][n] = rows_added / with_chain
+    return accepted, share, added
+
+
+def chain_ranks(ranked: list[Path_], tokens: dict[Path_, int], chain: list[int]) -> list[int]:
+    """The best-first ranks (indices in ``ranked``) of the draft nodes that spell ``chain``'s
+    first tokens from the root, as far as the draft holds them."""
+    child = {(path[:-1], tokens[path]): path for path in ranked}
+    rank = {path: i for i, path in enumerate(ranked)}
+    node: Path_ = ()
+    along = []
+    for token in chain:
+        node = child.get((node, token))
+        if node is None:
+            break
+        along.append(rank[node])
+    return along
 
 
 @torch.inference_mode()
@@ -269,7 +304,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)
-    positions: list[list[tuple[list[int], int, int]]] = []
+    positions: list[list[tuple[list[int], int, int, list[int]]]] = []
     steps, seconds = 0, 0.0
     for prompt, answer in sequences:
         ids = prompt + answer
@@ -301,7 +336,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
             copied = [] if lookup is None else lookup.propose(state).tokens[1:].tolist()
             hits = next((i for i, tok in enumerate(copied) if t + 1 + i >= len(ids) or tok != ids[t + 1 + i]),
                         len(copied))
-            positions[-1].append((by_size, hits, len(copied)))
+            positions[-1].append((by_size, hits, len(copied), chain_ranks(proposer.ranked, tokens, copied)))
             steps += 1
             # advance by the one true token, as a step that accepted nothing would
             outcome = StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t)
@@ -311,7 +346,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     steps = max(steps, 1)
     result = Acceptance([totals[n] / steps for n in range(1, size.nodes + 1)], seconds / steps * 1e3)
     if lookup is not None:
-        result.hybrid, result.chain_share = simulate(positions, size.nodes, chain)
+        result.hybrid, result.chain_share, result.chain_rows = simulate(positions, size.nodes, chain)
     return result
 
 
@@ -321,8 +356,9 @@ def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int,
     ``(depth, topk)`` draft shape and the target's pass cost ``T(n)``; ``nodes=0`` (plain
     decoding) when no size beats it. Curves with replayed decoding (:func:`simulate`) are
     read from it, older ones from the per-position average. ``hybrid``: the size for mode
-    hybrid, the lookup chain's length (``chain``) chosen with it from the replay, its rows paid
-    in the steps that have a chain (older curves are sized without a chain). ``max_rows``: the
+    hybrid, the lookup chain's length (``chain``) chosen with it from the replay, the rows it
+    adds beyond the nodes it shares with the tree paid in the steps where it adds any (older
+    curves are sized without a chain). ``max_rows``: the
     largest pass the engine verifies (root, nodes and chain). Returns the size, its expected
     tokens per pass and its tokens per second."""
     from medusa.decoding.calibrate import interpolate
@@ -339,7 +375,8 @@ def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int,
             for n, accepted in enumerate(table):
                 if max_rows is not None and 1 + n + length > max_rows:
                     break
-                ms = (1 - share[n]) * interpolate(cost_ms, 1 + n) + share[n] * interpolate(cost_ms, 1 + n + length)
+                rows = acc.rows_added(length, n) if chains else 0.0
+                ms = (1 - share[n]) * interpolate(cost_ms, 1 + n) + share[n] * interpolate(cost_ms, 1 + n + rows)
                 ms += acc.draft_ms if n else 0.0
                 tps = (1.0 + accepted) / ms * 1e3
                 if tps > best[2] * (1 + 1e-9):

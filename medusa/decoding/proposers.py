@@ -267,29 +267,48 @@ class PromptLookup:
 
 
 @functools.lru_cache(maxsize=512)
-def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor]:
-    """The tree of ``base`` plus a ``k``-token chain beside it, and where the base's nodes
-    (root first) and the chain's nodes go in it. The chain hangs off the root at rank
-    ``branch`` = one past the base's largest rank at depth 1, so it never collides."""
-    branch = max((p[0] for p in base), default=-1) + 1
-    chain_paths = [(branch,) + (0,) * d for d in range(k)]
+def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int, ...] = (),
+                   ) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor, bool]:
+    """The tree of ``base`` plus a ``k``-token chain hanging off its node ``attach`` (the root
+    by default), where the base's nodes (root first) and the chain's nodes go in it, and
+    whether the whole is one chain. The chain takes rank ``branch`` = one past the largest
+    rank of ``attach``'s children in the base, so it never collides."""
+    branch = max((p[-1] for p in base if len(p) == len(attach) + 1 and p[:-1] == attach), default=-1) + 1
+    chain_paths = [attach + (branch,) + (0,) * d for d in range(k)]
     tree = compile_tree(list(base) + chain_paths)
     index = {path: i + 1 for i, path in enumerate(tree.paths)}
     base_nodes = torch.tensor([0] + [index[path] for path in base], dtype=torch.long)
     chain_nodes = torch.tensor([index[path] for path in chain_paths], dtype=torch.long)
-    return tree, base_nodes, chain_nodes
+    return tree, base_nodes, chain_nodes, len(tree.paths) == max(map(len, tree.paths), default=0)
+
+
+def _shared_prefix(paths: tuple[tuple[int, ...], ...], tokens: list[int], chain: list[int]) -> tuple[int, ...]:
+    """The deepest node of a tree (``paths``, their ``tokens``, root excluded) whose tokens from
+    the root spell the start of ``chain``: the chain's first ``len(node)`` tokens are already
+    drafted there, so only the rest needs new rows."""
+    spelled = dict(zip(paths, tokens))
+    node: tuple[int, ...] = ()
+    for token in chain:
+        child = next((p for p in paths if len(p) == len(node) + 1 and p[:-1] == node and spelled[p] == token), None)
+        if child is None:
+            break
+        node = child
+    return node
 
 
 class Hybrid:
     """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup,
     verified together in one target pass.
 
-    The heads' tree and, when the n-gram index finds a match, the lookup chain hang side by
-    side off the root; verification keeps the longest accepted path of either. The two are
+    The heads' tree and, when the n-gram index finds a match, the lookup chain go into one
+    tree; verification keeps the longest accepted path of either. Where the chain starts with
+    tokens the heads drafted too (often: both guess the likeliest continuation), it shares
+    their nodes and only its rest hangs off the deepest shared node, so the pass verifies the
+    same candidates with fewer rows. The two are
     complementary: the heads guess short continuations anywhere, the lookup copies long
     spans where the answer repeats the prompt or itself. Where the target's pass costs about
     the same for a few more nodes (GPUs), the chain is nearly free. A combined layout is
-    compiled once per (heads' tree, chain length). Neither part samples, so lossless
+    compiled once per (heads' tree, chain length, shared node). Neither part samples, so lossless
     verification treats every node as a point mass.
     """
 
@@ -311,12 +330,16 @@ class Hybrid:
             return copied
         if k == 0:
             return guessed
-        tree, base_nodes, chain_nodes = _hybrid_layout(guessed.tree.paths, k)
+        chain = copied.tokens[1:].tolist()
+        attach = _shared_prefix(guessed.tree.paths, guessed.tokens[1:].tolist(), chain)
+        if len(attach) == k:  # the heads drafted the whole chain
+            return guessed
+        tree, base_nodes, chain_nodes, is_chain = _hybrid_layout(guessed.tree.paths, k - len(attach), attach)
         tree = tree.to(self.device)
         tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
         tokens[base_nodes.to(self.device)] = guessed.tokens.long()
-        tokens[chain_nodes.to(self.device)] = copied.tokens[1:].long()
-        return Proposal(tree=tree, tokens=tokens)
+        tokens[chain_nodes.to(self.device)] = copied.tokens[1 + len(attach):].long()
+        return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         self.heads.update(state, outcome)

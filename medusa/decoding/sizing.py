@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,8 +134,8 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     if compiled:
         cost = bucketed(cost)
     draft = entry["draft_ms"]
-    here = {shape: Acceptance(acc.accepted, draft.get(f"{shape[0]}x{shape[1]}", acc.draft_ms), acc.hybrid,
-                              acc.chain_share) for shape, acc in curves.items()}
+    here = {shape: replace(acc, draft_ms=draft.get(f"{shape[0]}x{shape[1]}", acc.draft_ms))
+            for shape, acc in curves.items()}
     eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=engine.max_rows)
     hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=engine.max_rows)
     reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
