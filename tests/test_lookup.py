@@ -163,14 +163,15 @@ def test_hybrid_chain_shares_the_nodes_the_heads_drafted_too():
 
 
 def test_hybrid_layout_attaches_the_chain_below_the_deepest_shared_node():
-    from medusa.decoding.proposers import _hybrid_layout, _shared_prefix
+    from medusa.decoding.proposers import _hybrid_layout
+    from medusa.decoding.tree import spelled
 
     base = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
     tokens = [5, 6, 7, 8, 9]  # per path above
-    assert _shared_prefix(base, tokens, [5, 7, 4, 4]) == (0, 0)
-    assert _shared_prefix(base, tokens, [5, 8]) == (0, 1)
-    assert _shared_prefix(base, tokens, [6, 7]) == (1,)
-    assert _shared_prefix(base, tokens, [7, 5]) == ()
+    assert spelled(base, tokens, [5, 7, 4, 4]) == [(0,), (0, 0)]
+    assert spelled(base, tokens, [5, 8]) == [(0,), (0, 1)]
+    assert spelled(base, tokens, [6, 7]) == [(1,)]
+    assert spelled(base, tokens, [7, 5]) == []
     tree, base_nodes, chain_nodes, is_chain = _hybrid_layout(base, 2, (0, 0))
     assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 1, 0))
     assert base_nodes.tolist() == [0, 1, 2, 3, 4, 5] and chain_nodes.tolist() == [6, 7]

@@ -25,7 +25,7 @@ import torch
 from medusa.decoding import hf as kv
 from medusa.decoding.calibrate import tree_key
 from medusa.decoding.state import DecodeState, Proposal, StepOutcome
-from medusa.decoding.tree import TreeBuffers, compile_tree
+from medusa.decoding.tree import TreeBuffers, compile_tree, spelled
 from medusa.models.eagle import EagleHeads, additive_mask
 
 Path_ = tuple[int, ...]
@@ -272,21 +272,6 @@ def simulate(positions: list[list[tuple]], nodes: int, chain: int,
     return accepted, share, added
 
 
-def chain_ranks(ranked: list[Path_], tokens: dict[Path_, int], chain: list[int]) -> list[int]:
-    """The best-first ranks (indices in ``ranked``) of the draft nodes that spell ``chain``'s
-    first tokens from the root, as far as the draft holds them."""
-    child = {(path[:-1], tokens[path]): path for path in ranked}
-    rank = {path: i for i, path in enumerate(ranked)}
-    node: Path_ = ()
-    along = []
-    for token in chain:
-        node = child.get((node, token))
-        if node is None:
-            break
-        along.append(rank[node])
-    return along
-
-
 @torch.inference_mode()
 def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int], list[int]]],
                        size: DynamicTree, chain: int = 0, lookup_ngram: int = 3) -> Acceptance:
@@ -331,12 +316,12 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
                     best = max(best, d)
                 by_size.append(best)
             by_size += [best] * (size.nodes + 1 - len(by_size))
-            for n in range(1, size.nodes + 1):
-                totals[n] += by_size[n]
+            totals = [total + right_n for total, right_n in zip(totals, by_size)]  # by_size[0] is 0
             copied = [] if lookup is None else lookup.propose(state).tokens[1:].tolist()
             hits = next((i for i, tok in enumerate(copied) if t + 1 + i >= len(ids) or tok != ids[t + 1 + i]),
                         len(copied))
-            positions[-1].append((by_size, hits, len(copied), chain_ranks(proposer.ranked, tokens, copied)))
+            along = spelled(proposer.ranked, map(tokens.get, proposer.ranked), copied)  # the draft's nodes it starts with
+            positions[-1].append((by_size, hits, len(copied), [proposer.ranked.index(node) for node in along]))
             steps += 1
             # advance by the one true token, as a step that accepted nothing would
             outcome = StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t)

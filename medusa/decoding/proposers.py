@@ -25,7 +25,7 @@ from medusa.decoding import hf as kv
 from medusa.decoding.ngrams import NgramTable
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import TreeBuffers, chain, compile_tree
+from medusa.decoding.tree import TreeBuffers, chain, compile_tree, spelled
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.target import context_window
@@ -282,20 +282,6 @@ def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int,
     return tree, base_nodes, chain_nodes, len(tree.paths) == max(map(len, tree.paths), default=0)
 
 
-def _shared_prefix(paths: tuple[tuple[int, ...], ...], tokens: list[int], chain: list[int]) -> tuple[int, ...]:
-    """The deepest node of a tree (``paths``, their ``tokens``, root excluded) whose tokens from
-    the root spell the start of ``chain``: the chain's first ``len(node)`` tokens are already
-    drafted there, so only the rest needs new rows."""
-    spelled = dict(zip(paths, tokens))
-    node: tuple[int, ...] = ()
-    for token in chain:
-        child = next((p for p in paths if len(p) == len(node) + 1 and p[:-1] == node and spelled[p] == token), None)
-        if child is None:
-            break
-        node = child
-    return node
-
-
 class Hybrid:
     """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup,
     verified together in one target pass.
@@ -331,7 +317,9 @@ class Hybrid:
         if k == 0:
             return guessed
         chain = copied.tokens[1:].tolist()
-        attach = _shared_prefix(guessed.tree.paths, guessed.tokens[1:].tolist(), chain)
+        # the chain's start that the heads drafted too shares their nodes: only the rest gets rows
+        shared = spelled(guessed.tree.paths, guessed.tokens[1:].tolist(), chain)
+        attach = shared[-1] if shared else ()
         if len(attach) == k:  # the heads drafted the whole chain
             return guessed
         tree, base_nodes, chain_nodes, is_chain = _hybrid_layout(guessed.tree.paths, k - len(attach), attach)

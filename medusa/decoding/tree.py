@@ -130,6 +130,19 @@ def chain(length: int) -> list[Path_]:
     return [(0,) * d for d in range(1, length + 1)]
 
 
+def spelled(paths: Iterable[Path_], tokens: Iterable[int], sequence: Sequence[int]) -> list[Path_]:
+    """The nodes of a tree (``paths`` with their ``tokens``, root excluded) whose tokens from the
+    root spell the start of ``sequence``, in order: as far as the tree drafted it too."""
+    child = {(path[:-1], token): path for path, token in zip(paths, tokens)}
+    along: list[Path_] = []
+    for token in sequence:
+        node = child.get((along[-1] if along else (), token))
+        if node is None:
+            break
+        along.append(node)
+    return along
+
+
 def load_tree(spec: str | Path | Sequence[Sequence[int]]) -> list[Path_]:
     """A tree from a list of paths, a JSON file (a list, or ``{"paths": [...]}``), or a
     name of a tree shipped in ``medusa/assets/trees`` (e.g. ``"cpu"``)."""
