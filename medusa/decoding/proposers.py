@@ -316,9 +316,8 @@ class Hybrid:
             return copied
         if k == 0:
             return guessed
-        chain = copied.tokens[1:].tolist()
         # the chain's start that the heads drafted too shares their nodes: only the rest gets rows
-        shared = spelled(guessed.tree.paths, guessed.tokens[1:].tolist(), chain)
+        shared = spelled(guessed.tree.paths, guessed.tokens[1:].tolist(), copied.tokens[1:].tolist())
         attach = shared[-1] if shared else ()
         if len(attach) == k:  # the heads drafted the whole chain
             return guessed
