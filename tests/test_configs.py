@@ -12,7 +12,7 @@ from medusa.errors import MedusaError
 from medusa.training.loop import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").rglob("*.yaml"))  # experiments/ too
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 
 
@@ -93,7 +93,7 @@ def test_train_yaml_loads_and_documents_its_command(path):
     assert isinstance(cfg, TrainConfig)
     first = path.read_text().splitlines()
     command = next(line for line in first if "accelerate launch" in line)
-    assert f"--config configs/train/{path.name}" in command
+    assert f"--config {path.relative_to(ROOT).as_posix()}" in command
     cf = command.split("--config_file ")[1].split()[0]
     assert (ROOT / cf).is_file()
 

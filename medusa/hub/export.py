@@ -282,7 +282,7 @@ def check_eagle_exportable(config: HeadsConfig, layout: str) -> None:
         raise MedusaError(
             f"eagle heads in the {config.eagle_layout} layout have no vllm export: vLLM's EAGLE-1 drafter has no "
             "input norm on its layer and no final norm, so these weights would draft differently there; "
-            "train with eagle_layout: eagle1 (configs/train/smollm2-135m-eagle1.yaml) to serve with vLLM")
+            "train with eagle_layout: eagle1 (configs/train/smollm2-135m-eagle1-5k.yaml) to serve with vLLM")
 
 
 def vllm_eagle_config(config: HeadsConfig, target_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
