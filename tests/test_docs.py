@@ -1,0 +1,92 @@
+"""The documentation's links hold: every relative link in README.md and docs/ resolves (files and
+#anchors, by GitHub's anchor rules), every ``docs/PAGE.md#anchor`` cited in the code exists, and
+the README stays a front door. Fast: reads text files only, no model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CODE_DIRS = ("medusa", "infer", "train", "scripts")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+CITATION = re.compile(r"docs/([\w./-]+\.md)(?:#([\w-]+))?")
+MAX_README_LINES = 250
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped (letters, digits, ``_``, ``-``
+    and spaces kept), spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code spans."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(path: Path) -> set[str]:
+    """Every anchor a page defines; a repeated heading gets -1, -2 ... as on GitHub."""
+    seen: dict[str, int] = {}
+    for line in prose(path.read_text()).splitlines():
+        m = re.match(r"^#{1,6} (.+?)\s*#*$", line)
+        if m:
+            a = anchor(m.group(1))
+            n = seen.get(a, 0)
+            seen[a] = n + 1
+            if n:
+                seen[f"{a}-{n}"] = 1
+    return set(seen)
+
+
+def broken_links(page: Path) -> list[str]:
+    bad = []
+    for m in LINK.finditer(prose(page.read_text())):
+        target = m.group(1) or m.group(2)
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file, _, frag = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif frag and (dest.suffix != ".md" or frag not in anchors(dest)):
+            bad.append(f"{target} (no such anchor)")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page):
+    assert broken_links(page) == []
+
+
+def test_code_cites_existing_docs_anchors():
+    bad = []
+    for folder in CODE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".sh"):
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for page, frag in CITATION.findall(line):
+                    dest = ROOT / "docs" / page
+                    if not dest.is_file() or (frag and frag not in anchors(dest)):
+                        bad.append(f"{path.relative_to(ROOT)}:{n}: docs/{page}{'#' + frag if frag else ''}")
+    assert bad == []
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_the_checks_see_a_broken_link_and_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Title, with: punctuation\n\n## Same\n\n## Same\n\n```\n# not a heading\n```\n")
+    (tmp_path / "b.md").write_text("[ok](a.md#title-with-punctuation) [dup](a.md#same-1) [code](a.md#not-a-heading) "
+                                   "[gone](c.md) [no](a.md#nope) [web](https://example.org/x#y) `[skip](z.md)`\n")
+    assert anchors(tmp_path / "a.md") == {"title-with-punctuation", "same", "same-1"}
+    assert broken_links(tmp_path / "b.md") == ["a.md#not-a-heading (no such anchor)", "c.md (no such file)",
+                                               "a.md#nope (no such anchor)"]
