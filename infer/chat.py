@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         from medusa.errors import MedusaError
 
         if prompt is not None and args.compile == "auto":
-            args.compile = "off"  # one answer does not repay loading compiled passes (README "Chat")
+            args.compile = "off"  # one answer does not repay loading compiled passes (docs/cli.md#compiled-passes-built-in-the-background)
         try:
             sampling_config(args)
             engine = load_engine(args, style)

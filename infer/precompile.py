@@ -1,8 +1,8 @@
 """``python -m infer.precompile``: compile this machine's verification passes and save them.
 
 On a CPU compiled passes decode faster than eager ones (3-16% end to end in float32 on AMD
-EPYCs, README "Compiled"; 12-15% per pass in bfloat16 on the AMX Xeon, bit-identical to eager,
-"Compiled exact passes"), but compiling one pass size of the embedded model takes about a
+EPYCs, docs/compile.md#compiled; 12-15% per pass in bfloat16 on the AMX Xeon, bit-identical to eager,
+docs/compile.md#compiled-exact-passes), but compiling one pass size of the embedded model takes about a
 minute on a 2-core CPU. So nothing compiles inside the chat: with ``--compile auto`` (its default) the chat
 answers eagerly and starts this command in the background, at low priority, for the sizes
 that are not saved yet; once all are, the running chat's next answer is compiled

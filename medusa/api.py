@@ -28,14 +28,14 @@ from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
 # medusa and hybrid modes).
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
 # EAGLE heads shipped for the same model: the default heads of medusa.load() and the chat on a
-# CPU, since their hybrid mode measured fastest there (README "Benchmark"); the bench's eagle modes.
+# CPU, since their hybrid mode measured fastest there (docs/benchmarks/README.md); the bench's eagle modes.
 SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
 
 
 def shipped_heads_for(device: torch.device) -> Path | None:
     """The shipped heads that measured fastest on ``device``'s type, else the other kind where
     only that one is present. On a CPU the EAGLE heads; on CUDA the Medusa heads, whose hybrid
-    mode ran 1.19x the EAGLE heads' on an H200 (eagerly; README "On a GPU"): a pass is launch-bound
+    mode ran 1.19x the EAGLE heads' on an H200 (eagerly; docs/benchmarks/2026-11-26-h200.md#eager-passes): a pass is launch-bound
     there and costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps
     cost more than their extra accepted tokens save."""
     order = (SHIPPED_HEADS, SHIPPED_EAGLE_HEADS) if device.type == "cuda" else (SHIPPED_EAGLE_HEADS, SHIPPED_HEADS)
@@ -73,7 +73,7 @@ def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
     """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``.
     With ``compile=True`` off the CPU none is picked: compiled passes there are exact in float32
     only (the Engine refuses exact attention with them), so the loaded dtype is kept; on the CPU
-    compiled exact passes are bit-identical to eager ones (README "Compiled exact passes")."""
+    compiled exact passes are bit-identical to eager ones (docs/compile.md#compiled-exact-passes)."""
     if not compile or compile == "auto" or lm.device.type == "cpu":
         return adopt_picked_dtype(lm, cache_root() / "dtype.json")
     lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), f"compile=True on {lm.device.type}: the "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA measurements of the README's "On a GPU" section, in one run that fits a short lease:
+# The CUDA measurements of docs/benchmarks/2026-11-26-h200.md, in one run that fits a short lease:
 # which ops are batch-invariant on this GPU, the dtype the engine picks here, where a decode step's
 # time goes, and the bench eager and compiled (CUDA graphs). Each step has its own time box, so one
 # that fails or runs long leaves the others; logs and JSON go to OUT (default runs/gpu).
@@ -8,7 +8,7 @@
 #
 # Set BENCH_ARGS to change the prompt set (default: the first MT-Bench question of each category,
 # 96 new tokens) and DEVICE to pick another device (default cuda). On an H200 these steps took
-# about 7 minutes together, run one by one (README "On a GPU"); eight files land in OUT, the most
+# about 7 minutes together, run one by one (docs/benchmarks/2026-11-26-h200.md); eight files land in OUT, the most
 # a device lease returns.
 set -u
 OUT=${1:-runs/gpu}

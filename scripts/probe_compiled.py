@@ -1,12 +1,12 @@
-"""Can a compiled bfloat16 pass round exactly as the eager one does? README "Where a decode step's time goes".
+"""Can a compiled bfloat16 pass round exactly as the eager one does? docs/performance.md#where-a-decode-steps-time-goes.
 
 Compiles a Llama-family target with inductor's ``emulate_precision_casts`` (bfloat16 roundings
 kept between fused ops) and compares it with eager, bit for bit: a prompt pass, then one-token
 decoding steps over a static cache, timed interleaved. ``--opaque`` hides the RMSNorm's mean of
 squares (the engine's ``medusa::mean_square``) and SDPA behind custom ops, so that eager's kernels
 compute them (inductor's own reduction and its lowering of masked SDPA round otherwise). A probe
-with torch's SDPA and linear kernels; the engine's compiled exact passes (README "Compiled exact
-passes") are built on what it found. It patches the model's norm class and attention while it runs.
+with torch's SDPA and linear kernels; the engine's compiled exact passes
+(docs/compile.md#compiled-exact-passes) are built on what it found. It patches the model's norm class and attention while it runs.
 
     python scripts/probe_compiled.py [--model M] [--opaque] [--prefix 200] [--steps 29]
 """

@@ -3,7 +3,7 @@
 For each op of a Llama-style layer (linear, SDPA, eager-style attention, the exact attention
 of medusa/decoding/exact.py, RMSNorm, rotary, SiLU-gate) in bfloat16 and float32, prints
 whether the rows of one call over n rows are bit-identical to n calls over one row each.
-SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64). README "Exactness in bfloat16".
+SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64). docs/exactness.md#exactness-in-bfloat16.
 
     python scripts/probe_exactness.py [--device cuda] [--dtypes bfloat16,float16,float32]
 """

@@ -1,4 +1,4 @@
-"""Compiled exact passes (README "Compiled exact passes"): on the CPU a compiled half-precision
+"""Compiled exact passes (docs/compile.md#compiled-exact-passes): on the CPU a compiled half-precision
 pass is bit-identical to the eager one, so compiled speculation keeps every token of eager
 baseline decoding. Attention, the norms' mean of squares and the rotary embedding run as
 opaque ops (medusa/decoding/exact.py), the rest with inductor's emulated precision casts;

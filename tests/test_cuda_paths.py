@@ -3,7 +3,7 @@
 A draft vocabulary lives on the device of the projection whose top-k it translates: a copy left
 on the CPU beside a CUDA target failed the first eagle step on an H200 ("indices should be either
 on cpu or on the same device as the indexed tensor"); the meta device stands in here for any
-device other than the CPU. The default heads follow the device type (README "On a GPU")."""
+device other than the CPU. The default heads follow the device type (docs/benchmarks/2026-11-26-h200.md#eager-passes)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """scripts/probe_compiled.py: with the norm's reduction and attention behind opaque ops and
-emulated casts, a compiled bfloat16 Llama rounds exactly as eager does (README "Where a decode
-step's time goes"); the probe restores the model it patched."""
+emulated casts, a compiled bfloat16 Llama rounds exactly as eager does
+(docs/performance.md#where-a-decode-steps-time-goes); the probe restores the model it patched."""
 
 import importlib.util
 import sys

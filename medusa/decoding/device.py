@@ -108,7 +108,8 @@ def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PR
     if "bfloat16" not in cost_ms:
         return "float32", "float32: this device has no bfloat16 support"
     # not T(1): speculation runs trees; on one AMX Xeon bfloat16 (exact) cost 1.26x float32 for
-    # one token but 0.79x for 16, and its eagle-hybrid ran 1.23x its float32 self (README)
+    # one token but 0.79x for 16, and its eagle-hybrid ran 1.23x its float32 self
+    # (docs/benchmarks/amx-xeon-stock-kernels.md)
     fp32, bf16 = cost_ms["float32"][16], cost_ms["bfloat16"][16]
     detail = " vs ".join(f"{d} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for d, c in cost_ms.items())
     if bf16 >= MARGIN * fp32:

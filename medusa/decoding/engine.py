@@ -182,7 +182,7 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
     """Set ``model``'s attention batch-invariant or not and return which (medusa/decoding/exact.py:
     a tree row equals its one-token pass bit for bit). None: on in half precision, where
     kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
-    vary with the row count anyway (README "Exactness in bfloat16")."""
+    vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16)."""
     if exact is None:
         exact = model.dtype in (torch.bfloat16, torch.float16)
     device = model.get_output_embeddings().weight.device
@@ -223,10 +223,10 @@ def auto_compile(device: torch.device, model: PreTrainedModel, exact: bool = Fal
     """``compile="auto"``: whether to compile, and why. On a CPU the passes run compiled where
     this machine has them saved and eagerly otherwise, never compiling in the process (compiled
     passes measured 3-16% faster end to end on both AMD EPYC CPUs in float32 and 12-15% faster
-    per pass on the AMX Xeon in bfloat16, exact ones bit-identical to eager: README "Compiled"
-    and "Compiled exact passes"; compiling takes minutes, so ``python -m infer.precompile`` does
+    per pass on the AMX Xeon in bfloat16, exact ones bit-identical to eager: docs/compile.md#compiled
+    and docs/compile.md#compiled-exact-passes; compiling takes minutes, so ``python -m infer.precompile`` does
     it beside the process, as the chat starts it). Elsewhere eager: on CUDA, where CUDA graphs
-    made plain decoding 5x faster end to end on an H200 (README "On a GPU"), they compile in
+    made plain decoding 5x faster end to end on an H200 (docs/benchmarks/2026-11-26-h200.md#compiled-passes-cuda-graphs), they compile in
     the process (about 45 s per pass size), which ``compile=True`` asks for and auto does not do
     behind a user's back."""
     if device.type != "cpu":

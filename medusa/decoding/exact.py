@@ -3,8 +3,8 @@
 Why: greedy speculation promises the tokens plain decoding would give. A tree pass computes
 each node's row next to other rows, and a kernel whose blocking or reduction order depends on
 the number of query rows (or on where the masked keys sit) rounds differently; in bfloat16 a
-near-tie of the top two logits then flips and the output changes (see README "Exactness in
-bfloat16" for the per-op evidence: attention breaks invariance in bfloat16; linear layers do
+near-tie of the top two logits then flips and the output changes (see
+docs/exactness.md#exactness-in-bfloat16 for the per-op evidence: attention breaks invariance in bfloat16; linear layers do
 past some row count on some devices, hence the engine's cap on rows per exact pass; in float32
 the linear layers vary with the row count anyway).
 
@@ -30,13 +30,13 @@ AMX Xeon, bfloat16, 256 cached keys): a 135M model's one-token pass is 30 such l
 
 It is registered with transformers' ``AttentionInterface`` as ``"medusa_exact"`` (masks built
 by transformers' eager mask function), so the stock model runs it: no forked model code.
-Cost: a gather of ``n x 64`` keys per layer and small kernels; see the README.
+Cost: a gather of ``n x 64`` keys per layer and small kernels; see docs/exactness.md#exactness-in-bfloat16.
 
 Compiled exact passes (CPU): inside ``torch.compile`` the attention is one opaque custom op
 (``medusa::exact_attention``), and :func:`opaque_ops` makes the two other places where inductor
 rounds otherwise than eager opaque too: the RMSNorm's mean of squares and the rotary
 embedding's cos and sin. With inductor's emulated precision casts for the rest, a compiled
-bfloat16 pass was bit-identical to the eager one (README "Compiled exact passes").
+bfloat16 pass was bit-identical to the eager one (docs/compile.md#compiled-exact-passes).
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     Inside a compiled pass it is one opaque op (:func:`attention_op`): the per-pass plan is
     data-dependent Python, and the op runs exactly the eager code, so a compiled pass's
-    attention is bit-identical to an eager one's (README "Compiled exact passes")."""
+    attention is bit-identical to an eager one's (docs/compile.md#compiled-exact-passes)."""
     if torch.compiler.is_compiling():
         return torch.ops.medusa.exact_attention(query, key, value, attention_mask, scaling, softcap), None
     return _attention(query, key, value, attention_mask, scaling, softcap), None
@@ -351,7 +351,7 @@ def is_exact(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation == NAME
 
 
-# A compiled exact pass (README "Compiled exact passes"): inductor, with its emulated
+# A compiled exact pass (docs/compile.md#compiled-exact-passes): inductor, with its emulated
 # precision casts, rounds every fused elementwise op as eager does, but its own reductions
 # sum in another order. An RMSNorm's mean of squares is the one reduction of a decoder layer
 # outside the linear layers and attention, so it too runs as an opaque op, by eager's kernel.

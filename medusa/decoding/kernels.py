@@ -31,8 +31,8 @@ the elementwise work it fuses (norms, rotary, activations, residual adds). Eager
 
 Exactness: in float32 oneDNN rounds differently from MKL (both are within ~1e-6 of float64
 here) and, like MKL, a row's result depends on the number of rows, so it is not bit-identical
-to stock transformers; identity to ``generate`` is measured by the bench (README "oneDNN
-linear kernels"). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
+to stock transformers; identity to ``generate`` is measured by the bench (see
+docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
 compute what stock transformers computes, bit for bit where measured. Whether they are used is
 decided per device by timing, and for a half-precision model by the exactness probe too
 (medusa/decoding/device.py).
@@ -339,7 +339,7 @@ def _release(owner: int, addresses: list[int]) -> None:
 # Drafts only propose (the target verifies every token in its own dtype), so a draft head may
 # multiply by int8 weights: torch's weight-only int8 kernel (per-output-row bfloat16 scales)
 # reads half the bytes of bfloat16 and, at the 1-4 rows a drafting level has, ran 1.7-3.4x
-# faster than a bfloat16 product on one AMX Xeon (README "Compiled trees sized for their buckets").
+# faster than a bfloat16 product on one AMX Xeon (docs/benchmarks/2026-11-27-amx-xeon-compiled-buckets.md).
 
 
 def int8_available(device: torch.device | str = "cpu") -> bool:

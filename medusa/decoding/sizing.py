@@ -116,7 +116,7 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     or the engine compiles its passes off the CPU (then the calibrated sizes apply). A CPU
     engine with compiled passes is sized from the eager passes' costs at its padded sizes
     (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX Xeon
-    (README "Compiled exact passes"), a curve of the same shape, so one timing serves both."""
+    (docs/compile.md#compiled-exact-passes), a curve of the same shape, so one timing serves both."""
     heads = engine.heads
     if heads is None or heads.config.kind != "eagle" or (engine.compile_mode != "off" and engine.device.type != "cpu"):
         return None

@@ -128,7 +128,7 @@ class EagleHeads(nn.Module):
         """Start the draft layer as a copy of the target's last decoder layer (same shapes),
         and the fusion as "take the feature". It first predicts ``x_{p+1}`` again (held-out KL
         ~23 at step 0) but still trains faster than :meth:`init_random` on the embedded model
-        (README "EAGLE heads": after 50 steps held-out depth-1 top-1 0.072 against 0.033).
+        (docs/experiments.md#initialisation: after 50 steps held-out depth-1 top-1 0.072 against 0.033).
 
         ``eagle1`` (no input norm, no final norm) adapts the copy to the missing norms: the
         input norm's weights are folded into the attention's q/k/v projections, divided by
@@ -170,7 +170,7 @@ class EagleHeads(nn.Module):
         feature's size (the final norm's output for a unit-RMS input over the mean embedding
         row's norm) instead of a small random share: the normed feature is ~14x the embedding
         on SmolLM2, which otherwise hides the token ``x_{p+1}`` (what the head knows beyond a
-        Medusa head). Measured on 50 steps only (README "EAGLE heads")."""
+        Medusa head). Measured on 50 steps only (docs/experiments.md#initialisation)."""
         self.init_from_target()
         h = self.config.hidden_size
         norm = self.target.get_decoder().norm
