@@ -47,18 +47,18 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
 from infer import bench_vllm
+from medusa.autotune.device import adopt_draft_dtype
+from medusa.autotune.sizing import size_here
 from medusa.config import count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
-from medusa.decoding import hf as kv
-from medusa.decoding.device import adopt_draft_dtype
 from medusa.decoding.engine import Engine
-from medusa.decoding.kernels import KERNELS
 from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
-from medusa.decoding.sizing import size_here
 from medusa.errors import MedusaError, require_extra
-from medusa.models.target import cache_root
+from medusa.runtime import hf as kv
+from medusa.runtime.files import cache_root
+from medusa.runtime.kernels import KERNELS
 
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
 
@@ -188,7 +188,7 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     if engine.heads is None:
         return None
     if engine.heads.config.kind == "eagle":
-        from medusa.decoding.eagle import DynamicTree
+        from medusa.decoding.eagle_draft import DynamicTree
 
         if engine.tree_sizes is not None:
             return engine.tree_sizes.eagle.nodes + 1

@@ -401,14 +401,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def embedded_needs_dequantising() -> bool:
-    from medusa.models.target import DEFAULT_MODEL_NAME, cache_root
+    from medusa.models.target import DEFAULT_MODEL_NAME
+    from medusa.runtime.files import cache_root
 
     return not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file()
 
 
 def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     import medusa
-    from medusa.models.target import cache_root
+    from medusa.runtime.files import cache_root
 
     if args.model is None and embedded_needs_dequantising():
         say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
@@ -521,7 +522,7 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     model = args.model or "SmolLM2-135M-Instruct (embedded)"
     lines = [(f"model   {model} · {params:.1f}M parameters · {engine.device} {str(lm.dtype).removeprefix('torch.')} "
              f"· context {window} tokens")]
-    choice = getattr(lm, "dtype_choice", None)  # dtype=None: picked by measurement (medusa/decoding/device.py)
+    choice = getattr(lm, "dtype_choice", None)  # dtype=None: picked by measurement (medusa/autotune/device.py)
     if choice is not None:
         lines.append(f"dtype   {choice.reason}")
     if engine.kernel_choice is not None and engine.kernel_choice.cost_ms:  # picked by measurement
@@ -529,8 +530,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     if engine.draft_dtype_choice is not None and engine.draft_dtype_choice.cost_ms:  # picked by measurement
         lines.append(f"drafts  {engine.draft_dtype_choice.reason}")
     if engine.heads is not None and engine.heads.config.kind == "eagle":
-        from medusa.decoding.calibrate import tree_key
         from medusa.decoding.proposers import Hybrid
+        from medusa.decoding.tree import tree_key
 
         c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
         proposer = engine.proposer(mode if mode in ("eagle", "hybrid") else "eagle")
@@ -578,7 +579,7 @@ def setup_readline() -> Callable[[], None]:
         import readline
     except ImportError:
         return lambda: None
-    from medusa.models.target import cache_root
+    from medusa.runtime.files import cache_root
 
     path = Path(os.environ.get("MEDUSA_CHAT_HISTORY", cache_root() / "chat_history"))
     try:

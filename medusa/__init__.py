@@ -5,10 +5,13 @@
 >>> res = eng.generate([1, 2, 3], max_new_tokens=32)
 >>> res.tokens, res.stats.tau
 
-The layout follows the architecture: ``medusa.decoding`` (engine, proposers, trees,
-acceptance, the one module touching transformers internals), ``medusa.models`` (heads,
-target, draft, checkpoints), ``medusa.training`` and ``medusa.hub``. Names below are
-imported on first use, so ``import medusa`` stays light.
+The layout follows the architecture, each layer importing only those below it:
+``medusa.api`` (``load``) over ``medusa.autotune`` (what this machine measures: dtype,
+kernels, tree sizes, tree calibration) over ``medusa.decoding`` (engine, proposers, trees,
+acceptance), ``medusa.training`` and ``medusa.hub``, over ``medusa.models`` (heads, their
+folders and loader, target, draft) over ``medusa.runtime`` (the one module touching
+transformers internals, exact attention, linear kernels, n-gram tables, files). Names below
+are imported on first use, so ``import medusa`` stays light.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ _EXPORTS = {
     "GenerationResult": "medusa.decoding.engine",
     "GenerationStats": "medusa.decoding.engine",
     "MedusaError": "medusa.errors",
-    "HeadsConfig": "medusa.models.heads",
+    "HeadsConfig": "medusa.models.heads_config",
     "MedusaHeads": "medusa.models.heads",
-    "load_heads": "medusa.models.heads",
+    "load_heads": "medusa.models.loader",
     "compile_tree": "medusa.decoding.tree",
     "SamplingConfig": "medusa.decoding.sampling",
     "ProposerConfig": "medusa.decoding.proposers",
@@ -42,7 +45,9 @@ if TYPE_CHECKING:
     from medusa.decoding.sampling import SamplingConfig
     from medusa.decoding.tree import compile_tree
     from medusa.errors import MedusaError
-    from medusa.models.heads import HeadsConfig, MedusaHeads, load_heads
+    from medusa.models.heads import MedusaHeads
+    from medusa.models.heads_config import HeadsConfig
+    from medusa.models.loader import load_heads
 
 
 def __getattr__(name: str) -> Any:

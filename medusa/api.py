@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.device import (
+from medusa.autotune.device import (
     DtypeChoice,
     KernelChoice,
     adopt_draft_dtype,
@@ -16,13 +16,15 @@ from medusa.decoding.device import (
     exact_rows,
     pick_kernels,
 )
+from medusa.autotune.sizing import size_here
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
-from medusa.decoding.sizing import size_here
 from medusa.hub.hub import load_heads_from
 from medusa.models.draft import load_draft
-from medusa.models.heads import MedusaHeads, init_heads_for, load_heads
-from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
+from medusa.models.heads import MedusaHeads
+from medusa.models.loader import init_heads_for, load_heads
+from medusa.models.target import DEFAULT_MODEL_NAME, load_target
+from medusa.runtime.files import cache_root
 
 # Medusa heads shipped with the repo for the embedded default model (mode medusa; the bench's
 # medusa and hybrid modes).
@@ -70,7 +72,7 @@ def _exact_pass_rows(lm, picked: DtypeChoice | None, kernels: str) -> int | None
 
 
 def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
-    """The fastest dtype that keeps the promise on this device (device.py), adopted by ``lm``.
+    """The fastest dtype that keeps the promise on this device (medusa/autotune/device.py), adopted by ``lm``.
     With ``compile=True`` off the CPU none is picked: compiled passes there are exact in float32
     only (the Engine refuses exact attention with them), so the loaded dtype is kept; on the CPU
     compiled exact passes are bit-identical to eager ones (docs/compile.md#compiled-exact-passes)."""
@@ -112,7 +114,7 @@ def load(
     picked, and on a CPU the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
-    oneDNN weights on a CPU, medusa/decoding/kernels.py); ``None`` picks the faster here by
+    oneDNN weights on a CPU, medusa/runtime/kernels.py); ``None`` picks the faster here by
     measurement, once (cached; in half precision packed kernels must also pass the exactness
     probe), and ``"default"`` on a GPU; compiled passes keep the pick (``engine.kernel_choice``
     says which and why). Half precision verifies at most the rows the probe found exact.
@@ -123,7 +125,7 @@ def load(
     device (once, cached). ``engine.draft_dtype_choice`` says which and why.
 
     ``size_trees``: eagle trees (and hybrid's lookup chain) sized from this machine's pass costs,
-    measured once, cached (medusa/decoding/sizing.py; compiled CPU passes at their padded sizes); False: calibrated.
+    measured once, cached (medusa/autotune/sizing.py; compiled CPU passes at their padded sizes); False: calibrated.
     """
     lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     picked = _picked_dtype(lm, compile) if dtype is None else None

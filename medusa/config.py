@@ -286,7 +286,7 @@ class CacheFields:
                               "vocabulary); makes CPU training several times cheaper", bounds=(0, None))
     cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache", bounds=(1, None))
     cache_kernels: str = arg("default", "the frozen target's linear kernels while building the cache: default, or "
-                                        "onednn (packed oneDNN weights on a CPU, medusa/decoding/kernels.py: 1.7-4x "
+                                        "onednn (packed oneDNN weights on a CPU, medusa/runtime/kernels.py: 1.7-4x "
                                         "faster matmuls on an AMD EPYC; the features' last bits round differently)")
 
 

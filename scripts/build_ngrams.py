@@ -3,7 +3,7 @@
     python scripts/build_ngrams.py --heads medusa/assets/heads/smollm2-135m-instruct-eagle
 
 Mode ``hybrid`` drafts its lookup chain from this table where the prompt and the answer so far
-have no match (medusa/decoding/ngrams.py). The answers are the target's own (its self-distilled
+have no match (medusa/runtime/ngrams.py). The answers are the target's own (its self-distilled
 training data, default ``data/selfdistill/*.jsonl.gz``), tokenized as training tokenizes them;
 each answer is kept with the ``max_n - 1`` template tokens before it, so the table also knows
 how answers begin. Prompts the table should be measured on must not be among them
@@ -20,10 +20,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from medusa.config import count
-from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.errors import MedusaError
-from medusa.models.heads import read_heads_config
+from medusa.models.heads_config import read_heads_config
 from medusa.models.target import load_tokenizer
+from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 from medusa.training.data import tokenize_conversation
 from medusa.training.sources import DataStats, load_conversations
 

@@ -28,11 +28,13 @@ import torch
 from tqdm import tqdm
 
 import medusa
+from medusa.autotune.timing import measure_cost
+from medusa.autotune.trees import acceptance_by_size, candidate_ranks, choose_dynamic, choose_tree, path_counts
 from medusa.config import count
-from medusa.decoding.calibrate import candidate_ranks, choose_tree, measure_cost, path_counts, tree_key
-from medusa.decoding.eagle import DynamicTree, acceptance_by_size, choose_dynamic
+from medusa.decoding.eagle_draft import DynamicTree
+from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
-from medusa.models.heads import CALIBRATION_NAME
+from medusa.models.heads_config import CALIBRATION_NAME
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
@@ -75,7 +77,7 @@ def parse_cost(text: str) -> dict[int, float]:
 def measured_cost(args: argparse.Namespace, engine, prompts: list[list[int]], max_n: int) -> dict[int, float]:
     if args.cost:
         return parse_cost(args.cost)
-    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels: medusa/decoding/kernels.py)
+    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels: medusa/runtime/kernels.py)
         return measure_cost(engine.model, [s for s in COST_SIZES if s <= max_n],
                             prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
                             compile=args.compile)

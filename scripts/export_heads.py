@@ -30,7 +30,7 @@ from medusa.hub.export import (
     target_text_config,
 )
 from medusa.hub.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
-from medusa.models.heads import CALIBRATION_NAME
+from medusa.models.heads_config import CALIBRATION_NAME
 from medusa.models.target import parse_dtype
 
 

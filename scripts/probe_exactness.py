@@ -1,7 +1,7 @@
 """Which ops of a decoder layer make a row of an n-row pass differ from a one-row pass.
 
 For each op of a Llama-style layer (linear, SDPA, eager-style attention, the exact attention
-of medusa/decoding/exact.py, RMSNorm, rotary, SiLU-gate) in bfloat16 and float32, prints
+of medusa/runtime/exact.py, RMSNorm, rotary, SiLU-gate) in bfloat16 and float32, prints
 whether the rows of one call over n rows are bit-identical to n calls over one row each.
 SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64). docs/exactness.md#exactness-in-bfloat16.
 
@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from medusa.decoding.exact import exact_attention
+from medusa.runtime.exact import exact_attention
 
 HIDDEN, HEADS, KV_HEADS, DIM, PAST, ROWS = 576, 9, 3, 64, 256, 16
 

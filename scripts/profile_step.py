@@ -16,9 +16,9 @@ import torch
 
 import medusa
 from medusa.config import count
-from medusa.decoding import hf as kv
 from medusa.decoding.tree import compile_tree
 from medusa.decoding.verify import verify_greedy
+from medusa.runtime import hf as kv
 
 
 def timed(fn, reps: int) -> float:

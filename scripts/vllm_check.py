@@ -57,7 +57,7 @@ def engine_chain(engine, ids: list[int], max_new_tokens: int, spec: dict):
     of ``num_speculative_tokens`` (each Medusa head's top-1, or that many eagle draft steps)."""
     k = spec["num_speculative_tokens"]
     if spec["method"] == "eagle":
-        from medusa.decoding.eagle import DynamicTree, EagleProposer
+        from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 
         chain = EagleProposer(engine.heads, engine.device, DynamicTree(nodes=k, depth=k, topk=1))
         return engine.generate(ids, max_new_tokens=max_new_tokens, mode=chain)

@@ -5,8 +5,8 @@ import torch
 from tiny import ARCHS, WINDOWED, tiny_model
 from transformers import DynamicCache
 
-from medusa.decoding import hf as kv
 from medusa.decoding.tree import compile_tree
+from medusa.runtime import hf as kv
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 

@@ -8,9 +8,10 @@ import torch
 from tiny import tiny_model
 
 import medusa
-from medusa.decoding.calibrate import candidate_ranks, choose_tree, interpolate, path_counts
+from medusa.autotune.trees import candidate_ranks, choose_tree, interpolate, path_counts
 from medusa.decoding.tree import compile_tree
-from medusa.models.heads import init_heads_for, save_heads
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import init_heads_for
 from medusa.models.target import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,8 +124,8 @@ def test_calibrate_script_end_to_end(tmp_path):
 def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     # Dynamic-tree sizes of EAGLE heads are kept per device and dtype, like Medusa trees: a
     # bfloat16 run must not overwrite the float32 entry, and each engine reads its own.
-    from medusa.decoding.eagle import DynamicTree
-    from medusa.models.eagle import init_eagle_for
+    from medusa.decoding.eagle_draft import DynamicTree
+    from medusa.models.eagle_heads import init_eagle_for
 
     target, model = _tiny_target(tmp_path)
     heads_dir = save_heads(init_eagle_for(model), tmp_path / "eagle")
@@ -135,7 +136,7 @@ def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     path = heads_dir / "calibration.json"
     assert script.main(common + ["--dtype", "float32", "--cost", "1:10,9:80"]) == 0
     first = json.loads(path.read_text())
-    from medusa.decoding.kernels import onednn_available
+    from medusa.runtime.kernels import onednn_available
 
     kernels = "onednn" if onednn_available("cpu", torch.bfloat16) else "default"  # AVX2-only CPUs pack no bf16
     assert script.main(common + ["--dtype", "bfloat16", "--cost", "1:10,9:10", "--kernels", kernels]) == 0
@@ -170,7 +171,7 @@ def test_cost_curve_argument():
 
 
 def test_measure_cost_times_every_size_with_each_cache_kind():
-    from medusa.decoding.calibrate import measure_cost
+    from medusa.autotune.timing import measure_cost
 
     model = tiny_model("llama")
     for kind in ({}, {"static_cache": True}, {"compile": "aot_eager"}):

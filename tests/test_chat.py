@@ -19,7 +19,8 @@ import pytest
 from tiny import tiny_model
 
 from infer.chat import Chat, StreamDecoder, Style, main, parse_args
-from medusa.models.heads import init_heads_for, save_heads
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import init_heads_for
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ def template_ids(engine, messages: list[dict[str, str]]) -> list[int]:
 # Chats whose answers are compared with the float32 fixture run in float32 too: the dtype pick
 # may choose bfloat16, whose answers can differ from float32's, and whose prefill of a reused
 # cache's new turn is not bit-identical to a fresh prefill of the whole prompt (its linear
-# kernels change with the row count past 32 rows, medusa/decoding/kernels.py).
+# kernels change with the row count past 32 rows, medusa/runtime/kernels.py).
 FLOAT32 = ("--dtype", "float32")
 
 

@@ -17,9 +17,9 @@ from tiny import hf_greedy, tiny_model
 from train_fixtures import tiny_target
 
 from medusa.decoding import compiled
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
 from medusa.models.target import load_target
+from medusa.runtime import hf as kv
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 9, 41, 12]

@@ -1,7 +1,7 @@
 """Compiled exact passes (docs/compile.md#compiled-exact-passes): on the CPU a compiled half-precision
 pass is bit-identical to the eager one, so compiled speculation keeps every token of eager
 baseline decoding. Attention, the norms' mean of squares and the rotary embedding run as
-opaque ops (medusa/decoding/exact.py), the rest with inductor's emulated precision casts;
+opaque ops (medusa/runtime/exact.py), the rest with inductor's emulated precision casts;
 stacked linear products stay one call per group (kernels.MergeStacked)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from test_engine import random_heads
 from test_exact import PATHS, PREFIX
 from tiny import tiny_model
 
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
-from medusa.decoding.exact import OpaqueRMSNorm, OpaqueRotary, opaque_ops, set_exact
-from medusa.decoding.kernels import MergeStacked, onednn_available
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
+from medusa.runtime import hf as kv
+from medusa.runtime.exact import OpaqueRMSNorm, OpaqueRotary, opaque_ops, set_exact
+from medusa.runtime.kernels import MergeStacked, onednn_available
 
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33]
 

@@ -8,10 +8,10 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import medusa
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.models.heads import init_heads_for
+from medusa.models.loader import init_heads_for
+from medusa.runtime import hf as kv
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

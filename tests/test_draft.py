@@ -13,7 +13,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import medusa
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine, StepOutcome
 from medusa.decoding.proposers import DraftModel, ProposerConfig
 from medusa.decoding.sampling import SamplingConfig, probabilities
@@ -21,6 +20,7 @@ from medusa.errors import MedusaError
 from medusa.models import draft as draft_module
 from medusa.models.draft import check_compatible, load_draft, shallow_draft
 from medusa.models.target import load_target
+from medusa.runtime import hf as kv
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 

@@ -1,4 +1,4 @@
-"""Heads in their own dtype (medusa/decoding/device.py, pick_draft_dtype): bfloat16 heads draft
+"""Heads in their own dtype (medusa/autotune/device.py, pick_draft_dtype): bfloat16 heads draft
 beside a float32 target, the target verifies every token in float32, so outputs stay the
 target's own; the dtype is picked by measuring the draft vocabulary's scoring, once, cached."""
 
@@ -11,7 +11,7 @@ from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads, target_folder
 
 import medusa
-from medusa.decoding.device import (
+from medusa.autotune.device import (
     DRAFT_KEY_VERSION,
     adopt_draft_dtype,
     decide_draft_dtype,
@@ -19,8 +19,8 @@ from medusa.decoding.device import (
     pick_draft_dtype,
 )
 from medusa.decoding.engine import Engine
-from medusa.decoding.kernels import int8_available
 from medusa.errors import MedusaError
+from medusa.runtime.kernels import int8_available
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

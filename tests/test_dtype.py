@@ -12,7 +12,7 @@ import torch
 from tiny import tiny_model
 from tiny_heads import target_folder
 
-from medusa.decoding.device import (
+from medusa.autotune.device import (
     BUSY_SHARE,
     KEY_VERSION,
     SIZES,
@@ -85,9 +85,9 @@ def test_adopt_converts_the_model_to_the_cached_choice(tmp_path):
 
 
 def test_calibrated_trees_are_kept_per_device_and_dtype():
-    from medusa.decoding.calibrate import tree_key
     from medusa.decoding.engine import Engine
-    from medusa.models.heads import init_heads_for
+    from medusa.decoding.tree import tree_key
+    from medusa.models.loader import init_heads_for
 
     assert tree_key("cpu", torch.float32) == "cpu"  # calibration.json files from before keep working
     assert tree_key("cuda", torch.bfloat16) == "cuda-bfloat16"
@@ -106,8 +106,8 @@ def test_calibrated_trees_are_kept_per_device_and_dtype():
 
 def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path, monkeypatch):
     import medusa
-    from medusa.decoding.device import invariant_rows
-    from medusa.decoding.exact import EXACT_MAX_ROWS, set_exact
+    from medusa.autotune.device import invariant_rows
+    from medusa.runtime.exact import EXACT_MAX_ROWS, set_exact
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     folder = str(target_folder(tmp_path))
@@ -127,8 +127,8 @@ def test_a_forced_half_precision_dtype_is_probed_and_its_passes_capped(tmp_path,
     base = eng.generate(ids, max_new_tokens=16, mode="baseline").tokens
     assert eng.generate(ids, max_new_tokens=16, mode="hybrid").tokens == base
     # packed weights are other kernels: probed again with them, and the cap taken from that probe
-    from medusa.decoding.kernels import onednn_available
     from medusa.errors import MedusaError
+    from medusa.runtime.kernels import onednn_available
 
     if not onednn_available("cpu", torch.bfloat16):  # an AVX2-only CPU packs no bf16 weights
         with pytest.raises(MedusaError, match="oneDNN torch.bfloat16 linears"):

@@ -7,12 +7,13 @@ import torch
 from tiny import ARCHS, hf_greedy, tiny_model
 
 import medusa
-from medusa.decoding.eagle import DynamicTree, EagleProposer, select
+from medusa.decoding.eagle_draft import DynamicTree, EagleProposer, select
 from medusa.decoding.engine import Engine
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
-from medusa.models.eagle import EagleHeads, init_eagle_for
-from medusa.models.heads import init_heads_for, load_heads, save_heads
+from medusa.models.eagle_heads import EagleHeads, init_eagle_for
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import init_heads_for, load_heads
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
 
@@ -160,7 +161,7 @@ def test_a_tree_given_for_eagle_heads_is_an_error_not_ignored():
 
 
 def test_choose_dynamic_weighs_acceptance_against_pass_cost():
-    from medusa.decoding.eagle import Acceptance, choose_dynamic
+    from medusa.autotune.trees import Acceptance, choose_dynamic
 
     cost = {1: 10.0, 2: 10.0, 4: 20.0}  # a 2-token pass costs a 1-token pass; 4 tokens twice that
     curves = {(3, 2): Acceptance([0.6, 0.8, 0.9], 1.0)}  # accepted drafts with N = 1, 2, 3 nodes; 1 ms drafting
@@ -174,7 +175,7 @@ def test_choose_dynamic_weighs_acceptance_against_pass_cost():
 
 
 def test_acceptance_by_size_counts_the_longest_right_path():
-    from medusa.decoding.eagle import acceptance_by_size
+    from medusa.autotune.trees import acceptance_by_size
 
     model = tiny_model("llama")
     with torch.no_grad():
@@ -222,8 +223,8 @@ def test_the_token_budget_caps_the_draft_depth():
 def test_eagle1_layout_round_trips_and_old_folders_load_as_norms(tmp_path):
     import json
 
-    from medusa.decoding.hf import new_cache
-    from medusa.models.eagle import additive_mask
+    from medusa.models.eagle_heads import additive_mask
+    from medusa.runtime.hf import new_cache
 
     model = tiny_model("llama")
     one = init_eagle_for(model, num_steps=2, layout="eagle1")

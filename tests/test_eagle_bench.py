@@ -6,8 +6,9 @@ from train_fixtures import tiny_target
 from transformers import AutoModelForCausalLM
 
 from infer import bench
-from medusa.models.eagle import init_eagle_for
-from medusa.models.heads import init_heads_for, save_heads
+from medusa.models.eagle_heads import init_eagle_for
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import init_heads_for
 
 
 def test_bench_runs_medusa_and_eagle_heads_in_one_run(tmp_path, capsys):

@@ -10,9 +10,9 @@ from train_fixtures import tiny_target, write_counting_data
 from transformers import AutoModelForCausalLM
 
 import medusa
-from medusa.models.eagle import EagleHeads, init_eagle_for
-from medusa.models.heads import read_heads_config
-from medusa.training.eagle import eagle_loss, ttt_visible
+from medusa.models.eagle_heads import EagleHeads, init_eagle_for
+from medusa.models.heads_config import read_heads_config
+from medusa.training.eagle_ttt import eagle_loss, ttt_visible
 from medusa.training.loop import TrainConfig, train
 
 
@@ -128,8 +128,8 @@ def test_eagle_init_is_a_config_field_the_trainer_uses():
 
 def test_eagle_layout_is_a_config_field_and_eagle1_starts_as_the_fused_input():
     from medusa.config import TrainConfig, from_dict
-    from medusa.decoding.hf import new_cache
-    from medusa.models.eagle import additive_mask
+    from medusa.models.eagle_heads import additive_mask
+    from medusa.runtime.hf import new_cache
     from medusa.training.heads import HeadsTask
 
     model = tiny_model("llama")

@@ -12,7 +12,7 @@ from medusa.decoding.state import DecodeState
 from medusa.decoding.tree import chain, compile_tree
 from medusa.errors import MedusaError
 from medusa.models.draft import shallow_draft
-from medusa.models.heads import init_heads_for
+from medusa.models.loader import init_heads_for
 
 PROMPT = [5, 17, 33, 9, 41, 12]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

@@ -1,4 +1,4 @@
-"""Batch-invariant verification (medusa/decoding/exact.py) in bfloat16: a tree pass's row is
+"""Batch-invariant verification (medusa/runtime/exact.py) in bfloat16: a tree pass's row is
 bit-identical to the one-token passes of the same tokens, so greedy speculation in every mode
 emits exactly the engine's own baseline tokens."""
 
@@ -10,15 +10,15 @@ from test_draft import noisy_copy
 from test_engine import random_heads
 from tiny import tiny_model
 
-from medusa.decoding import exact
-from medusa.decoding import hf as kv
-from medusa.decoding.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
+from medusa.autotune.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
 from medusa.decoding.engine import Engine
-from medusa.decoding.exact import EXACT_MAX_ROWS, exact_attention, is_exact, set_exact
-from medusa.decoding.kernels import PackedLinears, onednn_available
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
+from medusa.runtime import exact
+from medusa.runtime import hf as kv
+from medusa.runtime.exact import EXACT_MAX_ROWS, exact_attention, is_exact, set_exact
+from medusa.runtime.kernels import PackedLinears, onednn_available
 
 ARCHS4 = ("llama", "qwen2", "mistral", "gemma3")  # gemma3: sliding and full layers, softcapped logits
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
@@ -233,7 +233,7 @@ def test_invariant_rows_finds_the_first_pass_size_that_differs():
     model = tiny_model("llama").to(torch.bfloat16)
     set_exact(model, True)
     real_rows = invariant_rows(model, limit=12)
-    from medusa.decoding import hf as kv_mod
+    from medusa.runtime import hf as kv_mod
 
     real_forward = kv_mod.forward
 

@@ -18,7 +18,8 @@ import medusa
 from medusa.errors import MedusaError
 from medusa.hub.export import export_heads, load_plain_tensors, read_fasterdecoding
 from medusa.hub.hub import load_heads_from, read_heads
-from medusa.models.heads import heads_from_state, save_heads
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import heads_from_state
 from medusa.models.target import load_target
 
 
@@ -296,7 +297,7 @@ def test_shared_heads_with_a_draft_vocabulary_store_one_truncated_projection(tar
 def noisy_eagle1(model, seed: int = 5, scale: float = 0.05):
     """eagle1 heads warm-started, then moved by noise: every weight distinct and non-zero (the
     warm start zeroes the output projections), so a wrong name or a swapped fc half shows."""
-    from medusa.models.eagle import init_eagle_for
+    from medusa.models.eagle_heads import init_eagle_for
 
     heads = init_eagle_for(model, num_steps=2, layout="eagle1").float()
     g = torch.Generator().manual_seed(seed)
@@ -349,8 +350,8 @@ def vllm_eagle_forward(tensors: dict[str, torch.Tensor], config: dict, embed: to
 
 
 def test_eagle1_export_is_vllm_s_eagle1_drafter_computing_the_head_s_function(target, tmp_path, capsys):
-    from medusa.decoding.hf import new_cache
-    from medusa.models.eagle import additive_mask
+    from medusa.models.eagle_heads import additive_mask
+    from medusa.runtime.hf import new_cache
 
     folder_target, model = target
     heads = noisy_eagle1(model)
@@ -405,7 +406,7 @@ def test_eagle1_export_is_vllm_s_eagle1_drafter_computing_the_head_s_function(ta
 
 
 def test_eagle_heads_in_the_norms_layout_are_refused_in_one_line(target, tmp_path, capsys):
-    from medusa.models.eagle import init_eagle_for
+    from medusa.models.eagle_heads import init_eagle_for
 
     folder_target, model = target
     folder = save_heads(init_eagle_for(model, num_steps=2), tmp_path / "norms")  # the default layout

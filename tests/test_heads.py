@@ -6,7 +6,9 @@ from tiny import tiny_model
 
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.models.heads import HeadsConfig, MedusaHeads, init_heads_for, load_heads, save_heads
+from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import HeadsConfig, save_heads
+from medusa.models.loader import init_heads_for, load_heads
 
 
 def perturbed(heads, seed=0):

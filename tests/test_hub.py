@@ -26,11 +26,11 @@ from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.hub.card import head_accuracy, model_card
 from medusa.hub.hub import build_publish_folder, load_heads_from
-from medusa.models.heads import HeadsConfig
+from medusa.models.heads_config import HeadsConfig
 from medusa.models.target import load_target
 from medusa.training.loop import TrainConfig
 
-# What train/train_heads.py records in the heads config (medusa/training.py: finish).
+# What train/train_heads.py records in the heads config (medusa/training/heads.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],
                                     output_dir="/home/someone/runs/heads"))
 EXTRA = {"training_args": TRAINING_ARGS, "accuracy_reference": "target argmax", "steps": 500, "train_seconds": 5400.0,
@@ -340,7 +340,7 @@ def test_training_pushes_the_heads_at_the_end(tmp_path):
 
 
 def test_a_heads_folder_publishes_its_ngram_table(target, tmp_path):
-    from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
+    from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
     _, model, _ = target
     _, folder = saved_heads(model, tmp_path)

@@ -1,4 +1,4 @@
-"""Packed oneDNN linears (medusa/decoding/kernels.py): the same model with other matmul kernels,
+"""Packed oneDNN linears (medusa/runtime/kernels.py): the same model with other matmul kernels,
 active only inside the engine's passes, picked per device by measurement and cached."""
 
 import json
@@ -10,7 +10,7 @@ from test_eagle import noisy_eagle
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
-from medusa.decoding.device import (
+from medusa.autotune.device import (
     KERNEL_KEY_VERSION,
     KEY_VERSION,
     MIN_ROWS,
@@ -20,17 +20,10 @@ from medusa.decoding.device import (
     pick_kernels,
 )
 from medusa.decoding.engine import PACKED_ROWS, Engine
-from medusa.decoding.exact import is_exact
-from medusa.decoding.kernels import (
-    PACKING_VERSION,
-    PackedLinears,
-    linear_layers,
-    onednn_available,
-    pack,
-    sibling_groups,
-)
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
+from medusa.runtime.exact import is_exact
+from medusa.runtime.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack, sibling_groups
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -186,7 +179,7 @@ def linear_calls(model, ids):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # qwen2: stacked biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sibling_layers_run_as_one_product_with_the_same_logits(arch, dtype):
-    from medusa.decoding.kernels import FUSED_ROWS
+    from medusa.runtime.kernels import FUSED_ROWS
 
     model = tiny_model(arch).to(dtype)
     if not onednn_available("cpu", dtype):  # an AVX2-only CPU packs no bfloat16 weights: nothing to stack
@@ -242,7 +235,7 @@ def test_a_layer_shared_elsewhere_is_not_stacked():
 def test_packed_weights_are_released_with_their_scope():
     import gc
 
-    from medusa.decoding import kernels
+    from medusa.runtime import kernels
 
     model = tiny_model("llama")
     gc.collect()  # engines of earlier tests that are unreachable but not yet collected
@@ -261,7 +254,7 @@ def test_two_scopes_over_one_model_outlive_each_other():
     # one leaves the other's working.
     import gc
 
-    from medusa.decoding import kernels
+    from medusa.runtime import kernels
 
     model = tiny_model("llama")
     ids = torch.tensor([PROMPT])
@@ -330,7 +323,7 @@ def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_pa
 
 
 def test_int8_rows_multiply_like_their_dequantized_weights_on_any_view():
-    from medusa.decoding.kernels import INT8_K_MULTIPLE, Int8Rows, int8_available, int8_linears
+    from medusa.runtime.kernels import INT8_K_MULTIPLE, Int8Rows, int8_available, int8_linears
 
     assert int8_available() and not int8_available("meta")
     g = torch.Generator().manual_seed(0)

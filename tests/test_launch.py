@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from train_fixtures import tiny_target, write_counting_data
 
 import medusa
-from medusa.models.heads import load_heads, read_heads_config
+from medusa.models.heads_config import read_heads_config
+from medusa.models.loader import load_heads
 from medusa.models.target import load_target
 from medusa.training.batches import collate
 from medusa.training.data import build_datasets

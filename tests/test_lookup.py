@@ -10,7 +10,7 @@ from tiny_heads import random_heads
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import Hybrid, MedusaProposer, PromptLookup, ProposerConfig
 from medusa.errors import MedusaError
-from medusa.models.heads import init_heads_for
+from medusa.models.loader import init_heads_for
 
 # A prompt that repeats itself, as code edits and summaries do.
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33, 9, 41, 12, 5, 17]

@@ -3,7 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from medusa.models.heads import HeadsConfig, MedusaHeads
+from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import HeadsConfig
 from medusa.training.losses import (
     IGNORE,
     frequent_tokens,

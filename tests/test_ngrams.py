@@ -15,14 +15,16 @@ import torch
 from test_eagle import PROMPT, noisy_eagle
 from tiny import hf_greedy, tiny_model
 
-from medusa.decoding.eagle import DynamicTree, EagleProposer, acceptance_by_size
+from medusa.autotune.trees import acceptance_by_size
+from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import Engine
-from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.decoding.proposers import Hybrid, PromptLookup, ProposerConfig, make_proposer
 from medusa.decoding.state import DecodeState
 from medusa.errors import MedusaError
-from medusa.models.eagle import init_eagle_for
-from medusa.models.heads import load_heads, save_heads
+from medusa.models.eagle_heads import init_eagle_for
+from medusa.models.heads_config import save_heads
+from medusa.models.loader import load_heads
+from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 REPO = Path(__file__).resolve().parent.parent
 

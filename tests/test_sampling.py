@@ -25,7 +25,9 @@ from medusa.decoding.sampling import SamplingConfig, probabilities, sample
 from medusa.decoding.tree import chain, compile_tree
 from medusa.decoding.verify import verify_sampled, verify_typical
 from medusa.errors import MedusaError
-from medusa.models.heads import HeadsConfig, MedusaHeads, init_heads_for
+from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import HeadsConfig
+from medusa.models.loader import init_heads_for
 
 ALPHA = 1e-4
 V = 16  # vocabulary of every model here

@@ -10,11 +10,12 @@ import torch
 from test_eagle import PROMPT, noisy_eagle
 from tiny import hf_greedy, tiny_model
 
-from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, acceptance_by_size, choose_dynamic
+from medusa.autotune.sizing import SIZES, SizeChoice, bucketed, drafting_ms, monotone, size_here
+from medusa.autotune.trees import Acceptance, acceptance_by_size, choose_dynamic
+from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
-from medusa.decoding.sizing import SIZES, SizeChoice, bucketed, drafting_ms, monotone, size_here
-from medusa.models.heads import init_heads_for
+from medusa.models.loader import init_heads_for
 
 # one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that
 # half of the steps have

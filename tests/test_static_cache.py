@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny import ARCHS, hf_greedy, tiny_model
 
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.models.heads import init_heads_for
+from medusa.models.loader import init_heads_for
+from medusa.runtime import hf as kv
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_compiled_passes")
 

@@ -12,7 +12,7 @@ from train_fixtures import tiny_target, write_counting_data
 
 import medusa
 from medusa.errors import MedusaError
-from medusa.models.heads import read_heads_config
+from medusa.models.heads_config import read_heads_config
 from medusa.training.loop import TrainConfig, latest_checkpoint, train
 
 

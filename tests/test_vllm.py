@@ -82,8 +82,8 @@ def test_bench_mode_vllm_eagle_exports_eagle1_heads_and_refuses_norms_heads(tmp_
     from tiny_heads import target_folder
 
     from infer.bench_vllm import close_all, speculative_config
-    from medusa.models.eagle import init_eagle_for
-    from medusa.models.heads import save_heads
+    from medusa.models.eagle_heads import init_eagle_for
+    from medusa.models.heads_config import save_heads
     from medusa.models.target import load_target
 
     folder = target_folder(tmp_path)

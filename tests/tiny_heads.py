@@ -14,7 +14,8 @@ from tiny import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from medusa.models.heads import MedusaHeads, init_heads_for
+from medusa.models.heads import MedusaHeads
+from medusa.models.loader import init_heads_for
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 96

@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa.config import arg, parse_config, run_main
-from medusa.decoding.kernels import KERNELS, PackedLinears
 from medusa.errors import MedusaError, require_extra
 from medusa.models.target import eos_token_ids, load_target
+from medusa.runtime.kernels import KERNELS, PackedLinears
 from medusa.training.sources import DataStats, load_conversations
 
 
@@ -51,7 +51,7 @@ class SelfDistillConfig:
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
     kernels: str = arg("default", "linear kernels: default (torch's), or onednn (packed oneDNN weights on a CPU, "
-                                  "medusa/decoding/kernels.py: faster on some CPUs; rounds the last bits differently)",
+                                  "medusa/runtime/kernels.py: faster on some CPUs; rounds the last bits differently)",
                        choices=KERNELS)
 
 

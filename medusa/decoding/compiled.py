@@ -46,9 +46,9 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from medusa.decoding import exact
-from medusa.decoding import hf as kv
-from medusa.decoding import kernels as packed
+from medusa.runtime import exact
+from medusa.runtime import hf as kv
+from medusa.runtime import kernels as packed
 
 PREFIX, SLOTS = 4, 256  # the throwaway cache a graph is traced on: its contents do not matter
 STALE_DAYS = 30  # a saved pass no process loaded for this long is deleted when another is saved
@@ -86,7 +86,7 @@ def _cpu_flags() -> str:
 def example_pass(model: PreTrainedModel, rows: int, cache_arg: str | None = None) -> tuple:
     """The throwaway pass a size is compiled on: ``rows`` new tokens as a chain after a
     ``PREFIX``-token prefill, on a fresh ``SLOTS``-slot cache whose capacity is marked dynamic.
-    Returns :func:`medusa.decoding.hf.forward`'s positional arguments (contents do not matter)."""
+    Returns :func:`medusa.runtime.hf.forward`'s positional arguments (contents do not matter)."""
     dtype, device = model.dtype, model.get_output_embeddings().weight.device
     cache = kv.new_static_cache(model, SLOTS)
     ids = torch.zeros(1, PREFIX, dtype=torch.long, device=device)
@@ -100,7 +100,7 @@ def example_pass(model: PreTrainedModel, rows: int, cache_arg: str | None = None
 
 
 class SavedPasses:
-    """:func:`medusa.decoding.hf.forward`, compiled once per pass size and saved to ``folder``
+    """:func:`medusa.runtime.hf.forward`, compiled once per pass size and saved to ``folder``
     (called like it). ``traced`` and ``loaded`` list the sizes this process compiled and the
     ones it loaded; ``fallback`` is None, or why passes went back to per-process tracing."""
 

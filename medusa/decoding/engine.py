@@ -16,19 +16,19 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.decoding import MAX_NEW_TOKENS
-from medusa.decoding import hf as kv
-from medusa.decoding.calibrate import tree_key
 from medusa.decoding.compiled import SavedPasses, example_pass
-from medusa.decoding.exact import EXACT_MAX_ROWS, is_exact, opaque_ops, set_exact
-from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import compile_tree, load_tree
+from medusa.decoding.tree import compile_tree, load_tree, tree_key
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.target import context_window, eos_token_ids
+from medusa.runtime import hf as kv
+from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, opaque_ops, set_exact
+from medusa.runtime.files import cache_root
+from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
 
 
 @dataclass
@@ -179,7 +179,7 @@ def pass_rows(exact: bool, max_rows: int | None) -> int | None:
 
 
 def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
-    """Set ``model``'s attention batch-invariant or not and return which (medusa/decoding/exact.py:
+    """Set ``model``'s attention batch-invariant or not and return which (medusa/runtime/exact.py:
     a tree row equals its one-token pass bit for bit). None: on in half precision, where
     kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
     vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16)."""
@@ -188,7 +188,7 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
     device = model.get_output_embeddings().weight.device
     if compile and exact:
         # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
-        # the norms' reduction run as opaque ops (exact.py), the rest with inductor's emulated
+        # the norms' reduction run as opaque ops (medusa/runtime/exact.py), the rest with inductor's emulated
         # precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
         if device.type != "cpu":
             raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
@@ -283,12 +283,12 @@ class Engine:
         self._cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
         self._set_pass(compile, static_cache, kernels)
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
-        # linears (medusa/decoding/kernels.py), compiled ones too; model.generate and training
+        # linears (medusa/runtime/kernels.py), compiled ones too; model.generate and training
         # never do.
         self.kernels = kernels
         self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
         self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
-        # medusa.load sets it: eagle trees sized for this machine (medusa/decoding/sizing.py);
+        # medusa.load sets it: eagle trees sized for this machine (medusa/autotune/sizing.py);
         # None: the sizes calibrated for the device type (calibration.json)
         self.tree_sizes = None
         self._kernels = self._kernel_context(kernels, heads)
@@ -318,8 +318,6 @@ class Engine:
         # one graph per capacity: powers of two there, as for an uncompiled static cache.
         self._slot_step = SLOT_STEP if compile and self.device.type == "cpu" else None
         if compile:
-            from medusa.models.target import cache_root
-
             if self.exact:
                 opaque_ops(self.model)
             kv.persist_compiled(cache_root() / "inductor")
@@ -425,7 +423,7 @@ class Engine:
         ``max_rows``; given with a mode's name, every size from 1 up compiles). Sizes from the
         proposer's ``min_rows`` up compile: a smaller pass (a tree the answer's budget cut
         short) pads up to it. Each pass bucket compiles once, on a throwaway cache; the
-        capacity is symbolic (:func:`medusa.decoding.hf.mark_capacity_dynamic`), so no
+        capacity is symbolic (:func:`medusa.runtime.hf.mark_capacity_dynamic`), so no
         prompt length recompiles later. On the CPU a size an earlier process saved is loaded
         instead (:mod:`medusa.decoding.compiled`; with ``compile="auto"`` only those are, the
         others run eagerly). ``progress(bucket, seconds)`` is called after each.

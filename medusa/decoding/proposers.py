@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from medusa.decoding import hf as kv
-from medusa.decoding.ngrams import NgramTable
+from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, chain, compile_tree, spelled
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.target import context_window
+from medusa.runtime import hf as kv
+from medusa.runtime.ngrams import NgramTable
 
 
 class Autoregressive:
@@ -213,7 +214,7 @@ class PromptLookup:
     proposed as a chain (fewer where the text ends first; a span repeating up to the end,
     such as ``a b a b``, is continued with its period). An index of every n-gram's latest end position is extended
     as the sequence grows, so a lookup costs O(``max_ngram``) per step. Where the text has no
-    match, ``table`` (an :class:`~medusa.decoding.ngrams.NgramTable` of the target's own
+    match, ``table`` (an :class:`~medusa.runtime.ngrams.NgramTable` of the target's own
     answers, mode hybrid) drafts the chain instead. The proposal is
     deterministic given the text, so it carries no ``q``: lossless verification treats
     each candidate as a point mass.
@@ -347,11 +348,11 @@ class ProposerConfig:
     # > 0: end a draft chain after a token the draft gave less probability (0.4: transformers' default)
     draft_confidence: float = 0.4
     # modes "lookup"/"hybrid": tokens copied after a match (None: LOOKUP_TOKENS, or for hybrid with
-    # eagle heads the chain length sized with their tree for this device, medusa/decoding/sizing.py)
+    # eagle heads the chain length sized with their tree for this device, medusa/autotune/sizing.py)
     lookup_tokens: int | None = None
     lookup_ngram: int = 3  # longest n-gram looked up
     # mode hybrid: where the text has no match, draft the chain from the heads folder's n-gram
-    # table of the target's answers (medusa/decoding/ngrams.py), if it has one
+    # table of the target's answers (medusa/runtime/ngrams.py), if it has one
     answer_ngrams: bool = True
 
     def chain(self, sized: int | None = None) -> int:
@@ -371,7 +372,7 @@ def make_proposer(
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
-    a :class:`~medusa.decoding.eagle.DynamicTree`, with mode hybrid's lookup chain)."""
+    a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode in ("medusa", "eagle", "hybrid"):
@@ -383,8 +384,6 @@ def make_proposer(
                               f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
         chain = config.chain()
         if kind == "eagle":
-            from medusa.decoding.eagle import DynamicTree, EagleProposer
-
             size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=mode == "hybrid")
             guessed: Proposer = EagleProposer(heads, device, size=size, dtype=dtype)
             chain = config.chain(size.chain)

@@ -161,6 +161,13 @@ def load_tree(spec: str | Path | Sequence[Sequence[int]]) -> list[Path_]:
 TREES_DIR = Path(__file__).resolve().parent.parent / "assets" / "trees"
 
 
+def tree_key(device_type: str, dtype: torch.dtype) -> str:
+    """The key of a calibrated tree in calibration.json: the pass cost, hence the best tree,
+    depends on the device and the dtype. float32 keeps the bare device type (files written
+    before dtypes were told apart); other dtypes add theirs, e.g. ``"cpu-bfloat16"``."""
+    return device_type if dtype == torch.float32 else f"{device_type}-{str(dtype).removeprefix('torch.')}"
+
+
 def best_tree(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path_]:
     """The ``num_nodes`` paths with the highest probability of being accepted.
 

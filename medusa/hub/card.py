@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from medusa.config import TrainConfig
-from medusa.models.heads import WEIGHTS_NAME, HeadsConfig
-from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME, cache_root
+from medusa.models.heads_config import WEIGHTS_NAME, HeadsConfig
+from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
+from medusa.runtime.files import cache_root
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

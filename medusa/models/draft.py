@@ -18,7 +18,8 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
-from medusa.models.target import DEFAULT_MODEL_NAME, cache_root, load_target
+from medusa.models.target import DEFAULT_MODEL_NAME, load_target
+from medusa.runtime.files import cache_root
 
 # Layers kept by the default shallow draft. On a CPU a one-token pass of the 30-layer
 # target costs ~61 ms and the 49,152-row vocabulary projection alone ~9 ms, so a few

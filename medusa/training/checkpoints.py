@@ -23,7 +23,7 @@ from torch import nn
 
 from medusa.config import to_dict
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_file
+from medusa.runtime.files import atomic_file
 
 log = logging.getLogger("medusa.training.checkpoints")
 

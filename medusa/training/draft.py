@@ -44,11 +44,11 @@ from medusa.config import (
     override,
     to_dict,
 )
-from medusa.decoding.hf import lm_logits
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_folder
 from medusa.models.draft import DEFAULT_DRAFT_LAYERS, default_draft_dir, shallow_draft
 from medusa.models.target import load_target
+from medusa.runtime.files import atomic_folder
+from medusa.runtime.hf import lm_logits
 from medusa.training.batches import Batches, collate
 from medusa.training.checkpoints import CHECKPOINTS
 from medusa.training.data import DataSplits, Example

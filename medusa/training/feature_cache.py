@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from medusa.decoding.hf import lm_logits
-from medusa.decoding.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.errors import MedusaError
-from medusa.models.checkpoint import atomic_file
+from medusa.runtime.files import atomic_file
+from medusa.runtime.hf import lm_logits
+from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.training.data import DataSplits, Example
 from medusa.training.losses import HeadTargets
 

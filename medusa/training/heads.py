@@ -7,7 +7,7 @@
   same model with adapters disabled), so the target keeps its own outputs while it learns
   to make the heads' job easier. The output then holds the tuned target as well.
 * EAGLE (``kind: eagle``): one autoregressive head over the target's cached features,
-  unrolled in training (``eagle.py``).
+  unrolled in training (``eagle_ttt.py``).
 """
 
 from __future__ import annotations
@@ -26,21 +26,15 @@ from torch import nn
 
 from medusa.config import TrainConfig, to_dict
 from medusa.errors import MedusaError
-from medusa.models.eagle import init_eagle_for
-from medusa.models.heads import (
-    CALIBRATION_NAME,
-    MedusaHeads,
-    base_model_name,
-    heads_from_state,
-    init_heads_for,
-    load_heads,
-    save_heads,
-)
+from medusa.models.eagle_heads import init_eagle_for
+from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import CALIBRATION_NAME, base_model_name, save_heads
+from medusa.models.loader import heads_from_state, init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
 from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
-from medusa.training.eagle import eagle_loss, sequence_batch, sequences
+from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
 from medusa.training.feature_cache import FeatureCache, open_caches, run_target
 from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 

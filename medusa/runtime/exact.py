@@ -56,7 +56,7 @@ _KEY_BUCKET = 32  # key lists are padded to a multiple: a matmul's reduction ove
 _TAIL = 64  # keys a row gathers past its shared head (a tree must be shallower than _TAIL - _KEY_BUCKET)
 # Rows of an exact pass. A row's shared head must be prompt, not tree (depth <= _TAIL - _KEY_BUCKET,
 # so up to 33 rows), and a device's linear kernels may change blocking past 32 rows (one AMX Xeon's
-# bf16 kernels did): 32 unless a device's probe found fewer (medusa/decoding/device.py).
+# bf16 kernels did): 32 unless a device's probe found fewer (medusa/autotune/device.py).
 EXACT_MAX_ROWS = min(32, _TAIL - _KEY_BUCKET + 1)
 _HEAD_ROWS = 32  # matmul rows per product with the shared head's values
 _MIN_ROWS = 16  # matmul rows of a product with the shared head, at least (see _shared_product)

@@ -35,7 +35,7 @@ to stock transformers; identity to ``generate`` is measured by the bench (see
 docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
 compute what stock transformers computes, bit for bit where measured. Whether they are used is
 decided per device by timing, and for a half-precision model by the exactness probe too
-(medusa/decoding/device.py).
+(medusa/autotune/device.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this m
 # weight address -> the packed copies of that weight, newest last (one per live PackedLinears
 # that packed it). Layers and the custom op find a packed copy by the weight itself, so neither
 # the model nor a compiled graph holds an opaque-layout tensor or a per-layer constant: a
-# compiled pass can be saved and loaded by another process (medusa/decoding/hf.py).
+# compiled pass can be saved and loaded by another process (medusa/runtime/hf.py).
 _PACKED: dict[int, list[tuple[int, torch.Tensor]]] = {}
 # first sibling's weight address -> the stacked products (_Siblings) of that group, likewise
 _STACKED: dict[int, list[tuple[int, _Siblings]]] = {}
@@ -100,7 +100,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by oneDNN with ``packed`` (:func:`pack` of ``weight``): the
-    product every packed layer and the exactness probe (device.py) run."""
+    product every packed layer and the exactness probe (medusa/autotune/device.py) run."""
     try:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     except RuntimeError:
@@ -209,7 +209,7 @@ class _Siblings:
     own kernels, for 1-39 rows in bfloat16 and for any rows in float32 (measured there; not
     for 64+ rows in bfloat16 with some shapes). So in half precision it is used for at most
     ``FUSED_ROWS`` rows, and larger inputs run torch's own kernels layer by layer (a short
-    prompt's prefill); the exactness probe (device.py) checks the passes the engine runs."""
+    prompt's prefill); the exactness probe (medusa/autotune/device.py) checks the passes the engine runs."""
 
     def __init__(self, layers: list[nn.Linear], max_rows: int | None) -> None:
         with torch.no_grad():

@@ -4,7 +4,7 @@ bfloat16 halves the bytes a pass reads, but only some devices compute it fast: G
 with AMX run bf16 matmuls natively; an AVX2-only CPU emulates them and runs float32 faster.
 So the pick times the target's pass over 1 and 16 new tokens (``measure_cost``, the numbers
 tree calibration uses) in float32 and in bfloat16 *with exact attention* (the bf16 mode that
-keeps the promise, medusa/decoding/exact.py), and keeps bfloat16 only when its 16-token
+keeps the promise, medusa/runtime/exact.py), and keeps bfloat16 only when its 16-token
 pass (what speculation verifies) is clearly faster **and** exact here: exact attention makes
 attention batch-invariant, but whether the linear layers are depends on the device's kernels
 (bit-identical up to 32 rows on one AMX Xeon, not above; on an AMD EPYC Zen 5 a one-row bf16
@@ -17,7 +17,7 @@ GPU name), the torch version and the model's shape, so it is measured once.
 
 The linear kernels of a model on a CPU are picked the same way (:func:`pick_kernels`, cached
 in ``kernels.json``): torch's default (MKL for float32; oneDNN with the weight in its plain
-layout for bfloat16) or packed oneDNN weights (medusa/decoding/kernels.py), whichever times
+layout for bfloat16) or packed oneDNN weights (medusa/runtime/kernels.py), whichever times
 faster. A half-precision model keeps packed kernels only if they are exact too: the invariance
 probe runs again with them (:func:`exact_rows`), and the engine's pass cap comes from that run.
 
@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from medusa.decoding.calibrate import measure_cost, measure_costs
-from medusa.decoding.exact import is_exact, set_exact
-from medusa.decoding.kernels import (
+from medusa.autotune.timing import measure_cost, measure_costs
+from medusa.runtime.exact import is_exact, set_exact
+from medusa.runtime.kernels import (
     PackedLinears,
     kernels_key,
     linear_layers,
@@ -57,7 +57,7 @@ from medusa.decoding.kernels import (
 SIZES = (1, 16)  # a plain decoding step and a typical tree
 MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
-PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (exact.py)
+PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (medusa/runtime/exact.py)
 KERNEL_KEY_VERSION = "k3"  # k2: packed weights in the blocked layout (kernels.PACKING_VERSION 2); k3: stacked siblings (3)
 DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
@@ -182,8 +182,8 @@ def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int 
     size that differs), whose rows differ only where a rounding happens to flip on this prompt,
     and its linear layers' shapes on inputs that show any change of summation order
     (:func:`linear_invariant_rows`, with the ``kernels`` the model runs: "onednn" inside
-    :class:`~medusa.decoding.kernels.PackedLinears`)."""
-    from medusa.decoding import hf as kv
+    :class:`~medusa.runtime.kernels.PackedLinears`)."""
+    from medusa.runtime import hf as kv
 
     limit = linear_invariant_rows(model, limit, kernels)
     if limit == 1:
@@ -347,7 +347,7 @@ def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    kernels: str  # "default" or "onednn" (medusa/decoding/kernels.py)
+    kernels: str  # "default" or "onednn" (medusa/runtime/kernels.py)
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[str, dict[int, float]]  # kernels -> {new tokens: ms per pass}
     invariant_rows: int | None = None  # half precision, packed: exact passes up to this many rows

@@ -1,5 +1,6 @@
-"""Atomic writes of model folders and small files: the one helper every writer uses
-(heads, the embedded target, draft models, vLLM exports, training records, feature caches).
+"""Files on disk: where medusa caches what it derives (:func:`cache_root`), and atomic writes
+of model folders and small files, the one helper every writer uses (heads, the embedded
+target, draft models, vLLM exports, training records, feature caches).
 
 A reader never sees half a folder: everything is written into a hidden sibling folder first
 and swapped in only when the writer's block ends without an error. A failed writer leaves
@@ -16,6 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from medusa.errors import MedusaError
+
+
+def cache_root() -> Path:
+    """Where medusa caches derived artefacts; ``MEDUSA_CACHE`` overrides ``~/.cache/medusa``."""
+    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
 
 
 @contextmanager

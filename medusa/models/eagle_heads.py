@@ -37,11 +37,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from medusa.decoding import hf as kv
-from medusa.decoding.kernels import Int8Rows, int8_available, int8_linears
-from medusa.decoding.ngrams import NgramTable
 from medusa.errors import MedusaError
-from medusa.models.heads import HeadsConfig, checked_draft_vocab
+from medusa.models.heads_config import HeadsConfig, checked_draft_vocab
+from medusa.runtime import hf as kv
+from medusa.runtime.kernels import Int8Rows, int8_available, int8_linears
+from medusa.runtime.ngrams import NgramTable
 
 
 def _layer_config(target: PreTrainedModel):
@@ -84,7 +84,7 @@ class EagleHeads(nn.Module):
         # Calibrated dynamic-tree sizes by device type: {"cpu": {"nodes": N, "depth": D, "topk": k}}.
         self.dynamic: dict[str, dict[str, int]] = {}
         # What calibration measured per device and dtype (calibration.json's "measured"): the
-        # teacher-forced acceptance curves medusa/decoding/sizing.py sizes trees from on any machine.
+        # teacher-forced acceptance curves medusa/autotune/sizing.py sizes trees from on any machine.
         self.measured: dict[str, dict] = {}
         # The folder's n-gram table of the target's answers (mode hybrid's chain where the text has no match).
         self.ngrams: NgramTable | None = None
@@ -189,7 +189,7 @@ class EagleHeads(nn.Module):
     def to_int8(self) -> EagleHeads:
         """Draft on int8 weights (``medusa.load(draft_dtype="int8")``, CPU only): the head runs
         in bfloat16 and its linears and the draft vocabulary's rows multiply through int8 copies
-        with one scale per row (:func:`medusa.decoding.kernels.int8_linears`). Drafts only
+        with one scale per row (:func:`medusa.runtime.kernels.int8_linears`). Drafts only
         propose, so the target's output is unchanged; the float weights stay for saving."""
         device = self.fc.weight.device
         if not int8_available(device):

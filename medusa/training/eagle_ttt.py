@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from medusa.models.eagle import EagleHeads, additive_mask
+from medusa.models.eagle_heads import EagleHeads, additive_mask
 from medusa.training.feature_cache import FeatureCache
 from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
@@ -66,7 +66,7 @@ def eagle_loss(heads: EagleHeads, batch: list[dict[str, torch.Tensor]], weights:
     target's top-k at the next position (restricted to ``vocab`` when given, renormalised)
     plus ``feature_weight`` times a smooth-L1 feature regression. Counts per step as in
     :func:`medusa.training.losses.heads_loss` (top-1/top-5 against the target's argmax)."""
-    from medusa.decoding.hf import new_cache
+    from medusa.runtime.hf import new_cache
 
     steps = len(weights)
     device = heads.fc.weight.device

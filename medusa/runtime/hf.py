@@ -421,7 +421,7 @@ def compile_options(model: PreTrainedModel) -> dict:
     of elementwise ops rounds to the model's dtype after each op as eager does (with attention,
     the norms' reduction and the rotary embedding as opaque ops, a compiled bfloat16 pass was
     bit-identical to eager: docs/compile.md#compiled-exact-passes)."""
-    from medusa.decoding.kernels import MergeStacked
+    from medusa.runtime.kernels import MergeStacked
 
     options = {"post_grad_custom_pre_pass": MergeStacked()}
     if model.dtype in (torch.bfloat16, torch.float16):

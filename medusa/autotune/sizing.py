@@ -12,7 +12,7 @@ the head's work per step for each shape (drafting and update, after a target pas
 decoding: :func:`drafting_ms`), once per machine (cached in ``sizing.json`` under
 ``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
 most expected tokens per second for mode eagle and, chain length included, for mode hybrid
-(:func:`medusa.decoding.eagle.choose_dynamic`). A CPU engine with compiled passes runs a
+(:func:`medusa.autotune.trees.choose_dynamic`). A CPU engine with compiled passes runs a
 proposal of n rows padded to its pass bucket (``engine.pass_bucket``), so it is sized with
 T(bucket(n)): a 14-row hybrid pass costs a 16-row one there, and the nodes that fill the
 bucket come free. Compiled engines off the CPU keep the calibrated sizes.
@@ -27,13 +27,15 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding import hf as kv
-from medusa.decoding.calibrate import interpolate, measure_cost, tree_key
-from medusa.decoding.device import _cached, device_key, model_key
-from medusa.decoding.eagle import Acceptance, DynamicTree, EagleProposer, choose_dynamic
+from medusa.autotune.device import _cached, device_key, model_key
+from medusa.autotune.timing import measure_cost
+from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
+from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import pass_bucket
-from medusa.decoding.kernels import kernels_key
 from medusa.decoding.state import DecodeState, StepOutcome
+from medusa.decoding.tree import tree_key
+from medusa.runtime import hf as kv
+from medusa.runtime.kernels import kernels_key
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
@@ -42,7 +44,7 @@ PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an a
 # (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
 REPS = 13
 KEY_VERSION = "s4"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included;
-# s4: the shared head in one flash call (exact.py)
+# s4: the shared head in one flash call (medusa/runtime/exact.py)
 
 
 @dataclass(frozen=True)

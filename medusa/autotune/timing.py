@@ -1,0 +1,84 @@
+"""The target's pass cost ``T(n)``, measured: milliseconds of one pass over ``n`` new tree
+nodes after a cached prefix, as an engine runs it. Tree sizing (trees.py, sizing.py) and the
+dtype and kernel picks (device.py) read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa.decoding.tree import compile_tree
+from medusa.runtime import hf as kv
+
+
+@torch.inference_mode()
+def measure_cost(model: PreTrainedModel, sizes: list[int], prefix: int = 256, reps: int = 9,
+                 static_cache: bool = False, compile: bool | str = False) -> dict[int, float]:
+    """Median milliseconds of one target pass over ``n`` new tree nodes after ``prefix``
+    cached tokens, for each ``n`` in ``sizes`` (a star-shaped tree: cost depends on n only).
+
+    Sizes are timed round-robin (``reps`` rounds after a warm-up round), so a slow spell of
+    the machine spreads over every size instead of inflating one of them. ``static_cache``
+    and ``compile`` time the pass as an engine built with them runs it (compiled in the
+    warm-up round).
+    """
+    return measure_costs({"": (model, contextlib.nullcontext())}, sizes, prefix, reps, static_cache, compile)[""]
+
+
+def measure_costs(variants: dict[str, tuple[PreTrainedModel, contextlib.AbstractContextManager]], sizes: list[int],
+                  prefix: int = 256, reps: int = 9, static_cache: bool = False,
+                  compile: bool | str = False) -> dict[str, dict[int, float]]:
+    """:func:`measure_cost` for several ``(model, scope)`` variants (a model in two dtypes, one
+    model with two kernel scopes), each pass run inside its variant's (re-entrant) scope, timed round-robin
+    over variants and sizes: a slow spell of the machine (a VM's speed drifts by half within
+    minutes) then falls on every variant alike instead of deciding a comparison."""
+    runs = {name: _pass_timer(model, scope, sizes, prefix, static_cache, compile)
+            for name, (model, scope) in variants.items()}
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in variants}
+    for _ in range(reps + 1):
+        for name, run in runs.items():
+            for n in sizes:
+                samples[name][n].append(run(n))
+    return {name: {n: statistics.median(s[1:]) * 1e3 for n, s in by_n.items()} for name, by_n in samples.items()}
+
+
+def _pass_timer(model: PreTrainedModel, scope: contextlib.AbstractContextManager, sizes: list[int], prefix: int,
+                static_cache: bool, compile: bool | str):
+    """A function timing one pass of ``n`` new nodes (seconds) after ``prefix`` cached tokens."""
+    device = model.get_output_embeddings().weight.device
+    vocab = model.config.vocab_size
+    static = bool(static_cache or compile)
+    forward = kv.compiled_forward(device, compile) if compile else kv.forward
+    cache = kv.new_static_cache(model, prefix + max(sizes)) if static else kv.new_cache()
+    width = kv.capacity(cache)
+    ids = torch.randint(0, vocab, (1, prefix), device=device)
+    mask = kv.causal_mask(model, 0, prefix, model.dtype, device, width) if static else None
+    with scope:
+        kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, mask, logits_rows=slice(-1, None))
+    setups = {}
+    for n in sizes:
+        tree = compile_tree([(i,) for i in range(n - 1)]).to(device)
+        setups[n] = (tree, torch.randint(0, vocab, (1, n), device=device), (prefix + tree.depth)[None])
+
+    def run(n: int) -> float:
+        tree, tokens, positions = setups[n]
+        with scope:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            if static or n > 1:
+                mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype, width)
+            else:
+                mask = None
+            logits, _ = forward(model, tokens, positions, cache, mask)
+            logits.argmax(-1).tolist()  # the step's host sync
+            seconds = time.perf_counter() - t0
+            kv.crop(cache, prefix)
+        return seconds
+
+    return run

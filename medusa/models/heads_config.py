@@ -1,0 +1,111 @@
+"""A heads folder's format, for heads of every kind: ``config.json`` (:class:`HeadsConfig`)
+and ``model.safetensors``, written atomically; nothing is pickled. ``calibration.json`` and
+the n-gram table sit beside them (read by :mod:`medusa.models.loader`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from medusa.errors import MedusaError
+from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
+from medusa.runtime.files import atomic_folder
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+# Written by scripts/calibrate_tree.py: per-device trees and the draft vocabulary.
+CALIBRATION_NAME = "calibration.json"
+MODEL_TYPE = "medusa_heads"
+PROJECTIONS = ("shared", "per_head")
+# "medusa": independent heads, one per future token (medusa.models.heads); "eagle": one
+# autoregressive decoder layer over the target's features (medusa.models.eagle_heads).
+KINDS = ("medusa", "eagle")
+# How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle_heads):
+# "norms" (the layer's own input norm, then the target's final norm: folders written before
+# layouts existed) or "eagle1" (neither: vLLM's EAGLE-1 Llama drafter, so it exports to vLLM).
+EAGLE_LAYOUTS = ("norms", "eagle1")
+
+
+@dataclass
+class HeadsConfig:
+    """Everything needed to rebuild the heads and check they fit a target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    projection: str = "shared"
+    base_model: str | None = None
+    kind: str = "medusa"  # folders written before kinds existed are Medusa heads
+    eagle_layout: str = "norms"  # eagle heads only; folders written before layouts existed are "norms"
+    # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise MedusaError(f"unknown heads kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        if self.eagle_layout not in EAGLE_LAYOUTS:
+            raise MedusaError(f"unknown eagle layout {self.eagle_layout!r}: use one of {', '.join(EAGLE_LAYOUTS)}")
+        if self.projection not in PROJECTIONS:
+            raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"model_type": MODEL_TYPE, **asdict(self)}
+        if self.kind != "eagle":
+            del data["eagle_layout"]  # Medusa folders stay as they were
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadsConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def checked_draft_vocab(ids: torch.Tensor | list[int] | None, vocab_size: int,
+                        device: torch.device | None = None) -> torch.Tensor | None:
+    """A draft vocabulary as sorted unique ids, checked against ``vocab_size`` (None: none), on
+    ``device`` (the projection's, so that it indexes that projection's top-k where it lives)."""
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids, dtype=torch.long).unique()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise MedusaError(f"draft vocabulary ids must lie in [0, {vocab_size}): regenerate it for this model")
+    return ids if device is None else ids.to(device)
+
+
+def base_model_name(model: nn.Module) -> str | None:
+    """The name heads record as their base: the model's ``name_or_path``, with the embedded
+    default's cache folder replaced by its Hub id (a path on one machine means nothing on another)."""
+    base = getattr(model.config, "name_or_path", None)
+    if base and Path(base).name == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_ID
+    return base or None
+
+
+def save_heads(heads: nn.Module, folder: str | Path) -> Path:
+    """Weights + config into ``folder``, atomically; other files it had (model card, eval
+    records) are kept."""
+    with atomic_folder(folder, keep_other_files=True) as tmp:
+        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
+    return Path(folder)
+
+
+def read_heads_config(folder: str | Path) -> HeadsConfig:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise MedusaError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass a folder written by train/train_heads.py")
+    data = json.loads(path.read_text())
+    if data.get("model_type") != MODEL_TYPE:
+        raise MedusaError(f"{path} is not a medusa heads config (model_type={data.get('model_type')!r})")
+    return HeadsConfig.from_dict(data)
