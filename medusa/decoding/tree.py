@@ -166,35 +166,3 @@ def tree_key(device_type: str, dtype: torch.dtype) -> str:
     depends on the device and the dtype. float32 keeps the bare device type (files written
     before dtypes were told apart); other dtypes add theirs, e.g. ``"cpu-bfloat16"``."""
     return device_type if dtype == torch.float32 else f"{device_type}-{str(dtype).removeprefix('torch.')}"
-
-
-def best_tree(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path_]:
-    """The ``num_nodes`` paths with the highest probability of being accepted.
-
-    ``accuracy[d][r]`` is the probability that head ``d``'s rank-``r`` candidate is the
-    right token (measured on held-out data). Treating heads as independent, a path is
-    accepted with the product of its nodes' accuracies; that product never grows along a
-    path, so the best set is always prefix-closed (a valid tree). This is Medusa's greedy
-    construction; the expected accepted length of the tree is the sum of the chosen values.
-    """
-    frontier: list[tuple[float, Path_]] = [(accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
-    chosen: list[Path_] = []
-    while frontier and len(chosen) < num_nodes:
-        frontier.sort(key=lambda vp: (-vp[0], len(vp[1]), vp[1]))
-        value, path = frontier.pop(0)
-        chosen.append(path)
-        d = len(path)
-        if d < len(accuracy):
-            frontier.extend((value * accuracy[d][r], path + (r,)) for r in range(len(accuracy[d])))
-    return _normalise(chosen)
-
-
-def expected_accepted(accuracy: Sequence[Sequence[float]], paths: Sequence[Path_]) -> float:
-    """Expected tokens per step of a tree under independent per-head accuracies (bonus token included)."""
-    total = 1.0
-    for p in paths:
-        value = 1.0
-        for d, r in enumerate(p):
-            value *= accuracy[d][r] if r < len(accuracy[d]) else 0.0
-        total += value
-    return total
