@@ -1,4 +1,5 @@
-"""The package's shape: every module imports, module-level imports form no cycle, functions stay short."""
+"""The package's shape: every module imports, imports form no cycle (function-level ones
+included) and point down the layers, functions stay short."""
 
 from __future__ import annotations
 
@@ -21,24 +22,34 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def _targets(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    """Every module name an import statement may load (a package and its named submodules)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def imports(path: Path, name: str, known: set[str], top_level_only: bool = False) -> set[str]:
+    """medusa modules that ``name`` imports: every import statement, those inside functions and
+    ``if TYPE_CHECKING:`` included, or with ``top_level_only`` the module-level statements only
+    (what runs when ``name`` is imported)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {t for t in _targets(node, package) if t in known and t != name}
+    return out
+
+
 def top_level_imports(path: Path, name: str, known: set[str]) -> set[str]:
     """medusa modules imported when ``name`` is imported: module-level statements only
     (imports inside functions or ``if TYPE_CHECKING:`` run later or never)."""
-    tree = ast.parse(path.read_text())
-    out: set[str] = set()
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        out |= {t for t in targets if t in known and t != name}
-    return out
+    return imports(path, name, known, top_level_only=True)
 
 
 def test_every_module_imports():
@@ -69,16 +80,68 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles():
+def import_graph(top_level_only: bool) -> dict[str, set[str]]:
     mods = modules()
-    graph = {name: top_level_imports(path, name, set(mods)) for name, path in mods.items()}
+    graph = {name: imports(path, name, set(mods), top_level_only) for name, path in mods.items()}
     # a package's __init__ runs before any of its submodules (medusa's own is lazy)
     for name in mods:
         parent = name.rpartition(".")[0]
         if parent in graph and parent != "medusa":
             graph[name].add(parent)
-    cycle = find_cycle(graph)
+    return graph
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph(top_level_only=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycles_behind_function_level_imports():
+    """An import moved into a function still ties the two modules together: none may close a cycle."""
+    cycle = find_cycle(import_graph(top_level_only=False))
+    assert cycle is None, "import cycle (function-level imports counted): " + " -> ".join(cycle or [])
+
+
+# The layers, bottom up: each may import only those below it (and its own package).
+# entry points -> api -> autotune -> decoding / training / hub -> models -> runtime (+ errors, config)
+ABOVE = {
+    "medusa.errors": ("medusa.config", "medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training",
+                      "medusa.hub", "medusa.autotune", "medusa.api"),
+    "medusa.config": ("medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training", "medusa.hub",
+                      "medusa.autotune", "medusa.api"),
+    "medusa.runtime": ("medusa.models", "medusa.decoding", "medusa.training", "medusa.hub", "medusa.autotune",
+                       "medusa.api"),
+    "medusa.models": ("medusa.decoding", "medusa.training", "medusa.hub", "medusa.autotune", "medusa.api"),
+    "medusa.decoding": ("medusa.autotune", "medusa.api"),
+    "medusa.training": ("medusa.autotune", "medusa.api"),
+    "medusa.hub": ("medusa.autotune", "medusa.api"),
+    "medusa.autotune": ("medusa.api",),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> import`` for each import that points up the layers (:data:`ABOVE`)."""
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for layer, above in ABOVE.items()
+                  if _within(name, layer) for target in targets if any(_within(target, up) for up in above))
+
+
+def test_imports_point_down_the_layers():
+    found = layer_violations(import_graph(top_level_only=False))
+    assert not found, f"imports from a layer above: {found}"
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    from medusa.decoding.engine import Engine\n")
+    known = {"medusa.models.m", "medusa.decoding.engine"}
+    graph = {"medusa.models.m": imports(tmp_path / "m.py", "medusa.models.m", known)}
+    assert top_level_imports(tmp_path / "m.py", "medusa.models.m", known) == set()
+    assert layer_violations(graph) == ["medusa.models.m -> medusa.decoding.engine"]
+    assert layer_violations({"medusa.decoding.x": {"medusa.models.y", "medusa.runtime.hf"}}) == []
+    assert layer_violations({"medusa.runtime.hf": {"medusa.models.heads"}}) == ["medusa.runtime.hf -> medusa.models.heads"]
 
 
 def test_the_checks_see_a_cycle(tmp_path):
