@@ -59,7 +59,7 @@ def test_bad_values_are_medusa_errors(args, match):
     ("max_samples", "0", "max_samples=0 must be at least 1"),
 ])
 def test_training_values_out_of_range_are_refused_before_anything_loads(field, value, match, tmp_path):
-    from medusa.training.draft import DraftTrainConfig
+    from medusa.training.draft_task import DraftTrainConfig
 
     with pytest.raises(MedusaError, match=f"^flags: {match}$"):
         parse_config(TrainConfig, [f"--{field}", value])
@@ -117,7 +117,7 @@ def test_accelerate_yaml(path):
 
 
 def test_heads_and_draft_share_one_schema_for_common_settings(tmp_path, caplog):
-    from medusa.training.draft import DraftTrainConfig
+    from medusa.training.draft_task import DraftTrainConfig
 
     shared = {f.name for f in fields(TrainConfig)} & {f.name for f in fields(DraftTrainConfig)}
     assert {"model", "data", "max_length", "cache_dir", "teacher_topk", "train_vocab", "lr", "eval_every"} <= shared

@@ -13,7 +13,7 @@ from train_fixtures import tiny_target, write_counting_data
 import medusa
 from medusa.config import parse_config
 from medusa.errors import MedusaError
-from medusa.training.draft import RECORD, DraftTrainConfig, distill_loss, topk_distill_loss
+from medusa.training.draft_task import RECORD, DraftTrainConfig, distill_loss, topk_distill_loss
 from train.train_draft import main
 
 REPO = Path(__file__).resolve().parent.parent

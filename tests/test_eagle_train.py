@@ -114,7 +114,7 @@ def test_eagle_init_choice_is_honoured():
 
 def test_eagle_init_is_a_config_field_the_trainer_uses():
     from medusa.config import TrainConfig, from_dict
-    from medusa.training.heads import HeadsTask
+    from medusa.training.heads_task import HeadsTask
 
     model = tiny_model("llama")
     last = model.get_decoder().layers[-1].state_dict()["self_attn.q_proj.weight"]
@@ -130,7 +130,7 @@ def test_eagle_layout_is_a_config_field_and_eagle1_starts_as_the_fused_input():
     from medusa.config import TrainConfig, from_dict
     from medusa.models.eagle_heads import additive_mask
     from medusa.runtime.hf import new_cache
-    from medusa.training.heads import HeadsTask
+    from medusa.training.heads_task import HeadsTask
 
     model = tiny_model("llama")
     with torch.no_grad():  # non-trivial norm weights, so the folding shows

@@ -30,7 +30,7 @@ from medusa.models.heads_config import HeadsConfig
 from medusa.models.target import load_target
 from medusa.training.loop import TrainConfig
 
-# What train/train_heads.py records in the heads config (medusa/training/heads.py: finish).
+# What train/train_heads.py records in the heads config (medusa/training/heads_task.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],
                                     output_dir="/home/someone/runs/heads"))
 EXTRA = {"training_args": TRAINING_ARGS, "accuracy_reference": "target argmax", "steps": 500, "train_seconds": 5400.0,

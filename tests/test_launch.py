@@ -24,7 +24,7 @@ from medusa.models.target import load_target
 from medusa.training.batches import collate
 from medusa.training.data import build_datasets
 from medusa.training.distributed import cpu_threads_warning, usable_cores
-from medusa.training.heads import HeadsTrainer, summarise
+from medusa.training.heads_task import HeadsTrainer, summarise
 from medusa.training.loop import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ With no arguments the draft of the embedded SmolLM2-135M-Instruct is built from 
 layers, distilled on ShareGPT and saved where ``medusa.load(draft="default")`` finds it
 (``~/.cache/medusa/models/SmolLM2-135M-Instruct-draft``). Every field, its default and its
 meaning: ``python -m train.train_draft --help``. The loop (the one heads use too) lives in
-``medusa/training/loop.py``, what is particular to a draft in ``medusa/training/draft.py``; this
+``medusa/training/loop.py``, what is particular to a draft in ``medusa/training/draft_task.py``; this
 file only parses the config and reports errors.
 """
 
@@ -17,7 +17,7 @@ import logging
 
 from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.errors import require_extra
-from medusa.training.draft import DraftTrainConfig
+from medusa.training.draft_task import DraftTrainConfig
 from medusa.training.loop import train
 
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     with log_above_progress_bars():
         cfg = parse_config(DraftTrainConfig, argv)
         folder = train(cfg)
-    logging.getLogger("medusa.training.draft").info("draft written to %s", folder)
+    logging.getLogger("medusa.training.draft_task").info("draft written to %s", folder)
     return 0
 
 

@@ -5,7 +5,7 @@ target and data, the task's module and batches, optimizer and schedule, resume),
 :func:`loop` (accumulate, clip, step, log, evaluate, checkpoint) and hands the trained module
 back to its task to write. What differs between kinds (the module and its loss, its
 batches, its metrics, its output folder) is behind the small :class:`Task` interface:
-``heads.py`` (Medusa, EAGLE, Medusa-2 with LoRA) and ``draft.py``. ``accelerate`` provides
+``heads_task.py`` (Medusa, EAGLE, Medusa-2 with LoRA) and ``draft_task.py``. ``accelerate`` provides
 the device, DDP and DeepSpeed; ``transformers.get_scheduler`` the learning-rate schedule.
 
 Data order is a pure function of ``(seed, epoch, step)`` (``batches.py``) and checkpoints
@@ -47,8 +47,8 @@ from medusa.training.distributed import (
     usable_cores,
     whole_weights,
 )
-from medusa.training.draft import DraftTask, DraftTrainConfig
-from medusa.training.heads import HeadsTask
+from medusa.training.draft_task import DraftTask, DraftTrainConfig
+from medusa.training.heads_task import HeadsTask
 
 log = logging.getLogger("medusa.training.loop")
 

@@ -38,7 +38,7 @@ from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
 from medusa.training.feature_cache import FeatureCache, open_caches, run_target
 from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 
-log = logging.getLogger("medusa.training.heads")
+log = logging.getLogger("medusa.training.heads_task")
 
 
 # -- what gets trained --------------------------------------------------------------------------

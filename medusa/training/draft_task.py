@@ -55,7 +55,7 @@ from medusa.training.data import DataSplits, Example
 from medusa.training.feature_cache import FeatureCache, open_caches
 from medusa.training.losses import frequent_tokens, soft_cross_entropy, teacher_in_vocab, vocab_index
 
-log = logging.getLogger("medusa.training.draft")
+log = logging.getLogger("medusa.training.draft_task")
 
 RECORD = "draft_training.json"
 
