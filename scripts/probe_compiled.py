@@ -24,7 +24,7 @@ from transformers import AttentionInterface, StaticCache
 
 import medusa
 from medusa.config import count
-from medusa.runtime.exact import OpaqueRMSNorm
+from medusa.runtime.opaque import OpaqueRMSNorm
 
 
 @torch.library.custom_op("medusa_probe::sdpa", mutates_args=())

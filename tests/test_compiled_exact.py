@@ -16,8 +16,9 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
-from medusa.runtime.exact import OpaqueRMSNorm, OpaqueRotary, opaque_ops, set_exact
+from medusa.runtime.exact import set_exact
 from medusa.runtime.kernels import MergeStacked, onednn_available
+from medusa.runtime.opaque import OpaqueRMSNorm, OpaqueRotary, opaque_ops
 
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33]
 

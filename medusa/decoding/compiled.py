@@ -46,7 +46,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from medusa.runtime import exact
+from medusa.runtime import exact, opaque
 from medusa.runtime import hf as kv
 from medusa.runtime import kernels as packed
 
@@ -66,8 +66,8 @@ def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
         "config": model.config.to_json_string(use_diff=False),
         "attention": str(getattr(model.config, "_attn_implementation", None)),
         "dtype": str(model.dtype), "kernels": kernels, "packing": packed.PACKING_VERSION, "backend": backend,
-        # opaque norms and rotary (exact.opaque_ops) move the rotary's buffers the graph reads
-        "opaque": sum(isinstance(m, (exact.OpaqueRMSNorm, exact.OpaqueRotary)) for m in model.modules()),
+        # opaque norms and rotary (opaque.opaque_ops) move the rotary's buffers the graph reads
+        "opaque": sum(isinstance(m, (opaque.OpaqueRMSNorm, opaque.OpaqueRotary)) for m in model.modules()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 

@@ -26,9 +26,10 @@ from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
-from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, opaque_ops, set_exact
+from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
 from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
+from medusa.runtime.opaque import opaque_ops
 
 
 @dataclass
