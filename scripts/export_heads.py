@@ -32,6 +32,7 @@ from medusa.hub.export import (
 from medusa.hub.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
 from medusa.models.heads_config import CALIBRATION_NAME
 from medusa.models.target import parse_dtype
+from medusa.runtime.files import read_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def read_draft_vocab(folder: Path) -> list[int]:
     path = folder / CALIBRATION_NAME
-    vocab = json.loads(path.read_text()).get("draft_vocab") if path.is_file() else None
+    fix = "run scripts/calibrate_tree.py again, or drop --draft-vocab"
+    vocab = read_json(path, fix).get("draft_vocab") if path.is_file() else None
     if not vocab:
         raise MedusaError(f"{folder} has no calibrated draft vocabulary: run scripts/calibrate_tree.py first, or drop --draft-vocab")
     return vocab

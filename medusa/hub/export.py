@@ -57,11 +57,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from medusa.errors import MedusaError
-from medusa.models.heads_config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-from medusa.runtime.files import atomic_folder, refuse_foreign
+from medusa.models.heads_config import CONFIG_NAME, REFETCH, WEIGHTS_NAME, HeadsConfig
+from medusa.runtime.files import atomic_folder, read_tensors, refuse_foreign
 
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 FD_PICKLE = "medusa_lm_head.pt"
@@ -83,8 +83,8 @@ def is_fasterdecoding_folder(folder: str | Path) -> bool:
     if not path.is_file():
         return False
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # cut off or garbage: the heads reader names the file
         return False
     return isinstance(data, dict) and "medusa_num_heads" in data
 
@@ -125,7 +125,7 @@ def read_fasterdecoding(folder: str | Path) -> tuple[HeadsConfig, dict[str, torc
     except (KeyError, TypeError, ValueError):
         raise MedusaError(f"{folder / CONFIG_NAME} has no integer medusa_num_heads/medusa_num_layers") from None
     if (folder / FD_WEIGHTS).is_file():
-        raw = load_file(folder / FD_WEIGHTS)
+        raw = read_tensors(folder / FD_WEIGHTS, REFETCH)
     elif (folder / FD_PICKLE).is_file():
         raw = load_plain_tensors(folder / FD_PICKLE)
     else:

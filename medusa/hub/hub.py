@@ -22,16 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.hub.card import HUB_ID, card_base_model, model_card, public_record
 from medusa.hub.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import CALIBRATION_NAME, CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, read_heads_config
+from medusa.models.heads_config import (
+    CALIBRATION_NAME,
+    CONFIG_NAME,
+    REFETCH,
+    WEIGHTS_NAME,
+    HeadsConfig,
+    read_heads_config,
+)
 from medusa.models.loader import apply_calibration, check_state, heads_from_state
-from medusa.runtime.files import refuse_foreign
+from medusa.runtime.files import read_tensors, refuse_foreign
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 CARD_NAME = "README.md"
@@ -113,7 +120,7 @@ def read_heads(folder: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]
         weights = folder / WEIGHTS_NAME
         if not weights.is_file():
             raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
-        state = load_file(weights)
+        state = read_tensors(weights, REFETCH)
     if config.kind == "medusa":  # eagle heads are checked against their target when built
         with torch.device("meta"):
             check_state(config, MedusaHeads(config).state_dict(), state, folder)

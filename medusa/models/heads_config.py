@@ -16,12 +16,14 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
-from medusa.runtime.files import atomic_folder
+from medusa.runtime.files import atomic_folder, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Written by scripts/calibrate_tree.py: per-device trees and the draft vocabulary.
 CALIBRATION_NAME = "calibration.json"
+# What to do about a heads folder with a damaged or missing member (a copy that was cut off).
+REFETCH = "download or copy the heads folder again (or export it again where it was trained), or pass another folder"
 MODEL_TYPE = "medusa_heads"
 PROJECTIONS = ("shared", "per_head")
 # "medusa": independent heads, one per future token (medusa.models.heads); "eagle": one
@@ -105,7 +107,11 @@ def read_heads_config(folder: str | Path) -> HeadsConfig:
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
         raise MedusaError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass a folder written by train/train_heads.py")
-    data = json.loads(path.read_text())
+    data = read_json(path, REFETCH)
     if data.get("model_type") != MODEL_TYPE:
-        raise MedusaError(f"{path} is not a medusa heads config (model_type={data.get('model_type')!r})")
-    return HeadsConfig.from_dict(data)
+        raise MedusaError(f"{path} is not a medusa heads config (model_type={data.get('model_type')!r}): "
+                          "pass a folder written by train/train_heads.py")
+    try:
+        return HeadsConfig.from_dict(data)
+    except (TypeError, ValueError) as err:  # a required field missing, a number that is not one
+        raise MedusaError(f"{path} is damaged ({str(err)[:160]}): {REFETCH}") from None

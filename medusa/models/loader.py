@@ -3,11 +3,9 @@ bound to their target, and fresh Medusa heads sized for a target."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from medusa.errors import MedusaError
@@ -15,11 +13,13 @@ from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
+    REFETCH,
     WEIGHTS_NAME,
     HeadsConfig,
     base_model_name,
     read_heads_config,
 )
+from medusa.runtime.files import read_json, read_tensors
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 
@@ -41,7 +41,8 @@ def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
-    return apply_calibration(heads_from_state(config, load_file(weights), model, device, dtype, where=weights), folder)
+    state = read_tensors(weights, REFETCH)
+    return apply_calibration(heads_from_state(config, state, model, device, dtype, where=weights), folder)
 
 
 def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model: nn.Module | None = None,
@@ -96,12 +97,20 @@ def apply_calibration(heads: nn.Module, folder: str | Path) -> nn.Module:
     heads.ngrams = NgramTable.load(table, heads.config.vocab_size) if table.is_file() else None
     calibration = Path(folder) / CALIBRATION_NAME
     if calibration.is_file():
-        record = json.loads(calibration.read_text())
-        if hasattr(heads, "trees"):
-            heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
-        if hasattr(heads, "dynamic"):
-            heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
-            heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
-        if record.get("draft_vocab"):
-            heads.set_draft_vocab(record["draft_vocab"])
+        record = read_json(calibration, "run scripts/calibrate_tree.py again, or delete it (the heads work without it)")
+        try:
+            _take_calibration(heads, record)
+        except (AttributeError, TypeError, ValueError) as err:  # the right JSON, the wrong shapes inside
+            raise MedusaError(f"{calibration} does not hold calibrated trees ({str(err)[:120]}): run "
+                              "scripts/calibrate_tree.py again, or delete it (the heads work without it)") from None
     return heads
+
+
+def _take_calibration(heads: nn.Module, record: dict) -> None:
+    if hasattr(heads, "trees"):
+        heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
+    if hasattr(heads, "dynamic"):
+        heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
+        heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
+    if record.get("draft_vocab"):
+        heads.set_draft_vocab(record["draft_vocab"])

@@ -12,10 +12,11 @@ import importlib.util
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
-from medusa.runtime.files import atomic_folder, cache_root
+from medusa.runtime.files import atomic_folder, cache_root, damaged_member, drop_cache_entry
 from medusa.runtime.hf import check_architecture
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -93,9 +94,24 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     """
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     folder = root / "models" / DEFAULT_MODEL_NAME
-    if not (folder / "config.json").is_file():
+    if not _cached_model_ok(folder):
         _dequantise(embedded_gguf_path(), folder, DEFAULT_MODEL_ID)
     return folder
+
+
+def _cached_model_ok(folder: Path) -> bool:
+    """Whether the converted folder is there and whole; a damaged one (a disk that filled up,
+    a file cut off by hand) is dropped with one warning line, to be converted again."""
+    if not folder.is_dir():
+        return False
+    damaged = None if (folder / "config.json").is_file() else (folder / "config.json", "missing")
+    damaged = damaged or damaged_member(folder)
+    if damaged is None and not any(folder.glob("*.safetensors")):
+        damaged = (folder / "model.safetensors", "missing")
+    if damaged is None:
+        return True
+    drop_cache_entry(folder, f"damaged ({damaged[0].name}: {damaged[1]})")
+    return False
 
 
 def gguf_model_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
@@ -106,7 +122,7 @@ def gguf_model_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     folder = root / "models" / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}-{head}"
-    if not (folder / "config.json").is_file():
+    if not _cached_model_ok(folder):
         _dequantise(gguf, folder, gguf.stem)
     return folder
 
@@ -116,8 +132,13 @@ def _dequantise(gguf: Path, folder: Path, name_or_path: str) -> None:
     safetensors folder that later loads in about a second."""
     # Another process may finish the same conversion first: its folder is then replaced by an identical one.
     with atomic_folder(folder) as tmp:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as err:  # noqa: BLE001 - the gguf reader's many errors for a cut-off or foreign file
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise MedusaError(f"cannot read the GGUF file {gguf} ({first}): it is damaged or not a model; "
+                              "download it again or pass another file") from None
         # A GGUF-loaded model carries quantizer state that save_pretrained refuses;
         # the weights are already dequantised, so dropping it saves a plain model.
         _drop_gguf_quantizer(model)
@@ -138,6 +159,10 @@ def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise MedusaError(f"{path} is not a model folder (no config.json): point --model at a Hugging Face model folder")
+        damaged = damaged_member(path)
+        if damaged is not None:
+            raise MedusaError(f"{damaged[0]} is damaged ({damaged[1]}): download or save the model again, "
+                              "or pass another folder")
         has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
         if not has_safetensors and any(path.glob("*.bin")):
             raise MedusaError(f"{path} holds only pickled .bin weights; medusa loads safetensors only: convert the folder with save_pretrained(safe_serialization=True)")
@@ -178,6 +203,9 @@ def load_target(
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                                   use_safetensors=True)
+    except SafetensorError as err:  # a Hub download cut off (local folders are checked in _resolve)
+        raise MedusaError(f"the weights of model {model!r} are damaged ({str(err).strip()[:160]}): download them "
+                          "again (delete the model from the Hugging Face cache) or pass another model") from None
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MedusaError(f"cannot load model {model!r}: {first}") from err

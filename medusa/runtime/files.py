@@ -1,6 +1,11 @@
-"""Files on disk: where medusa caches what it derives (:func:`cache_root`), and atomic writes
+"""Files on disk: where medusa caches what it derives (:func:`cache_root`), atomic writes
 of model folders and small files, the one helper every writer uses (heads, the embedded
-target, draft models, vLLM exports, training records, feature caches).
+target, draft models, vLLM exports, training records, feature caches), and checked reads.
+
+A file the user handed over (a heads folder, a model folder, a config) that is cut off, empty
+or garbage is a one-line :class:`MedusaError` naming the file and the fix (:func:`read_json`,
+:func:`read_tensors`, :func:`damaged_member`); a cache entry in the same state is dropped and
+rebuilt with one warning line (:func:`drop_cache_entry`).
 
 A reader never sees half a folder: everything is written into a hidden sibling folder first
 and swapped in only when the writer's block ends without an error. A failed writer leaves
@@ -9,6 +14,8 @@ the previous folder as it was and no temporary folder behind.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from medusa.errors import MedusaError
+
+log = logging.getLogger("medusa.cache")
 
 
 def cache_root() -> Path:
@@ -77,3 +86,80 @@ def refuse_foreign(out: Path, allowed: Iterable[str], flag: str) -> None:
     foreign = [p.name for p in out.iterdir() if p.name not in allowed] if out.is_dir() else [out.name]
     if foreign:
         raise MedusaError(f"{out} exists and holds {', '.join(sorted(foreign)[:3])}: choose an empty or new {flag}")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+
+
+def read_json(path: str | Path, fix: str) -> dict:
+    """The JSON object in ``path``; a missing, unreadable, cut-off, garbage or non-object file
+    is a one-line :class:`MedusaError` naming it, then ``fix`` (what the user should do)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise MedusaError(f"{path} is missing: {fix}") from None
+    except OSError as err:
+        raise MedusaError(f"cannot read {path} ({err.strerror}): {fix}") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError: cut off, empty or garbage
+        raise MedusaError(f"{path} is damaged (not JSON: {_first_line(err)}): {fix}") from None
+    if not isinstance(data, dict):
+        raise MedusaError(f"{path} is damaged (a JSON {type(data).__name__}, not an object): {fix}")
+    return data
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file (missing, cut off, garbage), else None.
+    Reads only its header: the check costs no more than opening it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy"):
+            return None
+    except FileNotFoundError:
+        return "missing"
+    except (SafetensorError, OSError, ValueError) as err:  # safetensors checks the header covers the file
+        return _first_line(err)
+
+
+def read_tensors(path: str | Path, fix: str) -> dict:
+    """``{name: tensor}`` of the safetensors file ``path``, or a one-line :class:`MedusaError`
+    naming it when it is missing, cut off or garbage, then ``fix``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    problem = safetensors_problem(path)
+    if problem is None:
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            problem = _first_line(err)
+    raise MedusaError(f"{path} is missing: {fix}" if problem == "missing" else f"{path} is damaged ({problem}): {fix}")
+
+
+def damaged_member(folder: str | Path) -> tuple[Path, str] | None:
+    """The first file of a model folder that is cut off or garbage, and why: every ``*.json``
+    must parse and every ``*.safetensors`` must have a whole header and cover its data."""
+    folder = Path(folder)
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, ValueError) as err:
+            return path, f"not JSON: {_first_line(err)}"
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem is not None:
+            return path, problem
+    return None
+
+
+def drop_cache_entry(path: str | Path, why: str) -> None:
+    """Delete the damaged cache entry ``path`` (a file or a folder), saying so in one warning
+    line; its caller then builds it again. Deleting a cache entry is always safe."""
+    path = Path(path)
+    log.warning("medusa: the cached %s is %s; rebuilding it", path, why)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

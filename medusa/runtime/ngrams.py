@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa.errors import MedusaError
+from medusa.runtime.files import atomic_file
 
 NGRAMS_NAME = "ngrams.safetensors"
 FORMAT = "medusa-ngrams-1"
@@ -163,27 +164,30 @@ class NgramTable:
             tensors[f"tokens.{n}"] = self.tokens[n].astype(np.int32)
         meta = {"format": FORMAT, "vocab_size": str(self.vocab_size), "min_count": str(self.min_count),
                 "sequences": str(self.sequences), "corpus_tokens": str(self.corpus_tokens)}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> NgramTable:
-        """Read a table; ``vocab_size``: the heads' (a table made for another vocabulary is an error)."""
-        from safetensors import safe_open
+        """Read a table; ``vocab_size``: the heads' (a table made for another vocabulary is an error,
+        and so is a file that is cut off or not a table: one line naming it)."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise MedusaError(f"{path} is not an n-gram table of this version (format {meta.get('format')!r}): "
-                                  "rebuild it with scripts/build_ngrams.py")
-            names = list(f.keys())
-            ns = sorted({int(name.split(".")[1]) for name in names})
-            keys = {n: f.get_tensor(f"keys.{n}").astype(np.uint64) for n in ns}
-            tokens = {n: f.get_tensor(f"tokens.{n}").astype(np.int64) for n in ns}
-        table = cls(keys, tokens, int(meta["vocab_size"]), int(meta["min_count"]),
-                    int(meta.get("sequences", 0)), int(meta.get("corpus_tokens", 0)))
+        rebuild = "rebuild it with scripts/build_ngrams.py (or delete it: the heads work without it)"
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise MedusaError(f"{path} is not an n-gram table of this version (format {meta.get('format')!r}): "
+                                      + rebuild)
+                ns = sorted({int(name.split(".")[1]) for name in f.keys()})
+                keys = {n: f.get_tensor(f"keys.{n}").astype(np.uint64) for n in ns}
+                tokens = {n: f.get_tensor(f"tokens.{n}").astype(np.int64) for n in ns}
+            table = cls(keys, tokens, int(meta["vocab_size"]), int(meta["min_count"]),
+                        int(meta.get("sequences", 0)), int(meta.get("corpus_tokens", 0)))
+        except (SafetensorError, OSError, ValueError, KeyError, IndexError) as err:
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise MedusaError(f"{path} is damaged ({why}): {rebuild}") from None
         if vocab_size is not None and table.vocab_size != vocab_size:
             raise MedusaError(f"{path} was built for a vocabulary of {table.vocab_size} tokens, the heads have "
                               f"{vocab_size}: rebuild it with scripts/build_ngrams.py for this target")
