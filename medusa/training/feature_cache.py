@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from medusa.errors import MedusaError
-from medusa.runtime.files import atomic_file
+from medusa.runtime.files import atomic_file, drop_cache_entry
 from medusa.runtime.hf import lm_logits
 from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
 from medusa.training.data import DataSplits, Example
@@ -89,8 +89,7 @@ class Donor:
         top-k and width (caches written before the weights were recorded are not used)."""
         donors = []
         for folder in folders:
-            meta = folder / META
-            info = json.loads(meta.read_text()) if meta.is_file() else {}
+            info = read_meta(folder) or {}
             if (info.get("weights"), info.get("topk"), info.get("hidden_size")) != (weights, topk, hidden_size):
                 continue
             tokens, mask = np.load(folder / "tokens.npy"), np.load(folder / "loss_mask.npy")
@@ -106,8 +105,8 @@ def set_aside(folder: Path) -> None:
     so its successor can be built in ``folder`` while copying rows from it."""
     import shutil
 
-    if not (folder / META).is_file():
-        return  # none, or a build that was interrupted: overwritten in place
+    if read_meta(folder) is None:
+        return  # none, a build that was interrupted, or a damaged one: overwritten in place
     previous = folder.with_name(folder.name + PREVIOUS)
     if previous.exists():
         shutil.rmtree(previous)
@@ -169,8 +168,30 @@ class FeatureCache:
 
 
 def is_complete(folder: str | Path, fp: str) -> bool:
-    meta = Path(folder) / META
-    return meta.is_file() and json.loads(meta.read_text()).get("fingerprint") == fp
+    info = read_meta(Path(folder))
+    return info is not None and info.get("fingerprint") == fp
+
+
+def read_meta(folder: Path) -> dict | None:
+    """``meta.json`` of a whole cache, or None. A cache whose meta is cut off or garbage, or
+    whose arrays are missing or not the size it records (a full disk, a file cut by hand), is
+    dropped with one warning line: its builder runs again."""
+    meta = folder / META
+    if not meta.is_file():
+        return None
+    try:
+        info = json.loads(meta.read_bytes())
+        n, width, topk = int(info["tokens"]), int(info["hidden_size"]), int(info["topk"])
+        shapes = {"hidden": (n, width), "teacher_ids": (n, topk), "teacher_logp": (n, topk), "tokens": (n,),
+                  "loss_mask": (n,), "offsets": (int(info["sequences"]) + 1,)}
+        for name, shape in shapes.items():
+            found = np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False).shape
+            if found != shape:
+                raise ValueError(f"{name}.npy has shape {found}, {shape} was written")
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as err:
+        drop_cache_entry(folder, f"damaged ({(str(err).strip().splitlines() or [type(err).__name__])[0][:120]})")
+        return None
+    return info
 
 
 def length_groups(order: list[int], lengths: np.ndarray, batch_tokens: int) -> Iterator[list[int]]:

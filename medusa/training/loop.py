@@ -36,6 +36,7 @@ from medusa.training.checkpoints import (
     CHECKPOINTS,
     latest_checkpoint,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
     trainable_only,
 )
@@ -203,7 +204,7 @@ def resume(accelerator: Any, module: nn.Module, cfg: Any, out: Path) -> int:
     """The step to start from: 0, or the latest checkpoint's with ``resume`` (state restored)."""
     if not cfg.resume:
         return 0
-    ckpt = latest_checkpoint(out)
+    ckpt = resume_point(out)
     if ckpt is None:
         log.info("resume: no checkpoint in %s, starting fresh", out / CHECKPOINTS)
         return 0

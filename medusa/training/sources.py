@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,25 +143,34 @@ def read_json_file(path: str | Path, stats: DataStats, limit: int | None = None)
     if not path.is_file():
         raise MedusaError(f"data file not found: {path}")
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        kept = 0
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    stats.add("dropped")
-                    continue
-                stats.add("recovered")
-                kept += 1
-                yield obj
-                if limit is not None and kept >= limit:
-                    return
+        try:
+            yield from _read_jsonl(path, stats, limit)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:  # a .gz cut off in a copy, or not gzip at all
+            raise MedusaError(f"{path} is not a whole gzip file ({err}): copy it again, or pass the "
+                              "uncompressed .jsonl") from None
         return
     text = path.read_text(encoding="utf-8", errors="replace")
     yield from salvage_json_array(text, stats, limit)
+
+
+def _read_jsonl(path: Path, stats: DataStats, limit: int | None) -> Iterator[Any]:
+    """One record per line; a line that is not JSON (a cut-off last line) is dropped and counted."""
+    kept = 0
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                stats.add("dropped")
+                continue
+            stats.add("recovered")
+            kept += 1
+            yield obj
+            if limit is not None and kept >= limit:
+                return
 
 
 def read_hub(dataset_id: str, split: str, stats: DataStats, limit: int | None = None) -> Iterator[Any]:
