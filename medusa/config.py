@@ -124,7 +124,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise MedusaError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        if not text.strip():  # a config cut to nothing would otherwise train with every default
+            raise MedusaError(f"{path} is empty: write the fields that differ from the defaults into it, "
+                              "or drop --config")
+        data = yaml.safe_load(text) or {}
     except UnicodeDecodeError:
         raise MedusaError(f"{path} is not a text file (a YAML config): pass the training config YAML") from None
     except yaml.YAMLError as err:

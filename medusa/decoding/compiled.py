@@ -26,7 +26,8 @@ tracing for good, with a warning; ``fallback`` says why.
 saved runs its graph, any other runs eagerly, and a missing size is looked for again every
 ``RECHECK_S`` seconds, so the graphs a background build (``python -m infer.precompile``, which
 the chat starts) saves are picked up while the process runs. Saved files are pickles this package
-wrote itself into the user's cache, never files from the Hub. A load touches its file, and
+wrote itself into its own cache folder, never files from the Hub, each behind its sha256 digest,
+checked before it is unpickled (``FRAMING``). A load touches its file, and
 saving a new one deletes those no process loaded for ``STALE_DAYS`` (:func:`prune`), so the
 files of old versions and configs do not pile up.
 """
@@ -34,6 +35,7 @@ files of old versions and configs do not pile up.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import platform
@@ -49,7 +51,11 @@ from transformers import PreTrainedModel
 from medusa.runtime import exact, opaque
 from medusa.runtime import hf as kv
 from medusa.runtime import kernels as packed
+from medusa.runtime.files import atomic_file
 
+# A saved file is the sha256 digest of the pickle, then the pickle: the digest is checked before
+# anything is unpickled, so a file cut off or damaged on disk is compiled again, never run.
+FRAMING = "sha256-then-pickle"
 PREFIX, SLOTS = 4, 256  # the throwaway cache a graph is traced on: its contents do not matter
 STALE_DAYS = 30  # a saved pass no process loaded for this long is deleted when another is saved
 RECHECK_S = 5.0  # build=False: how often a missing size's file is looked for again
@@ -66,6 +72,7 @@ def fingerprint(model: PreTrainedModel, kernels: str, backend: str) -> str:
         "config": model.config.to_json_string(use_diff=False),
         "attention": str(getattr(model.config, "_attn_implementation", None)),
         "dtype": str(model.dtype), "kernels": kernels, "packing": packed.PACKING_VERSION, "backend": backend,
+        "framing": FRAMING,
         # opaque norms and rotary (opaque.opaque_ops) move the rotary's buffers the graph reads
         "opaque": sum(isinstance(m, (opaque.OpaqueRMSNorm, opaque.OpaqueRotary)) for m in model.modules()),
     }
@@ -159,8 +166,7 @@ class SavedPasses:
             self._looked[path] = now
         if path.is_file():
             try:
-                with open(path, "rb") as f:
-                    self.graphs[path] = torch.compiler.load_compiled_function(f)
+                self.graphs[path] = torch.compiler.load_compiled_function(io.BytesIO(_checked(path.read_bytes())))
                 self.loaded.append(rows)
                 _touch(path)  # in use: not stale (prune)
                 return self.graphs[path]
@@ -177,7 +183,7 @@ class SavedPasses:
             return None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            graph.save_compiled_function(str(path))  # written atomically
+            _save(graph, path)
             prune(self.folder)
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only cache, a backend that cannot serialize
             warnings.warn(f"medusa: the compiled pass for {rows} rows could not be saved to {path} ({_first_line(e)}); "
@@ -218,6 +224,22 @@ def prune(folder: Path, days: float = STALE_DAYS) -> list[Path]:
         except OSError:
             continue
     return gone
+
+
+def _save(graph, path: Path) -> None:
+    """The graph's pickle behind its digest (``FRAMING``), renamed into place whole."""
+    with atomic_file(path) as tmp:
+        graph.save_compiled_function(str(tmp))
+        payload = tmp.read_bytes()
+        tmp.write_bytes(hashlib.sha256(payload).digest() + payload)
+
+
+def _checked(data: bytes) -> bytes:
+    """The pickle of a saved file whose digest matches it (``FRAMING``), else a ValueError."""
+    payload = data[32:]
+    if len(data) < 32 or hashlib.sha256(payload).digest() != data[:32]:
+        raise ValueError("its checksum does not match: the file is cut off or damaged")
+    return payload
 
 
 def _touch(path: Path) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,7 +70,8 @@ def atomic_folder(folder: str | Path, keep_other_files: bool = False,
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling path to write; on success it replaces ``path`` in one rename."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of its own, so that two processes writing the same file never write into one temporary
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -232,7 +232,12 @@ def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_l
     train: list[Example] = []
     evals: list[Example] = []
     for source in sources:
-        convs = load_conversations(source, stats, split=split, max_samples=max_samples, seed=seed)
+        mine = DataStats()
+        convs = load_conversations(source, mine, split=split, max_samples=max_samples, seed=seed)
+        stats.merge(mine)
+        if not convs:  # empty, garbage, or records of another kind: say which source
+            raise MedusaError(f"{source} holds no usable conversations ({mine.summary() or 'no records'}): pass a "
+                              ".jsonl or .json file of conversations (ShareGPT or chat-messages form)")
         n_eval = max(1, round(len(convs) * eval_fraction)) if eval_fraction > 0 and len(convs) > 1 else 0
         rows = tokenise(tokenizer, [messages for _, messages in convs], max_length, num_proc, cache_dir,
                         desc=f"tokenise {source}", progress=progress)

@@ -150,6 +150,9 @@ def read_json_file(path: str | Path, stats: DataStats, limit: int | None = None)
                               "uncompressed .jsonl") from None
         return
     text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.lstrip().startswith("["):  # empty, garbage, or one object: not a list of records
+        raise MedusaError(f"{path} is not a JSON array of records ('[' first): pass a .json list of "
+                          "conversations or a .jsonl file")
     yield from salvage_json_array(text, stats, limit)
 
 

@@ -1,0 +1,458 @@
+"""Fault injection: every file medusa reads, cut off, emptied, overwritten with random bytes,
+removed, or replaced by a file of another kind or schema.
+
+What the user handed over (heads, model and draft folders, GGUF files, training configs, data
+files, checkpoints) gives one line naming the file and the fix; what medusa derived itself (the
+converted model, feature caches, tokenised rows, saved compiled passes) is dropped and built
+again with one warning line, and decoding stays identical to transformers' ``generate``.
+docs/troubleshooting.md lists the same matrix.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from tiny import hf_greedy, tiny_model
+from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder
+from train_fixtures import make_tokenizer, tiny_target, write_counting_data
+
+import medusa
+from medusa.config import TrainConfig, parse_config
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+from medusa.models.heads_config import save_heads
+from medusa.runtime.ngrams import NgramTable
+
+FAULTS = ("truncated", "zero", "random", "missing")
+
+
+def inject(path: Path, fault: str) -> None:
+    """Damage ``path`` as an interrupted copy, a full disk or a stray write would."""
+    data = path.read_bytes()
+    if fault == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif fault == "zero":
+        path.write_bytes(b"")
+    elif fault == "random":
+        path.write_bytes(random.Random(len(data)).randbytes(max(len(data), 64)))
+    elif fault == "missing":
+        path.unlink()
+    else:
+        raise ValueError(fault)
+
+
+def one_line(err: pytest.ExceptionInfo, *names: str) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, message
+    return message
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny target folder and a complete heads folder for it (weights, config, n-gram table,
+    calibration), to be copied and damaged."""
+    root = tmp_path_factory.mktemp("faults")
+    target = target_folder(root)
+    heads = root / "heads"
+    save_heads(random_heads(tiny_model("llama", vocab_size=96)), heads)
+    NgramTable.build([PROMPT * 3], 96).save(heads / "ngrams.safetensors")
+    (heads / "calibration.json").write_text(json.dumps({"trees": {"cpu": [[0], [1], [0, 0]]}}))
+    return {"target": target, "heads": heads, "root": root}
+
+
+def load(model: Path, heads: Path | None = None, draft: Path | None = None):
+    """``medusa.load`` without any measurement (asked-for dtype, kernels and draft dtype)."""
+    return medusa.load(model=str(model), heads=None if heads is None else str(heads),
+                       draft=None if draft is None else str(draft), device="cpu", dtype="float32",
+                       kernels="default", draft_dtype="float32", size_trees=False)
+
+
+# -- user files: one line -------------------------------------------------------------------------
+HEADS_MATRIX = [
+    *[("config.json", f, "config.json") for f in ("truncated", "zero", "random")],
+    ("config.json", "missing", "no config.json"),
+    *[("model.safetensors", f, "model.safetensors") for f in ("truncated", "zero", "random", "missing")],
+    *[("ngrams.safetensors", f, "ngrams.safetensors") for f in ("truncated", "zero", "random")],
+    *[("calibration.json", f, "calibration.json") for f in ("truncated", "zero", "random")],
+]
+
+
+@pytest.mark.parametrize("member,fault,named", HEADS_MATRIX)
+def test_a_damaged_heads_folder_is_one_line_from_the_api(files, tmp_path, member, fault, named):
+    heads = shutil.copytree(files["heads"], tmp_path / "heads")
+    inject(heads / member, fault)
+    with pytest.raises(MedusaError) as err:
+        load(files["target"], heads)
+    one_line(err, named)
+
+
+@pytest.mark.parametrize("member", ["ngrams.safetensors", "calibration.json"])
+def test_optional_heads_members_may_be_missing(files, tmp_path, member):
+    heads = shutil.copytree(files["heads"], tmp_path / "heads")
+    inject(heads / member, "missing")
+    engine = load(files["target"], heads)
+    assert engine.heads is not None
+    assert (engine.heads.ngrams is None) == (member == "ngrams.safetensors")
+
+
+def test_heads_members_of_another_kind_or_schema_are_one_line(files, tmp_path):
+    cases = {
+        # a model folder's config where the heads' belongs
+        "config.json": (lambda h: shutil.copy(files["target"] / "config.json", h / "config.json"), "model_type='llama'"),
+        # a table where the weights belong: other tensor names
+        "model.safetensors": (lambda h: shutil.copy(h / "ngrams.safetensors", h / "model.safetensors"), "does not match"),
+        "ngrams.safetensors": (lambda h: shutil.copy(h / "model.safetensors", h / "ngrams.safetensors"),
+                               "not an n-gram table of this version"),
+        "calibration.json": (lambda h: (h / "calibration.json").write_text('{"trees": 5}'), "calibrated trees"),
+    }
+    for member, (replace, said) in cases.items():
+        heads = shutil.copytree(files["heads"], tmp_path / member)
+        replace(heads)
+        with pytest.raises(MedusaError) as err:
+            load(files["target"], heads)
+        one_line(err, member, said)
+
+
+@pytest.mark.parametrize("role", ["model", "draft"])
+@pytest.mark.parametrize("member", ["config.json", "model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("fault", ["truncated", "zero", "random"])
+def test_a_damaged_model_or_draft_folder_is_one_line(files, tmp_path, role, member, fault):
+    folder = shutil.copytree(files["target"], tmp_path / "model")
+    inject(folder / member, fault)
+    with pytest.raises(MedusaError) as err:
+        load(folder) if role == "model" else load(files["target"], draft=folder)
+    one_line(err, member, "again")
+
+
+def test_a_model_folder_missing_a_member_is_one_line(files, tmp_path):
+    for member, said in (("config.json", "no config.json"), ("model.safetensors", "model.safetensors")):
+        folder = shutil.copytree(files["target"], tmp_path / member)
+        inject(folder / member, "missing")
+        with pytest.raises(MedusaError) as err:
+            load(folder)
+        one_line(err, said)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "zero", "random", "other kind", "missing"])
+def test_a_damaged_gguf_file_is_one_line(tmp_path, fault):
+    from medusa.models.target import embedded_gguf_path, load_target
+
+    path = tmp_path / "model.gguf"
+    if fault == "other kind":
+        path.write_text("a text file that only has the extension\n")
+    else:
+        with embedded_gguf_path().open("rb") as f:
+            path.write_bytes(f.read(1 << 20))  # the header and metadata's start: cut off in the vocabulary
+        if fault != "truncated":
+            inject(path, fault)
+    with pytest.raises(MedusaError) as err:
+        load_target(str(path), device="cpu", cache_dir=tmp_path / "cache")
+    one_line(err, "model.gguf")
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing half-converted left
+
+
+@pytest.mark.parametrize("text,said", [
+    ("model: x\nlr: [0.1,\n", "not valid YAML"),  # cut off inside a value
+    ("", "is empty"),
+    (None, "not a text file"),  # random bytes
+    ("- model\n- lr\n", "mapping"),  # a list: another kind of YAML file
+    ('{"model_type": "medusa_heads", "hidden_size": 64}', "unknown field"),  # a heads config passed by mistake
+])
+def test_a_damaged_training_config_is_one_line(tmp_path, text, said):
+    path = tmp_path / "train.yaml"
+    path.write_bytes(random.Random(0).randbytes(256) if text is None else text.encode())
+    with pytest.raises(MedusaError) as err:
+        parse_config(TrainConfig, ["--config", str(path)])
+    one_line(err, "train.yaml", said)
+
+
+def _data_file(tmp_path: Path, fault: str) -> Path:
+    good = write_counting_data(tmp_path / "good.jsonl", 24)
+    if fault == "gz truncated":
+        path = tmp_path / "data.jsonl.gz"
+        data = gzip.compress(good.read_bytes())
+        path.write_bytes(data[: len(data) // 2])
+    elif fault == "other kind":
+        path = tmp_path / "data.jsonl"
+        path.write_text("\n".join(json.dumps({"question_id": i, "score": i}) for i in range(8)) + "\n")
+    elif fault == "json random":
+        path = tmp_path / "data.json"
+        path.write_bytes(random.Random(1).randbytes(2048))
+    else:
+        path = shutil.copy(good, tmp_path / "data.jsonl")
+        inject(Path(path), fault)
+    return Path(path)
+
+
+@pytest.mark.parametrize("fault,said", [
+    ("zero", "no usable conversations"), ("random", "no usable conversations"), ("missing", "not found"),
+    ("gz truncated", "gzip"), ("other kind", "no usable conversations"), ("json random", "JSON array"),
+])
+def test_a_damaged_data_file_is_one_line(tmp_path, fault, said):
+    from medusa.training.data import build_datasets
+
+    path = _data_file(tmp_path, fault)
+    with pytest.raises(MedusaError) as err:
+        build_datasets(make_tokenizer(), [str(path)], 48, cache_dir=tmp_path / "rows")
+    one_line(err, path.name, said)
+
+
+def test_a_data_file_cut_off_mid_record_keeps_its_whole_records(tmp_path):
+    from medusa.training.data import build_datasets
+
+    path = write_counting_data(tmp_path / "data.jsonl", 24)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:12]) + lines[12][: len(lines[12]) // 2])  # the copy stopped inside record 13
+    splits = build_datasets(make_tokenizer(), [str(path)], 48, eval_fraction=0, cache_dir=tmp_path / "rows")
+    assert len(splits.train) == 12 and splits.stats["dropped"] == 1
+
+
+# -- caches: dropped and rebuilt with one warning ----------------------------------------------------
+def _cache_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "medusa.cache" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("fault", ["truncated", "zero", "random"])
+def test_a_damaged_tokenised_rows_cache_is_rebuilt_with_one_warning(tmp_path, caplog, fault):
+    from medusa.training.data import tokenise
+
+    tok = make_tokenizer()
+    convs = [json.loads(line)["messages"] for line in write_counting_data(tmp_path / "d.jsonl", 16).read_text().splitlines()]
+    first = tokenise(tok, convs, 48, num_proc=1, cache_dir=tmp_path / "rows")
+    (arrow,) = (tmp_path / "rows").glob("*.arrow")
+    inject(arrow, fault)
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        again = tokenise(tok, convs, 48, num_proc=1, cache_dir=tmp_path / "rows")
+    assert len(_cache_warnings(caplog)) == 1 and arrow.name in _cache_warnings(caplog)[0]
+    assert [(e.input_ids, e.loss_mask) for e in again] == [(e.input_ids, e.loss_mask) for e in first]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target, its data, and a four-step training run that kept three checkpoints (steps 1-3; the
+    last step writes the heads) and a feature cache."""
+    from medusa.training.loop import train
+
+    root = tmp_path_factory.mktemp("trained")
+    setup = {"model": str(tiny_target(root / "model")), "data": str(write_counting_data(root / "count.jsonl", 32))}
+    AcceleratorState._reset_state(True)
+    train(run_config(setup, root / "run"))
+    return setup, root
+
+
+def run_config(setup: dict, out: Path, **kw) -> TrainConfig:
+    from medusa.training.loop import TrainConfig as LoopConfig
+
+    base = dict(model=setup["model"], data=[setup["data"]], max_length=48, eval_fraction=0.1, num_heads=2,
+                batch_size=4, lr=1e-2, warmup_steps=1, max_steps=4, eval_every=0, eval_batches=0, log_every=1,
+                save_every=1, keep_checkpoints=3, output_dir=str(out), wandb=False, distill=1.0, seed=3,
+                positions_per_batch=32, cache_dir=str(out.parent / "features"))
+    base.update(kw)
+    return LoopConfig(**base)
+
+
+FEATURE_FAULTS = [("hidden.npy", "truncated"), ("teacher_ids.npy", "zero"), ("meta.json", "random"),
+                  ("tokens.npy", "missing"), ("meta.json", "other schema")]
+
+
+@pytest.mark.parametrize("member,fault", FEATURE_FAULTS)
+def test_a_damaged_feature_cache_is_rebuilt_with_one_warning(trained, tmp_path, caplog, member, fault):
+    from accelerate import Accelerator
+
+    from medusa.models.target import load_target
+    from medusa.training.data import build_datasets
+    from medusa.training.feature_cache import open_caches
+
+    setup, root = trained
+    cache = shutil.copytree(root / "features", tmp_path / "features")
+    before = {name: np.load(cache / "train" / f"{name}.npy") for name in ("hidden", "teacher_ids", "tokens")}
+    if fault == "other schema":  # a meta.json of another version: the sizes it records are gone
+        (cache / "train" / member).write_text(json.dumps({"fingerprint": "x", "format": 0}))
+    else:
+        inject(cache / "train" / member, fault)
+    cfg = run_config(setup, tmp_path / "run", cache_dir=str(cache))
+    target, tokenizer = load_target(setup["model"], device="cpu")
+    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction, cfg.data_seed,
+                            cfg.data_split)  # as the training loop reads them
+    AcceleratorState._reset_state(True)
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        caches = open_caches(cfg, target, splits, Accelerator(cpu=True))
+    assert len(_cache_warnings(caplog)) == 1 and "train" in _cache_warnings(caplog)[0]
+    for name, array in before.items():
+        np.testing.assert_array_equal(getattr(caches["train"], name), array)
+
+
+CHECKPOINT_FAULTS = [("model.safetensors", "truncated"), ("optimizer.bin", "zero"), ("trainer.json", "random"),
+                     ("model.safetensors", "missing"), ("random_states_0.pkl", "truncated")]
+
+
+@pytest.mark.parametrize("member,fault", CHECKPOINT_FAULTS)
+def test_resume_skips_an_incomplete_checkpoint_for_the_last_whole_one(trained, tmp_path, caplog, member, fault):
+    from medusa.training.checkpoints import resume_point
+
+    _, root = trained
+    run = shutil.copytree(root / "run", tmp_path / "run")
+    newest = run / "checkpoints" / "step-0000003"
+    inject(newest / member, fault)
+    with caplog.at_level(logging.WARNING, logger="medusa.training.checkpoints"):
+        assert resume_point(run) == run / "checkpoints" / "step-0000002"
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "step-0000003" in said[0] and "incomplete" in said[0]
+
+
+def test_resumed_training_continues_after_the_last_whole_checkpoint(trained, tmp_path):
+    from medusa.training.loop import train
+
+    setup, root = trained
+    run = shutil.copytree(root / "run", tmp_path / "run")
+    inject(run / "checkpoints" / "step-0000003" / "model.safetensors", "truncated")
+    (run / "metrics.jsonl").unlink()
+    AcceleratorState._reset_state(True)
+    train(run_config(setup, run, resume=True, cache_dir=str(root / "features")))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps[0] == 3  # resumed from step 2: the third step ran again
+
+
+def test_no_whole_checkpoint_or_an_unreadable_one_is_one_line(trained, tmp_path):
+    from medusa.training.loop import train
+
+    setup, root = trained
+    run = shutil.copytree(root / "run", tmp_path / "run")
+    for step in (1, 2, 3):
+        inject(run / "checkpoints" / f"step-000000{step}" / "trainer.json", "zero")
+    AcceleratorState._reset_state(True)
+    with pytest.raises(MedusaError) as err:
+        train(run_config(setup, run, resume=True, cache_dir=str(root / "features")))
+    one_line(err, "step-0000003", "delete the partial checkpoint")
+    # same size, other bytes: only reading it tells
+    run = shutil.copytree(root / "run", tmp_path / "run2")
+    optimizer = run / "checkpoints" / "step-0000003" / "optimizer.bin"
+    optimizer.write_bytes(random.Random(2).randbytes(optimizer.stat().st_size))
+    AcceleratorState._reset_state(True)
+    with pytest.raises(MedusaError) as err:
+        train(run_config(setup, run, resume=True, cache_dir=str(root / "features")))
+    one_line(err, "step-0000003", "delete it")
+
+
+def test_a_damaged_converted_model_folder_is_dropped_with_one_warning(files, tmp_path, caplog):
+    from medusa.models.target import _cached_model_ok
+
+    for member, fault in (("model.safetensors", "truncated"), ("config.json", "random"), ("tokenizer.json", "zero"),
+                          ("model.safetensors", "missing")):
+        folder = shutil.copytree(files["target"], tmp_path / "models" / member / fault)
+        assert _cached_model_ok(folder)
+        inject(folder / member, fault)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+            assert not _cached_model_ok(folder)
+        assert len(_cache_warnings(caplog)) == 1 and member in _cache_warnings(caplog)[0]
+        assert not folder.exists()
+
+
+@pytest.mark.slow
+def test_the_embedded_model_is_converted_again_when_its_cached_folder_is_damaged(tmp_path, caplog):
+    from medusa.models.target import default_model_dir, load_target
+
+    folder = default_model_dir(cache_dir=tmp_path)  # dequantised from the embedded GGUF (about 25 s)
+    inject(folder / "model.safetensors", "truncated")
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        assert default_model_dir(cache_dir=tmp_path) == folder
+    assert len(_cache_warnings(caplog)) == 1
+    model, tokenizer = load_target(str(folder), device="cpu")
+    ids = tokenizer("The capital of France is")["input_ids"]
+    expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=8)[0, len(ids):].tolist()
+    assert Engine(model, tokenizer).generate(ids, max_new_tokens=8, mode="baseline").tokens == expected
+
+
+@pytest.mark.parametrize("fault", ["truncated", "zero", "flipped byte", "unframed"])
+def test_a_damaged_saved_compiled_pass_is_compiled_again(tmp_path, monkeypatch, fault):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    first = Engine(model, compile="aot_eager")
+    first.precompile("baseline")
+    path = first._pass.path(1)
+    assert path.parent == tmp_path / "cache" / "compiled"  # only the project's own cache folder
+    data = path.read_bytes()
+    if fault == "flipped byte":  # same size, one bit off: only the checksum tells
+        path.write_bytes(data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
+    elif fault == "unframed":  # a pickle without its digest, as an older version wrote them
+        path.write_bytes(data[32:])
+    else:
+        inject(path, fault)
+    fresh = Engine(model, compile="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+        fresh.precompile("baseline")
+    assert fresh._pass.traced == [1] and fresh._pass.fallback is None
+    assert fresh.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
+    assert path.read_bytes()[32:] != b"" and Engine(model, compile="aot_eager").precompile("baseline") == [1]
+
+
+# -- the CLIs: one line on stderr, no traceback, a non-zero exit --------------------------------------
+def assert_one_line(proc, *names: str) -> None:
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for name in names:
+        assert name in errors[0], errors[0]
+
+
+CLI_ENV = {"HF_HUB_OFFLINE": "1", "MEDUSA_COMPILE": "off"}
+
+
+@pytest.mark.parametrize("member,fault", [("model.safetensors", "truncated"), ("ngrams.safetensors", "truncated"),
+                                          ("config.json", "truncated")])
+def test_chat_with_a_damaged_heads_folder_says_one_line(files, tmp_path, member, fault):
+    heads = shutil.copytree(files["heads"], tmp_path / "heads")
+    inject(heads / member, fault)
+    proc = run_python(["-m", "infer.chat", "--model", str(files["target"]), "--heads", str(heads), "--prompt", "w5 w6",
+                       "--device", "cpu", "--dtype", "float32", "--kernels", "default"], CLI_ENV)
+    assert_one_line(proc, member)
+
+
+@pytest.mark.slow
+def test_bench_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
+    heads = shutil.copytree(files["heads"], tmp_path / "heads")
+    inject(heads / "model.safetensors", "zero")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["w5 w6 w7"]}) + "\n")
+    proc = run_python(["-m", "infer.bench", "--model", str(files["target"]), "--heads", str(heads), "--modes",
+                       "baseline,medusa", "--prompts", str(prompts), "--max-new-tokens", "4", "--device", "cpu",
+                       "--dtype", "float32", "--kernels", "default"], CLI_ENV)
+    assert_one_line(proc, "model.safetensors")
+
+
+@pytest.mark.slow
+def test_train_heads_with_a_damaged_config_or_data_says_one_line(trained, tmp_path):
+    setup, _ = trained
+    config = tmp_path / "train.yaml"
+    config.write_bytes(random.Random(3).randbytes(512))
+    proc = run_python([str(REPO / "train" / "train_heads.py"), "--config", str(config)], CLI_ENV)
+    assert_one_line(proc, "train.yaml")
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b"")
+    proc = run_python([str(REPO / "train" / "train_heads.py"), "--model", setup["model"], "--data", str(data),
+                       "--output_dir", str(tmp_path / "out"), "--wandb", "false"], CLI_ENV)
+    assert_one_line(proc, "data.jsonl")
+
+
+@pytest.mark.slow
+def test_export_heads_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
+    heads = shutil.copytree(files["heads"], tmp_path / "heads")
+    inject(heads / "config.json", "random")
+    proc = run_python([str(REPO / "scripts" / "export_heads.py"), str(heads), "--to", "vllm", "--out",
+                       str(tmp_path / "out")], CLI_ENV)
+    assert_one_line(proc, "config.json")
