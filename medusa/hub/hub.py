@@ -38,7 +38,7 @@ from medusa.models.heads_config import (
     read_heads_config,
 )
 from medusa.models.loader import apply_calibration, check_state, heads_from_state
-from medusa.runtime.files import read_tensors, refuse_foreign
+from medusa.runtime.files import read_json, read_tensors, refuse_foreign
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 CARD_NAME = "README.md"
@@ -189,7 +189,8 @@ def build_publish_folder(heads_dir: str | Path, out: str | Path, repo_id: str, b
     (out / CONFIG_NAME).write_text(json.dumps(public.to_dict(), indent=2, allow_nan=False) + "\n")
     calibration = None
     if (Path(heads_dir) / CALIBRATION_NAME).is_file():
-        calibration = public_record(json.loads((Path(heads_dir) / CALIBRATION_NAME).read_text()))
+        calibration = public_record(read_json(Path(heads_dir) / CALIBRATION_NAME, "run scripts/calibrate_tree.py "
+                                              "again, or delete it (the heads work without it)"))
         (out / CALIBRATION_NAME).write_text(json.dumps(calibration, allow_nan=False) + "\n")
     else:
         (out / CALIBRATION_NAME).unlink(missing_ok=True)  # left from an earlier build
