@@ -401,6 +401,8 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
             )
         proposer = self.proposer(mode, tree)
+        if getattr(proposer, "greedy_only", False) and not sampling.greedy:
+            raise MedusaError(f"mode {mode!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
         stop = threading.Event()
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
@@ -412,9 +414,10 @@ class Engine:
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
         sized = self.tree_sizes
-        size = None if sized is None else {"eagle": sized.eagle, "hybrid": sized.hybrid}.get(mode)
+        size = None if sized is None else {"eagle": sized.eagle, "hybrid": sized.hybrid,
+                                           "lookahead": getattr(sized, "lookahead", None)}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
-                             dtype=self.model.dtype, size=size)
+                             dtype=self.model.dtype, size=size, max_rows=self.max_rows)
 
     def precompile(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:
@@ -528,7 +531,7 @@ class Engine:
         root = next_token(logits[-1], sampling, generator)
         new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
                                 logits=logits[-1], sampling=sampling, generator=generator, prefill_hidden=hidden,
-                                share=share)
+                                share=share, carry={} if state is None else dict(state.carry))
         share.take(new_state, start)
         return new_state
 
@@ -540,10 +543,12 @@ class Engine:
         tree, start = proposal.tree, state.length
         n = proposal.tokens.shape[0]
         tokens, depth, ancestor = proposal.tokens, tree.depth, tree.ancestor
+        if proposal.side is not None:  # rows after the candidates that none of them sees
+            tokens, depth, ancestor = proposal.side.joined(tokens, depth, ancestor)
         static = kv.is_static(state.cache)  # compile="auto" decodes eagerly on a dynamic cache until saved
         compiled = self._compiled and static
         if compiled:
-            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(max(n, min_rows)))
+            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(max(tokens.shape[0], min_rows)))
             if not tokens.is_inference():  # a proposer's own tensor: guards tell the two kinds apart
                 tokens = tokens.clone()
         positions = (start + depth)[None]
@@ -553,13 +558,15 @@ class Engine:
             if self._marks_capacity:
                 kv.mark_capacity_dynamic(state.cache, mask)  # one graph per bucket, whatever the capacity
         else:
-            mask = None if proposal.is_chain else kv.tree_attention_mask(self.model, start, tree.ancestor, tree.depth,
-                                                                         self.model.dtype)
+            chain = proposal.is_chain and proposal.side is None
+            mask = None if chain else kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
         forward = kv.forward if self._compiled and not static else self._pass  # auto, nothing saved yet: eager
         logits, hidden = forward(self.model, tokens[None], positions, state.cache, mask, cache_arg=self._cache_arg)
-        logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified
+        side = None if proposal.side is None else logits[n:n + proposal.side.tokens.shape[0]]
+        logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified, side rows are handed back
         if compiled and self._clone_outputs:
             logits, hidden = logits.clone(), hidden.clone()
+            side = None if side is None else side.clone()
         acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
@@ -574,7 +581,7 @@ class Engine:
         state.root = acc.next_token
         state.hidden = hidden[last]
         state.logits = logits[last]
-        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start)
+        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side)
 
     def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
              prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig,
@@ -634,9 +641,12 @@ class Engine:
         if self.max_positions is not None:
             state.budget = min(state.budget, self.max_positions - state.length)
         proposal = proposer.propose(state)
-        if self.max_rows is not None and proposal.tokens.shape[0] > self.max_rows:
-            proposal = truncate(proposal, self.max_rows)
-        if self.max_positions is not None and state.length + proposal.tree.max_depth + 1 > self.max_positions:
+        n = proposal.tokens.shape[0]
+        rows = n if proposal.side is None else n + proposal.side.tokens.shape[0]
+        if self.max_rows is not None and rows > self.max_rows:
+            proposal = truncate(proposal, min(n, self.max_rows))  # side rows go first
+        reach = proposal.tree.max_depth if proposal.side is None else max(proposal.tree.max_depth, proposal.side.reach)
+        if self.max_positions is not None and state.length + reach + 1 > self.max_positions:
             proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
         return proposal
 

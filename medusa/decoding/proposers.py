@@ -6,7 +6,9 @@ Every decoding mode is one proposer behind the same engine loop:
 * ``MedusaProposer`` - the heads' top-k laid out by a static tree;
 * ``DraftModel`` - a small causal LM drafting a chain token by token;
 * ``PromptLookup`` - a chain copied from where the latest n-gram occurred before;
-* ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree.
+* ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree;
+* ``LookaheadProposer`` - n-grams from the target's own Jacobi iterations
+  (:mod:`medusa.decoding.lookahead`).
 
 A proposer answers ``propose(state) -> Proposal`` and hears the outcome through
 ``update(state, outcome)``; it keeps whatever state it needs (a draft model's cache, an
@@ -22,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
+from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, chain, compile_tree, spelled
@@ -267,6 +270,15 @@ class PromptLookup:
         pass
 
 
+def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int | None) -> Proposer:
+    """Mode lookahead: ``size`` (sized for the machine) or the device's default, then the config's W, N, G."""
+    size = size or size_lookahead(None, device.type, max_rows)
+    asked = {"window": config.lookahead_window, "ngram": config.lookahead_ngram, "guesses": config.lookahead_guesses}
+    if any(v is not None for v in asked.values()):
+        size = LookaheadSize(**{k: getattr(size, k) if v is None else v for k, v in asked.items()}, reason="as set")
+    return LookaheadProposer(device, size, text=config.lookahead_text)
+
+
 @functools.lru_cache(maxsize=512)
 def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int, ...] = (),
                    ) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor, bool]:
@@ -334,7 +346,7 @@ class Hybrid:
         self.lookup.update(state, outcome)
 
 
-MODES = ("baseline", "medusa", "eagle", "draft", "lookup", "hybrid")
+MODES = ("baseline", "medusa", "eagle", "draft", "lookup", "hybrid", "lookahead")
 LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
 
 
@@ -354,6 +366,12 @@ class ProposerConfig:
     # mode hybrid: where the text has no match, draft the chain from the heads folder's n-gram
     # table of the target's answers (medusa/runtime/ngrams.py), if it has one
     answer_ngrams: bool = True
+    # mode lookahead: window columns W, n-gram size N, n-grams verified per pass G (None: sized
+    # for this machine, medusa/decoding/lookahead.py), and whether the text's n-grams join the pool
+    lookahead_window: int | None = None
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int | None = None
+    lookahead_text: bool = True
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -369,12 +387,17 @@ def make_proposer(
     draft: PreTrainedModel | None = None,
     dtype: torch.dtype = torch.float32,
     size=None,
+    max_rows: int | None = None,
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
-    a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain)."""
+    a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain; mode
+    lookahead a :class:`~medusa.decoding.lookahead.LookaheadSize`, else its default for the
+    device within ``max_rows``, the rows a pass may verify)."""
     if mode == "baseline":
         return Autoregressive(device)
+    if mode == "lookahead":
+        return _lookahead(device, config, size, max_rows)
     if mode in ("medusa", "eagle", "hybrid"):
         if heads is None:
             raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")

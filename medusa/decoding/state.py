@@ -77,6 +77,7 @@ class DecodeState:
     budget: int | None = None
     valid: int = 0
     share: CacheShare | None = None
+    carry: dict[str, object] = field(default_factory=dict)
 
     def max_depth(self, depth: int) -> int:
         """``depth`` capped to what the budget can still emit (``budget - 1`` drafted tokens)."""
@@ -86,12 +87,39 @@ class DecodeState:
 @dataclass(frozen=True)
 class StepOutcome:
     """What one verified step accepted: tree ``nodes`` kept (root first), the new
-    ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before."""
+    ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before;
+    ``side_logits`` ``[E, V]``: the target's logits at the proposal's side rows, if it had any."""
 
     nodes: list[int]
     tokens: list[int]
     hidden: torch.Tensor
     start: int
+    side_logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SideRows:
+    """Rows a pass runs after the candidates that are not candidates (mode lookahead's Jacobi
+    window): the proposer reads their logits back (``StepOutcome.side_logits``) and their KV
+    entries are dropped with the rejected nodes. ``tokens`` ``[E]``, ``depth`` ``[E]`` position
+    offsets from the root, ``sees`` ``[E, N + E]`` which rows of the pass (the ``N`` candidates,
+    root first, then these) each attends besides the cache; no candidate sees a side row.
+    ``reach``: the largest ``depth`` (the context window must hold it)."""
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    sees: torch.Tensor
+    reach: int
+
+    def joined(self, tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The candidates' ``tokens`` ``[N]``, ``depth`` ``[N]``, ``ancestor`` ``[N, N]`` with these
+        rows appended: ``[N + E]``, ``[N + E]``, ``[N + E, N + E]``."""
+        n, e = tokens.shape[0], self.tokens.shape[0]
+        grown = torch.zeros(n + e, n + e, dtype=torch.bool, device=ancestor.device)
+        grown[:n, :n] = ancestor
+        grown[n:] = self.sees
+        return torch.cat([tokens, self.tokens]), torch.cat([depth, self.depth]), grown
 
 
 @dataclass(frozen=True)
@@ -101,12 +129,14 @@ class Proposal:
     ``q`` ``[N, V]``, when given, is the distribution each node's token was drawn from
     (row 0, the root, is unused); rules that sample need it, greedy ones do not.
     ``is_chain`` lets the engine use plain causal attention instead of a tree mask.
+    ``side``: rows the same pass runs that are not candidates (:class:`SideRows`).
     """
 
     tree: TreeBuffers
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     is_chain: bool = False
+    side: SideRows | None = None
 
 
 class Proposer(Protocol):

@@ -1,0 +1,248 @@
+"""Lookahead decoding: the target drafts for itself from its own Jacobi iterations.
+
+Fu et al., "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding"
+(ICML 2024). No heads, no draft model: each target pass runs, beside the root,
+
+* the **lookahead branch**, a window of ``W`` columns by up to ``N - 1`` levels of guessed
+  future tokens (:class:`~medusa.decoding.state.SideRows`: not candidates, their KV entries
+  are dropped). One pass is one Jacobi iteration: the newest level's outputs become the next
+  level, the oldest is dropped, and each column's trajectory (its tokens down the levels plus
+  the new output) is an ``N``-gram that goes into the pool;
+* the **verification branch**: up to ``G`` pool n-grams that start with the root, as a trie
+  of candidates; greedy verification keeps the longest path the target agrees with, so the
+  output is the target's own greedy text.
+
+Column ``i`` of level ``j`` sits ``1 + i + j`` positions after the root and sees the root,
+level 0's columns up to ``i`` and its own column's earlier levels: a causal sequence of
+consecutive positions, whose output guesses the token after it (docs/lookahead.md draws it).
+The pool also takes every ``N``-gram of the text (the prompt and the answer so far), as
+prompt lookup would, and lives in the decode state (``state.carry``): a chat's next turn keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from medusa.decoding.state import DecodeState, Proposal, SideRows, StepOutcome
+from medusa.decoding.tree import TreeBuffers, compile_tree
+from medusa.errors import MedusaError
+
+POOL_KEY = "lookahead"  # the pool's entry in DecodeState.carry
+MAX_KEYS = 65536  # first tokens the pool remembers n-grams for (least recently added go first)
+
+
+class NgramPool:
+    """N-grams by their first token: for each key, up to ``per_key`` continuations of
+    ``n - 1`` tokens, most recently added last; adding one again makes it the newest, and
+    past ``per_key`` the oldest goes. Past ``max_keys`` keys the least recently added key goes."""
+
+    def __init__(self, n: int, per_key: int, max_keys: int = MAX_KEYS) -> None:
+        if n < 2 or per_key < 1 or max_keys < 1:
+            raise MedusaError(f"an n-gram pool needs n >= 2, per_key >= 1 and max_keys >= 1, got {n}, {per_key}, {max_keys}")
+        self.n, self.per_key, self.max_keys = n, per_key, max_keys
+        self.grams: OrderedDict[int, OrderedDict[tuple[int, ...], None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.grams.values())
+
+    def add(self, gram: Sequence[int]) -> None:
+        """Add one ``n``-gram (its first token is the key)."""
+        if len(gram) != self.n:
+            raise ValueError(f"the pool holds {self.n}-grams, got {len(gram)} tokens")
+        key, rest = gram[0], tuple(gram[1:])
+        kept = self.grams.get(key)
+        if kept is None:
+            kept = self.grams[key] = OrderedDict()
+            if len(self.grams) > self.max_keys:
+                self.grams.popitem(last=False)
+        else:
+            self.grams.move_to_end(key)
+        kept[rest] = None
+        kept.move_to_end(rest)
+        if len(kept) > self.per_key:
+            kept.popitem(last=False)
+
+    def add_text(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Add every ``n``-gram of ``tokens`` that ends after position ``start``."""
+        for end in range(max(start, self.n - 1) + 1, len(tokens) + 1):
+            self.add(tokens[end - self.n:end])
+
+    def lookup(self, key: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to ``limit`` continuations of ``key``, newest first."""
+        kept = self.grams.get(key)
+        if not kept:
+            return []
+        out = []
+        for rest in reversed(kept):
+            if len(out) == limit:
+                break
+            out.append(rest)
+        return out
+
+    def copy(self) -> NgramPool:
+        twin = NgramPool(self.n, self.per_key, self.max_keys)
+        twin.grams = OrderedDict((k, OrderedDict(v)) for k, v in self.grams.items())
+        return twin
+
+
+@dataclass(frozen=True)
+class LookaheadSize:
+    """``window`` W columns, ``ngram`` N (N - 1 levels; candidates N - 1 tokens deep),
+    ``guesses`` G pool n-grams verified per pass, and why they were chosen."""
+
+    window: int
+    ngram: int
+    guesses: int
+    reason: str = ""
+
+    @property
+    def rows(self) -> int:
+        """The largest pass: the root, ``G`` candidates and the window, ``N - 1`` rows each."""
+        return 1 + (self.window + self.guesses) * (self.ngram - 1)
+
+
+# (W, N, G, expected tokens per pass), smallest first. The expectations are mean tokens per
+# pass measured with the embedded SmolLM2-135M-Instruct on MT-Bench prompts (docs/lookahead.md);
+# only their ratios to the pass costs decide, so a curve measured elsewhere still ranks sizes.
+LADDER = ((1, 2, 1, 1.0), (2, 3, 2, 1.0), (3, 3, 3, 1.0), (4, 3, 4, 1.0), (5, 4, 5, 1.0),
+          (7, 4, 7, 1.0), (10, 5, 10, 1.0), (15, 5, 15, 1.0))
+DEFAULTS = {"cpu": (4, 3, 4), "cuda": (15, 5, 15)}  # no measured curve: by device type
+
+
+def pass_ms(cost_ms: dict[int, float], n: int) -> float:
+    """``T(n)`` from measured points: piecewise linear, proportional past the largest."""
+    xs = sorted(cost_ms)
+    if n <= xs[0] or n >= xs[-1]:
+        return cost_ms[xs[0]] if n <= xs[0] else cost_ms[xs[-1]] * n / xs[-1]
+    b = next(x for x in xs if x >= n)
+    a = max(x for x in xs if x <= n)
+    return cost_ms[a] if a == b else cost_ms[a] + (cost_ms[b] - cost_ms[a]) * (n - a) / (b - a)
+
+
+def size_lookahead(cost_ms: dict[int, float] | None, device_type: str, max_rows: int | None = None) -> LookaheadSize:
+    """W, N, G for a device whose target pass over ``n`` new tokens costs ``cost_ms[n]``
+    milliseconds (None: not measured; then by device type). Pure: the rung of :data:`LADDER`
+    with the most expected tokens per millisecond, among those of at most ``max_rows`` rows."""
+    fits = [r for r in LADDER if max_rows is None or 1 + (r[0] + r[2]) * (r[1] - 1) <= max_rows] or [LADDER[0]]
+    if not cost_ms:
+        w, n, g = DEFAULTS.get(device_type, DEFAULTS["cpu"])
+        if max_rows is not None and 1 + (w + g) * (n - 1) > max_rows:
+            w, n, g, _ = fits[-1]
+        return LookaheadSize(w, n, g, f"default for {device_type} (no measured pass costs)")
+
+    def rate(rung) -> float:
+        w, n, g, tau = rung
+        return tau / pass_ms(cost_ms, 1 + (w + g) * (n - 1))
+
+    w, n, g, tau = max(fits, key=rate)
+    rows = 1 + (w + g) * (n - 1)
+    return LookaheadSize(w, n, g, f"sized here: W={w} N={n} G={g} ({rows} rows, {tau:.2f} tokens/pass expected, "
+                                  f"T({rows})/T(1)={pass_ms(cost_ms, rows) / pass_ms(cost_ms, 1):.2f})")
+
+
+def trie(grams: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, ...], ...], dict[tuple[int, ...], int]]:
+    """The candidates' tree: each n-gram a root-to-node path, shared prefixes shared. Returns
+    the paths (a child's rank: its order of first appearance) and each path's token."""
+    token_of: dict[tuple[int, ...], int] = {}
+    child: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+    width: dict[tuple[int, ...], int] = {}
+    for gram in grams:
+        path: tuple[int, ...] = ()
+        for token in gram:
+            node = child.get((path, token))
+            if node is None:
+                node = path + (width.get(path, 0),)
+                width[path] = node[-1] + 1
+                child[(path, token)] = node
+                token_of[node] = token
+            path = node
+    return tuple(token_of), token_of
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
+    return compile_tree(paths).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def window_layout(levels: int, width: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the window's ``levels x width`` rows (level by level) go after ``n`` candidates:
+    ``depth`` ``[E]`` (level ``j``, column ``i``: ``1 + i + j``) and ``sees`` ``[E, n + E]``:
+    the root, level 0's columns up to ``i``, and column ``i`` of levels 1..``j``."""
+    e = levels * width
+    sees = torch.zeros(e, n + e, dtype=torch.bool)
+    depth = torch.zeros(e, dtype=torch.long)
+    for j in range(levels):
+        for i in range(width):
+            row = j * width + i
+            depth[row] = 1 + i + j
+            sees[row, 0] = True
+            sees[row, n:n + i + 1] = True  # level 0, columns 0..i
+            sees[row, [n + k * width + i for k in range(1, j + 1)]] = True
+    return depth.to(device), sees.to(device)
+
+
+class LookaheadProposer:
+    """Mode lookahead (see the module docstring): greedy only."""
+
+    greedy_only = True
+
+    def __init__(self, device: torch.device, size: LookaheadSize, text: bool = True) -> None:
+        if size.window < 1 or size.ngram < 2 or size.guesses < 0:
+            raise MedusaError(f"lookahead needs window >= 1, ngram >= 2 and guesses >= 0, "
+                              f"got W={size.window}, N={size.ngram}, G={size.guesses}")
+        self.device, self.size, self.text = device, size, text
+        self.max_rows = size.rows
+        self.min_rows = 1 + size.window  # the first pass: the root and one level
+        self.pool = NgramPool(size.ngram, max(size.guesses, 1))
+        self.levels: list[list[int]] = []  # oldest first, ``window`` tokens each
+        self.indexed = 0  # text n-grams ending at or before this position are in the pool
+
+    def begin(self, state: DecodeState) -> None:
+        if not state.sampling.greedy:
+            raise MedusaError("mode 'lookahead' is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
+        carried = state.carry.get(POOL_KEY)
+        fits = isinstance(carried, NgramPool) and carried.n == self.size.ngram and carried.per_key == self.pool.per_key
+        # a copy: an earlier state that another generation branches from keeps its own pool
+        self.pool = carried.copy() if fits else NgramPool(self.size.ngram, self.pool.per_key)
+        state.carry[POOL_KEY] = self.pool
+        self.indexed = 0
+        if self.text:
+            self.pool.add_text(state.tokens)
+            self.indexed = len(state.tokens)
+        # level 0 starts as tokens of the context (any guess converges; these often recur)
+        self.levels = [random.Random(len(state.tokens)).choices(state.tokens, k=self.size.window)]
+
+    def propose(self, state: DecodeState) -> Proposal:
+        depth = state.max_depth(self.size.ngram - 1)
+        grams = [g[:depth] for g in self.pool.lookup(state.tokens[-1], self.size.guesses)] if depth else []
+        paths, token_of = trie(grams)
+        tree = _tree(paths, str(self.device))
+        tokens = torch.tensor([state.tokens[-1]] + [token_of[p] for p in tree.paths], device=self.device)
+        if not depth:  # one token left: the window's guesses would go unused
+            return Proposal(tree=tree, tokens=tokens, is_chain=True)
+        w = self.size.window
+        rows, sees = window_layout(len(self.levels), w, tree.num_nodes, str(self.device))
+        side = SideRows(tokens=torch.tensor([t for level in self.levels for t in level], device=self.device),
+                        depth=rows, sees=sees, reach=len(self.levels) + w - 1)
+        return Proposal(tree=tree, tokens=tokens, side=side)
+
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        if self.text:
+            self.pool.add_text(state.tokens, self.indexed)
+            self.indexed = len(state.tokens)
+        if outcome.side_logits is None:  # a pass without the window (cut by the budget or the rows)
+            return
+        newest = outcome.side_logits[-self.size.window:].argmax(dim=-1).tolist()  # the last level's outputs
+        if len(self.levels) < self.size.ngram - 1:
+            self.levels.append(newest)
+            return
+        for i, out in enumerate(newest):
+            self.pool.add([level[i] for level in self.levels] + [out])
+        self.levels = self.levels[1:] + [newest]
