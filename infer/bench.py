@@ -203,6 +203,23 @@ def _sizes_reason(engine: Engine) -> str | None:
     return engine.tree_sizes.reason if engine.tree_sizes is not None else "calibrated for the device type"
 
 
+def lookahead_size(text: str) -> tuple[int, int, int]:
+    """``--lookahead W,N,G``: three positive integers."""
+    try:
+        w, n, g = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lookahead takes W,N,G (three integers, e.g. 4,3,4), not {text!r}") from None
+    if w < 1 or n < 2 or g < 0:
+        raise argparse.ArgumentTypeError(f"--lookahead needs W >= 1, N >= 2, G >= 0, got {text!r}")
+    return w, n, g
+
+
+def _lookahead_reason(engine: Engine) -> str:
+    """Mode lookahead's W, N, G on ``engine`` and why."""
+    size = engine.proposer("lookahead").size
+    return f"W={size.window} N={size.ngram} G={size.guesses} ({size.rows} rows): {size.reason}"
+
+
 def _sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -495,6 +512,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-answer-ngrams", dest="answer_ngrams", action="store_false",
                     help="hybrid, eagle-hybrid: draft no chain from the heads folder's n-gram table of the target's "
                          "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
+    ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
+                    help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category")
@@ -579,7 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         draft = args.draft or ("default" if {"draft", "hf-assisted"} & bases else None)
         proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
                                    draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
-                                   lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams)
+                                   lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams,
+                                   **dict(zip(("lookahead_window", "lookahead_ngram", "lookahead_guesses"),
+                                              args.lookahead or ())))
         engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
                              static_cache=args.static_cache, compile=args.compile, proposers=proposers,
                              kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=args.tree_sizes == "here")
@@ -609,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.compiled_engine is not None:
                 print(f"compiled eagle trees: {_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)}",
                       file=sys.stderr)
+        if "lookahead" in bases:
+            print(f"lookahead: {_lookahead_reason(engine)}", file=sys.stderr)
         args.compile_seconds = precompile(engine, modes, args)  # compiled passes: every size, before any timing
         for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
             MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
@@ -642,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             "tree_sizes": _sizes_reason(args.eagle_engine or engine),
             "compiled_tree_sizes": (_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)
                                     if args.compiled_engine is not None else None),
+            "lookahead": _lookahead_reason(engine) if "lookahead" in bases else None,
             "fastest_transformers": fastest}
     if args.json:
         path = Path(args.json)

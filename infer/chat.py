@@ -357,7 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the embedded model's shipped "
                                    "EAGLE heads; its shipped Medusa heads with --mode medusa)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
-    p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup or baseline "
+    p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
+                                  "lookahead (greedy only) or baseline "
                                   "(default: hybrid when heads are loaded, "
                                   "draft when --draft is given, else baseline)")
     p.add_argument("--temperature", type=float, help="0 is greedy (the default); above 0 samples")

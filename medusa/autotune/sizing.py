@@ -32,6 +32,7 @@ from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import pass_bucket
+from medusa.decoding.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
 from medusa.runtime import hf as kv
@@ -54,6 +55,7 @@ class SizeChoice:
     reason: str  # one line for the chat banner and the bench
     cost_ms: dict[int, float]  # the engine's pass over n new tokens, measured here
     draft_ms: dict[str, float]  # the head's work per step (drafting, update) per shape "DEPTHxTOPK", measured here
+    lookahead: LookaheadSize | None = None  # mode lookahead's W, N, G for the same pass costs
 
 
 def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], Acceptance]:
@@ -144,7 +146,8 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
               f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
               f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms"
               + ("; compiled passes padded to their buckets" if compiled else ""))
-    return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft)
+    lookahead = size_lookahead(cost, engine.device.type, engine.max_rows)
+    return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead)
 
 
 def bucketed(cost_ms: dict[int, float]) -> dict[int, float]:

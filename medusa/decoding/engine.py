@@ -415,7 +415,7 @@ class Engine:
         paths = self.tree_paths(tree) if static else None
         sized = self.tree_sizes
         size = None if sized is None else {"eagle": sized.eagle, "hybrid": sized.hybrid,
-                                           "lookahead": getattr(sized, "lookahead", None)}.get(mode)
+                                           "lookahead": sized.lookahead}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows)
 

@@ -3,18 +3,20 @@
 Fu et al., "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding"
 (ICML 2024). No heads, no draft model: each target pass runs, beside the root,
 
-* the **lookahead branch**, a window of ``W`` columns by up to ``N - 1`` levels of guessed
-  future tokens (:class:`~medusa.decoding.state.SideRows`: not candidates, their KV entries
-  are dropped). One pass is one Jacobi iteration: the newest level's outputs become the next
+* the **lookahead branch**, a window of ``W`` columns by ``N - 1`` levels of guessed future
+  tokens (:class:`~medusa.decoding.state.SideRows`: not candidates, their KV entries are
+  dropped). One pass is one Jacobi iteration: the newest level's outputs become the next
   level, the oldest is dropped, and each column's trajectory (its tokens down the levels plus
   the new output) is an ``N``-gram that goes into the pool;
 * the **verification branch**: up to ``G`` pool n-grams that start with the root, as a trie
   of candidates; greedy verification keeps the longest path the target agrees with, so the
   output is the target's own greedy text.
 
-Column ``i`` of level ``j`` sits ``1 + i + j`` positions after the root and sees the root,
-level 0's columns up to ``i`` and its own column's earlier levels: a causal sequence of
-consecutive positions, whose output guesses the token after it (docs/lookahead.md draws it).
+Level 0's column 0 is the root itself, so the window restarts from the text each pass (its
+first column is the target's own guess of the continuation). Column ``i`` of level ``j`` sits
+``i + j`` positions after the root and sees the root, level 0's columns up to ``i`` and its own
+column's earlier levels: a causal sequence of consecutive positions, whose output guesses the
+token after it (docs/lookahead.md draws it).
 The pool also takes every ``N``-gram of the text (the prompt and the answer so far), as
 prompt lookup would, and lives in the decode state (``state.carry``): a chat's next turn keeps it.
 """
@@ -94,7 +96,8 @@ class NgramPool:
 @dataclass(frozen=True)
 class LookaheadSize:
     """``window`` W columns, ``ngram`` N (N - 1 levels; candidates N - 1 tokens deep),
-    ``guesses`` G pool n-grams verified per pass, and why they were chosen."""
+    ``guesses`` G pool n-grams verified per pass, and why they were chosen. A pass runs the
+    root, ``G`` candidates of ``N - 1`` tokens and the window but its root: ``(W + G)(N - 1)`` rows."""
 
     window: int
     ngram: int
@@ -103,23 +106,27 @@ class LookaheadSize:
 
     @property
     def rows(self) -> int:
-        """The largest pass: the root, ``G`` candidates and the window, ``N - 1`` rows each."""
-        return 1 + (self.window + self.guesses) * (self.ngram - 1)
+        """The largest pass, root included."""
+        return (self.window + self.guesses) * (self.ngram - 1)
 
 
 # (W, N, G, expected tokens per pass), smallest first. The expectations are mean tokens per
 # pass measured with the embedded SmolLM2-135M-Instruct on MT-Bench prompts (docs/lookahead.md);
 # only their ratios to the pass costs decide, so a curve measured elsewhere still ranks sizes.
-LADDER = ((1, 2, 1, 1.0), (2, 3, 2, 1.0), (3, 3, 3, 1.0), (4, 3, 4, 1.0), (5, 4, 5, 1.0),
+LADDER = ((1, 3, 1, 1.0), (2, 3, 2, 1.0), (3, 3, 3, 1.0), (4, 3, 4, 1.0), (5, 4, 5, 1.0),
           (7, 4, 7, 1.0), (10, 5, 10, 1.0), (15, 5, 15, 1.0))
 DEFAULTS = {"cpu": (4, 3, 4), "cuda": (15, 5, 15)}  # no measured curve: by device type
 
 
 def pass_ms(cost_ms: dict[int, float], n: int) -> float:
-    """``T(n)`` from measured points: piecewise linear, proportional past the largest."""
+    """``T(n)`` from measured points: piecewise linear, and past the largest the last two
+    points' slope (a GPU's flat curve stays flat, a CPU's rising one keeps rising)."""
     xs = sorted(cost_ms)
-    if n <= xs[0] or n >= xs[-1]:
-        return cost_ms[xs[0]] if n <= xs[0] else cost_ms[xs[-1]] * n / xs[-1]
+    if n <= xs[0]:
+        return cost_ms[xs[0]]
+    if n >= xs[-1]:
+        slope = 0.0 if len(xs) < 2 else (cost_ms[xs[-1]] - cost_ms[xs[-2]]) / (xs[-1] - xs[-2])
+        return cost_ms[xs[-1]] + max(slope, 0.0) * (n - xs[-1])
     b = next(x for x in xs if x >= n)
     a = max(x for x in xs if x <= n)
     return cost_ms[a] if a == b else cost_ms[a] + (cost_ms[b] - cost_ms[a]) * (n - a) / (b - a)
@@ -129,19 +136,19 @@ def size_lookahead(cost_ms: dict[int, float] | None, device_type: str, max_rows:
     """W, N, G for a device whose target pass over ``n`` new tokens costs ``cost_ms[n]``
     milliseconds (None: not measured; then by device type). Pure: the rung of :data:`LADDER`
     with the most expected tokens per millisecond, among those of at most ``max_rows`` rows."""
-    fits = [r for r in LADDER if max_rows is None or 1 + (r[0] + r[2]) * (r[1] - 1) <= max_rows] or [LADDER[0]]
+    fits = [r for r in LADDER if max_rows is None or (r[0] + r[2]) * (r[1] - 1) <= max_rows] or [LADDER[0]]
     if not cost_ms:
         w, n, g = DEFAULTS.get(device_type, DEFAULTS["cpu"])
-        if max_rows is not None and 1 + (w + g) * (n - 1) > max_rows:
+        if max_rows is not None and (w + g) * (n - 1) > max_rows:
             w, n, g, _ = fits[-1]
         return LookaheadSize(w, n, g, f"default for {device_type} (no measured pass costs)")
 
     def rate(rung) -> float:
         w, n, g, tau = rung
-        return tau / pass_ms(cost_ms, 1 + (w + g) * (n - 1))
+        return tau / pass_ms(cost_ms, (w + g) * (n - 1))
 
     w, n, g, tau = max(fits, key=rate)
-    rows = 1 + (w + g) * (n - 1)
+    rows = (w + g) * (n - 1)
     return LookaheadSize(w, n, g, f"sized here: W={w} N={n} G={g} ({rows} rows, {tau:.2f} tokens/pass expected, "
                                   f"T({rows})/T(1)={pass_ms(cost_ms, rows) / pass_ms(cost_ms, 1):.2f})")
 
@@ -172,19 +179,25 @@ def _tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
 
 @functools.lru_cache(maxsize=256)
 def window_layout(levels: int, width: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the window's ``levels x width`` rows (level by level) go after ``n`` candidates:
-    ``depth`` ``[E]`` (level ``j``, column ``i``: ``1 + i + j``) and ``sees`` ``[E, n + E]``:
+    """Where the window's rows go after ``n`` candidates (root first): level 0's columns 1..W-1
+    (its column 0 is the root, row 0), then levels 1..``levels - 1``, ``width`` columns each.
+    Returns ``depth`` ``[E]`` (level ``j``, column ``i``: ``i + j``) and ``sees`` ``[E, n + E]``:
     the root, level 0's columns up to ``i``, and column ``i`` of levels 1..``j``."""
-    e = levels * width
+    e = levels * width - 1
+
+    def row(j: int, i: int) -> int:  # the pass row of level j, column i
+        return 0 if j == i == 0 else n + j * width + i - 1
+
     sees = torch.zeros(e, n + e, dtype=torch.bool)
     depth = torch.zeros(e, dtype=torch.long)
     for j in range(levels):
         for i in range(width):
-            row = j * width + i
-            depth[row] = 1 + i + j
-            sees[row, 0] = True
-            sees[row, n:n + i + 1] = True  # level 0, columns 0..i
-            sees[row, [n + k * width + i for k in range(1, j + 1)]] = True
+            if j == i == 0:
+                continue
+            r = row(j, i) - n
+            depth[r] = i + j
+            sees[r, [row(0, k) for k in range(i + 1)]] = True
+            sees[r, [row(k, i) for k in range(1, j + 1)]] = True
     return depth.to(device), sees.to(device)
 
 
@@ -194,14 +207,15 @@ class LookaheadProposer:
     greedy_only = True
 
     def __init__(self, device: torch.device, size: LookaheadSize, text: bool = True) -> None:
-        if size.window < 1 or size.ngram < 2 or size.guesses < 0:
-            raise MedusaError(f"lookahead needs window >= 1, ngram >= 2 and guesses >= 0, "
+        if size.window < 1 or size.ngram < 3 or size.guesses < 0:
+            raise MedusaError(f"lookahead needs window >= 1, ngram >= 3 and guesses >= 0, "
                               f"got W={size.window}, N={size.ngram}, G={size.guesses}")
         self.device, self.size, self.text = device, size, text
         self.max_rows = size.rows
-        self.min_rows = 1 + size.window  # the first pass: the root and one level
+        self.min_rows = size.window * (size.ngram - 1)  # the window alone: no n-gram in the pool
         self.pool = NgramPool(size.ngram, max(size.guesses, 1))
-        self.levels: list[list[int]] = []  # oldest first, ``window`` tokens each
+        self.levels: list[list[int]] = []  # oldest first, ``window`` tokens each; [0][0] is the root's place
+        self.iterations = 0  # Jacobi iterations run: until N - 2, the oldest level is still a guess of context
         self.indexed = 0  # text n-grams ending at or before this position are in the pool
 
     def begin(self, state: DecodeState) -> None:
@@ -216,8 +230,10 @@ class LookaheadProposer:
         if self.text:
             self.pool.add_text(state.tokens)
             self.indexed = len(state.tokens)
-        # level 0 starts as tokens of the context (any guess converges; these often recur)
-        self.levels = [random.Random(len(state.tokens)).choices(state.tokens, k=self.size.window)]
+        # the levels start as tokens of the context (any guess converges; these often recur)
+        pick = random.Random(len(state.tokens))
+        self.levels = [pick.choices(state.tokens, k=self.size.window) for _ in range(self.size.ngram - 1)]
+        self.iterations = 0
 
     def propose(self, state: DecodeState) -> Proposal:
         depth = state.max_depth(self.size.ngram - 1)
@@ -229,8 +245,9 @@ class LookaheadProposer:
             return Proposal(tree=tree, tokens=tokens, is_chain=True)
         w = self.size.window
         rows, sees = window_layout(len(self.levels), w, tree.num_nodes, str(self.device))
-        side = SideRows(tokens=torch.tensor([t for level in self.levels for t in level], device=self.device),
-                        depth=rows, sees=sees, reach=len(self.levels) + w - 1)
+        window = [t for level in self.levels for t in level][1:]  # level 0's column 0 is the root (row 0)
+        side = SideRows(tokens=torch.tensor(window, device=self.device), depth=rows, sees=sees,
+                        reach=len(self.levels) + w - 2)
         return Proposal(tree=tree, tokens=tokens, side=side)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
@@ -240,9 +257,9 @@ class LookaheadProposer:
         if outcome.side_logits is None:  # a pass without the window (cut by the budget or the rows)
             return
         newest = outcome.side_logits[-self.size.window:].argmax(dim=-1).tolist()  # the last level's outputs
-        if len(self.levels) < self.size.ngram - 1:
-            self.levels.append(newest)
-            return
-        for i, out in enumerate(newest):
-            self.pool.add([level[i] for level in self.levels] + [out])
+        self.levels[0][0] = state.tokens[outcome.start]  # the pass's root stood there: its n-gram starts with it
+        if self.iterations >= self.size.ngram - 2:  # every level is the target's own guess by now
+            for i, out in enumerate(newest):
+                self.pool.add([level[i] for level in self.levels] + [out])
+        self.iterations += 1
         self.levels = self.levels[1:] + [newest]
