@@ -209,8 +209,8 @@ def lookahead_size(text: str) -> tuple[int, int, int]:
         w, n, g = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--lookahead takes W,N,G (three integers, e.g. 4,3,4), not {text!r}") from None
-    if w < 1 or n < 2 or g < 0:
-        raise argparse.ArgumentTypeError(f"--lookahead needs W >= 1, N >= 2, G >= 0, got {text!r}")
+    if w < 1 or n < 3 or g < 0:
+        raise argparse.ArgumentTypeError(f"--lookahead needs W >= 1, N >= 3, G >= 0, got {text!r}")
     return w, n, g
 
 

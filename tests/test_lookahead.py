@@ -207,3 +207,14 @@ def test_embedded_model_lookahead_matches_hf(embedded):
                                  generation_config=GenerationConfig(do_sample=False, max_new_tokens=n,
                                                                     eos_token_id=sorted(embedded.eos), pad_token_id=2))
     assert embedded.generate(ids, max_new_tokens=n, mode="lookahead").tokens == hf[0, len(ids):].tolist()
+
+
+def test_bench_flag_parses_w_n_g():
+    import argparse
+
+    from infer.bench import lookahead_size
+
+    assert lookahead_size("4,3,4") == (4, 3, 4)
+    for bad in ("4,3", "4,2,4", "a,b,c"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--lookahead"):
+            lookahead_size(bad)
