@@ -6,7 +6,6 @@ import pytest
 import torch
 from tiny import hf_greedy, tiny_model
 
-from medusa.decoding import hf as kv
 from medusa.decoding.engine import Engine
 from medusa.decoding.lookahead import (
     POOL_KEY,
@@ -18,6 +17,7 @@ from medusa.decoding.lookahead import (
 )
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
+from medusa.runtime import hf as kv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
