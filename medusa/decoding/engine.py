@@ -402,7 +402,8 @@ class Engine:
             )
         proposer = self.proposer(mode, tree)
         if getattr(proposer, "greedy_only", False) and not sampling.greedy:
-            raise MedusaError(f"mode {mode!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
+            name = mode if isinstance(mode, str) else type(mode).__name__
+            raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
         stop = threading.Event()
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
