@@ -357,7 +357,7 @@ def precompile(engine: Engine, modes: list[str], args: argparse.Namespace) -> di
     seconds = {}
     for name in modes:
         target = _engine_and_name(engine, name, args)
-        if target is None or not target[0].compiled:
+        if target is None or not target[0].passes.compiled:
             continue
         t0 = time.perf_counter()
         buckets = target[0].precompile(target[1], _static_tree(target[0], args))

@@ -282,7 +282,7 @@ class Chat:
                 return True
             self.mode = arg
             say(self.style.dim(f"[mode: {arg}]"))
-            if self.engine.compile_mode == "auto":  # this mode's pass sizes: loaded, or built in the background
+            if self.engine.passes.name == "auto":  # this mode's pass sizes: loaded, or built in the background
                 prepare_auto(self.engine, arg, self.args, self.style)
         elif name == "/stats":
             say(self.session_stats())
@@ -472,43 +472,21 @@ def precompile(engine: Engine, mode: str, args: argparse.Namespace, style: Style
 
 
 def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Style) -> None:
-    """--compile auto: load the pass sizes this machine has saved, and start compiling the others
-    in the background (``python -m infer.precompile`` at low priority; once all are saved, the
-    next answer runs compiled). Nothing compiles in this process."""
-    import subprocess
-
-    import torch
-
-    from medusa.decoding.compiled import lock_holder
-
-    t0 = time.perf_counter()
-    sizes = engine.pass_sizes(mode, args.tree)
-    missing = engine.saved_passes.missing(sizes)
-    ready = [s for s in sizes if s not in missing]
-    if ready:
-        engine.compile_sizes(ready)
-        say(style.dim(f"compiled passes: {_sizes(ready)} loaded in {time.perf_counter() - t0:.1f} s"))
-    if not missing:
+    """--compile auto: load the pass sizes this machine has saved, and have the others built in
+    the background (``Engine.build_passes``; once all are saved, the next answer runs compiled).
+    Nothing compiles in this process."""
+    build = engine.build_passes(mode, args.tree)
+    if build.loaded:
+        say(style.dim(f"compiled passes: {_sizes(build.loaded)} loaded in {build.seconds:.1f} s"))
+    if not build.missing:
         return
-    saved = engine.saved_passes
-    lock = saved.lock_path()
-    holder = lock_holder(lock)
-    if holder is None:
-        log = saved.folder / "precompile.log"
-        saved.folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "infer.precompile", "--sizes", ",".join(map(str, missing)), "--kernels",
-               engine.kernels, "--dtype", str(engine.model.dtype).removeprefix("torch."),
-               "--threads", str(torch.get_num_threads()), "--nice", "19"]
-        cmd += ["--model", args.model] if args.model else []
-        with open(log, "a", encoding="utf-8") as out:
-            holder = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True).pid  # same cwd: a relative --model is the same
-        started = f"compiling them in the background at low priority (pid {holder}, log {log})"
+    if build.started:
+        started = f"compiling them in the background at low priority (pid {build.pid}, log {build.log})"
     else:
-        started = (f"process {holder} is compiling passes of this model already (python -m infer.precompile "
-                   f"--sizes {','.join(map(str, missing))} after it, for any it leaves out)")
-    say(style.dim(f"compiled passes: {_sizes(missing)} not saved on this machine yet, so eager for now; {started}; "
-                  "answers run compiled once all are saved (--compile off: never)"))
+        started = (f"process {build.pid} is compiling passes of this model already (python -m infer.precompile "
+                   f"--sizes {','.join(map(str, build.missing))} after it, for any it leaves out)")
+    say(style.dim(f"compiled passes: {_sizes(build.missing)} not saved on this machine yet, so eager for now; "
+                  f"{started}; answers run compiled once all are saved (--compile off: never)"))
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -559,8 +537,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
                      f"({tree.num_nodes} nodes, depth {tree.max_depth})")
     if args.draft is not None:
         lines.append(f"draft   {args.draft}")
-    if args.compile == "auto" and engine.compile_mode == "off":  # the auto pick said no: say why
-        lines.append(f"passes  {engine.compile_reason}")
+    if args.compile == "auto" and not engine.passes.compiled:  # the auto pick said no: say why
+        lines.append(f"passes  {engine.passes.reason}")
     lines.append(f"mode    {mode} · {sampling_label(sampling_config(args))} · up to {args.max_new_tokens} new tokens")
     if args.show_accepted:
         lines.append("colours " + style.drafted("drafted and accepted") + " · plain: the target's own token")
@@ -662,10 +640,10 @@ def main(argv: list[str] | None = None) -> int:
                             "(python -m infer.bench runs plain prompts)"))
             return EXIT_USER_ERROR
         say(style.dim(banner(args, engine, mode, window, style)))
-        if engine.compile_mode == "on":
-            precompile(engine, mode, args, style)
-        elif engine.compile_mode == "auto":
+        if engine.passes.name == "auto":
             prepare_auto(engine, mode, args, style)
+        elif engine.passes.compiled:
+            precompile(engine, mode, args, style)
         chat = Chat(engine, args, mode, style, window)
         if prompt is not None:
             return chat.answer(prompt, sys.stdout)

@@ -4,9 +4,9 @@ On a CPU compiled passes decode faster than eager ones (3-16% end to end in floa
 EPYCs, docs/compile.md#compiled; 12-15% per pass in bfloat16 on the AMX Xeon, bit-identical to eager,
 docs/compile.md#compiled-exact-passes), but compiling one pass size of the embedded model takes about a
 minute on a 2-core CPU. So nothing compiles inside the chat: with ``--compile auto`` (its default) the chat
-answers eagerly and starts this command in the background, at low priority, for the sizes
-that are not saved yet; once all are, the running chat's next answer is compiled
-(``Engine._static_for``), and later starts load them.
+answers eagerly and builds the sizes that are not saved yet in the background, at low priority
+(``Engine.build_passes``, medusa/decoding/pass_build.py, the library code this command wraps);
+once all are, the running chat's next answer is compiled, and later starts load them.
 
 Run it by hand to have the passes ready before a first chat or benchmark::
 
@@ -14,8 +14,8 @@ Run it by hand to have the passes ready before a first chat or benchmark::
     python -m infer.precompile --model DIR --mode baseline
 
 The saved files depend on the model's config, dtype, linear kernels and thread count, so
-``--dtype``, ``--kernels`` and ``--threads`` must be what the decoding process uses (the chat
-passes its own; by default the dtype is picked as ``medusa.load`` picks it). One build at a time runs per model and thread count: a second one says
+``--dtype``, ``--kernels`` and ``--threads`` must be what the decoding process uses (by
+default the dtype is picked as ``medusa.load`` picks it). One build at a time runs per model and thread count: a second one says
 which process holds the lock and exits.
 
 Exit codes: 0 done (or another process is building), 1 a problem the user can fix, 2 bad usage.
@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from pathlib import Path
 
 from medusa.config import count
 
@@ -45,11 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the target's dtype, as the decoding process runs it (default: the pick measured on this machine)")
     p.add_argument("--threads", type=count(1), help="torch threads, as the decoding process runs (default: torch's)")
-    p.add_argument("--nice", type=int, default=0, help="lower this process's priority by this much (the chat passes 19)")
+    p.add_argument("--nice", type=int, default=0, help="lower this process's priority by this much")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     args = p.parse_args(argv)
     if args.sizes is not None:
-        try:
+        try:  # checked here, before torch is imported
             args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
         except ValueError:
             p.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import medusa
-    from medusa.decoding.compiled import build_lock
+    from medusa.decoding.pass_build import build_here
     from medusa.errors import MedusaError
 
     if args.threads:
@@ -77,35 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                              kernels=args.kernels, trust_remote_code=args.trust_remote_code)
         mode = args.mode or ("hybrid" if engine.heads is not None else "baseline")
         sizes = args.sizes or engine.pass_sizes(mode)
+        return build_here(engine.passes, sizes, engine.kernel_scope(), args.model or "the embedded model")
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    saved = engine.saved_passes
-    todo = saved.missing(sizes)
-    name = args.model or "the embedded model"
-    if not todo:
-        print(f"every pass size of {name} asked for ({', '.join(map(str, sizes))}) is saved already", flush=True)
-        return 0
-    lock = saved.lock_path()
-    holder = build_lock(lock)
-    if holder is not None:
-        print(f"another process (pid {holder}) is compiling these passes; its lock is {lock}", flush=True)
-        return 0
-    try:
-        print(f"compiling pass size{'s' if len(todo) != 1 else ''} {', '.join(map(str, todo))} of {name} "
-              f"({str(engine.model.dtype).removeprefix('torch.')}, {engine.kernels} kernels, "
-              f"{torch.get_num_threads()} threads) into {saved.folder}", flush=True)
-        t0 = time.perf_counter()
-        engine.compile_sizes(todo, progress=lambda rows, s: print(f"  {rows} rows: {s:.1f} s", flush=True))
-        if saved.fallback is not None:
-            print(f"error: {saved.fallback}; nothing was saved for these sizes (decoding with compile=True still "
-                  "traces them in each process)", file=sys.stderr)
-            return 1
-        print(f"saved {len(todo)} pass size{'s' if len(todo) != 1 else ''} in {time.perf_counter() - t0:.1f} s",
-              flush=True)
-    finally:
-        Path(lock).unlink(missing_ok=True)
-    return 0
 
 
 if __name__ == "__main__":

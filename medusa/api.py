@@ -107,11 +107,14 @@ def load(
     ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set. ``tree`` shapes the
     static tree of Medusa heads; eagle heads grow theirs per step, so a tree with them is an error.
 
-    ``static_cache`` keeps the KV cache in fixed tensors; ``compile`` also compiles the pass with
-    ``torch.compile`` (CUDA graphs on CUDA; a string names a backend) once per size, saved on the
-    CPU for later processes (``engine.precompile(mode)``: a mode's sizes, now); exact in half precision
-    on the CPU (on a GPU the loaded dtype is kept). ``"auto"`` (the chat's default): the dtype is
-    picked, and on a CPU the sizes saved here run compiled, the rest eagerly (``Engine.unsaved_passes``).
+    ``static_cache`` keeps the KV cache in fixed tensors. ``compile`` (``engine.passes`` says what
+    was built, :class:`~medusa.decoding.engine.Engine` documents each value): False: eager passes;
+    True: compiled passes on a static cache, once per pass size (on a CPU saved for later
+    processes, on CUDA CUDA graphs traced in each process; ``engine.precompile(mode)`` compiles a
+    mode's sizes now), exact in half precision on the CPU (on a GPU the loaded dtype is kept);
+    ``"auto"`` (the chat's default): the dtype is picked, and on a CPU a generation whose pass
+    sizes are saved here runs compiled, others eagerly (``engine.build_passes(mode)`` builds the
+    missing ones in a background process); a torch.compile backend's name: True's passes, by that backend.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/runtime/kernels.py); ``None`` picks the faster here by

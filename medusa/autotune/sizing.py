@@ -13,7 +13,7 @@ decoding: :func:`drafting_ms`), once per machine (cached in ``sizing.json`` unde
 ``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
 most expected tokens per second for mode eagle and, chain length included, for mode hybrid
 (:func:`medusa.autotune.trees.choose_dynamic`). A CPU engine with compiled passes runs a
-proposal of n rows padded to its pass bucket (``engine.pass_bucket``), so it is sized with
+proposal of n rows padded to its pass bucket (``passes.pass_bucket``), so it is sized with
 T(bucket(n)): a 14-row hybrid pass costs a 16-row one there, and the nodes that fill the
 bucket come free. Compiled engines off the CPU keep the calibrated sizes.
 """
@@ -31,8 +31,8 @@ from medusa.autotune.device import _cached, device_key, model_key
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
-from medusa.decoding.engine import pass_bucket
 from medusa.decoding.lookahead import LookaheadSize, size_lookahead
+from medusa.decoding.passes import pass_bucket
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
 from medusa.runtime import hf as kv
@@ -122,7 +122,7 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
     (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX Xeon
     (docs/compile.md#compiled-exact-passes), a curve of the same shape, so one timing serves both."""
     heads = engine.heads
-    if heads is None or heads.config.kind != "eagle" or (engine.compile_mode != "off" and engine.device.type != "cpu"):
+    if heads is None or heads.config.kind != "eagle" or (engine.passes.compiled and engine.device.type != "cpu"):
         return None
     curves = measured_curves(heads, engine.device, engine.model.dtype)
     if not curves:
@@ -134,7 +134,7 @@ def size_here(engine, cache_file: Path) -> SizeChoice | None:
                       f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])
     entry, _ = _cached(cache_file, key, lambda: _measure(engine, sorted(curves)))
     cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
-    compiled = engine.compile_mode != "off"
+    compiled = engine.passes.compiled
     if compiled:
         cost = bucketed(cost)
     draft = entry["draft_ms"]

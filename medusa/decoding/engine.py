@@ -6,17 +6,26 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Generator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.decoding import MAX_NEW_TOKENS
-from medusa.decoding.compiled import SavedPasses, example_pass
+from medusa.decoding.generation import Generation, GenerationResult, GenerationStats, as_token_list
+from medusa.decoding.pass_build import PassBuild, start_build
+from medusa.decoding.passes import (
+    AUTO,
+    PASS_BUCKETS,
+    PassStrategy,
+    kernel_scope,
+    make_passes,
+    pass_bucket,
+    pass_rows,
+    use_exact,
+)
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
@@ -26,177 +35,6 @@ from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
-from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
-from medusa.runtime.files import cache_root
-from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
-from medusa.runtime.opaque import opaque_ops
-
-
-@dataclass
-class GenerationStats:
-    steps: int = 0  # target passes after the prefill
-    new_tokens: int = 0
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per target pass
-    prefill_tokens: int = 0  # prompt tokens run at prefill: only the new ones when a state's cache is reused
-    prefill_seconds: float = 0.0
-    seconds: float = 0.0  # prefill + decode, wall clock
-    # Where the decode steps' time went (wall clock, summed over steps): the proposer drafting,
-    # the target's verification pass with acceptance and cache bookkeeping (it ends in the step's
-    # host sync, so on a GPU it also holds whatever queued work had not finished), the proposer's
-    # update. The rest of ``seconds`` is the prefill and the loop itself (and the caller's time
-    # between streamed chunks).
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    update_seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per target pass (the mean accepted length, bonus token included)."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "new_tokens": self.new_tokens, "tau": self.tau,
-                "tokens_per_second": self.tokens_per_second, "prefill_tokens": self.prefill_tokens,
-                "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds, "update_seconds": self.update_seconds,
-                "seconds": self.seconds, "accepted": list(self.accepted)}
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]
-    stats: GenerationStats
-    finish_reason: str  # "eos", "length", "context" or "stopped"
-    state: DecodeState | None = None
-
-
-class Generation:
-    """An iterator over lists of new token ids as they are accepted; ``result`` when done.
-
-    After each list, ``proposed`` says how many of its leading tokens the proposer drafted
-    (heads, draft model, lookup); the rest is the target's own token. ``stop()`` (safe from
-    a signal handler or another thread) ends decoding at the next step boundary, with a
-    ``result.state`` that holds every token yielded so far and can seed the next turn.
-    """
-
-    def __init__(self, steps: Generator[tuple[list[int], int], None, GenerationResult],
-                 stop: threading.Event) -> None:
-        self._steps = steps
-        self._stop = stop
-        self.result: GenerationResult | None = None
-        self.proposed = 0
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def __iter__(self) -> Generation:
-        return self
-
-    def __next__(self) -> list[int]:
-        try:
-            chunk, self.proposed = next(self._steps)
-            return chunk
-        except StopIteration as stop:
-            self.result = stop.value
-            raise
-
-    def run(self) -> GenerationResult:
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
-
-
-def as_token_list(input_ids: Sequence[int] | torch.Tensor | Mapping) -> list[int]:
-    """Token ids from a list, a ``[T]``/``[1, T]`` tensor or a tokenizer's output (what
-    ``apply_chat_template`` returns in transformers 5: a mapping with ``input_ids``)."""
-    if isinstance(input_ids, (str, bytes)):
-        raise MedusaError("generate and stream take token ids, not text: encode it first, e.g. "
-                          "engine.tokenizer.apply_chat_template([{'role': 'user', 'content': text}], "
-                          "add_generation_prompt=True)")
-    if isinstance(input_ids, Mapping):
-        if "input_ids" not in input_ids:
-            raise MedusaError("input_ids is a mapping without an 'input_ids' entry: pass token ids or a tokenizer's output")
-        input_ids = input_ids["input_ids"]
-        if not isinstance(input_ids, torch.Tensor) and input_ids and isinstance(input_ids[0], (list, tuple)):
-            if len(input_ids) != 1:
-                raise MedusaError(f"input_ids has batch size {len(input_ids)}: medusa decodes one sequence at a time")
-            input_ids = input_ids[0]
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 2:
-            if input_ids.shape[0] != 1:
-                raise MedusaError(f"input_ids has batch size {input_ids.shape[0]}: medusa decodes one sequence at a time")
-            input_ids = input_ids[0]
-        if input_ids.dim() != 1:
-            raise MedusaError(f"input_ids must be a 1-D list or a [1, T] tensor, got shape {tuple(input_ids.shape)}")
-        return [int(t) for t in input_ids.tolist()]
-    try:
-        return [int(t) for t in input_ids]
-    except (TypeError, ValueError):
-        raise MedusaError("input_ids must be token ids (ints), a [1, T] tensor or a tokenizer's output; "
-                          f"got {type(input_ids).__name__} holding {type(next(iter(input_ids), None)).__name__}") from None
-
-
-# Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
-# 1.5x the rows), so one process compiles a handful of graphs whatever the proposals are.
-PASS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-PACKED_ROWS = 64  # half precision: passes of more rows (a prefill) use torch's linear kernels
-
-
-SLOT_STEP = 64  # static cache growth of a CPU-compiled engine (Engine._slot_step)
-
-
-def pass_bucket(n: int) -> int:
-    """The compiled pass size for ``n`` rows (``n`` itself past the largest bucket)."""
-    return next((b for b in PASS_BUCKETS if b >= n), n)
-
-
-def pad_pass(tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor, size: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad a pass of ``n`` rows to ``size``: padding rows hold token 0 at the root's position and
-    see the prefix and themselves only, so no real row sees them; their logits are dropped and
-    their cache entries cut with the rejected nodes."""
-    n = tokens.shape[0]
-    if size == n:
-        return tokens, depth, ancestor
-    grown = torch.eye(size, dtype=torch.bool, device=ancestor.device)
-    grown[:n, :n] = ancestor
-    return (torch.cat([tokens, tokens.new_zeros(size - n)]), torch.cat([depth, depth.new_zeros(size - n)]), grown)
-
-
-def pass_rows(exact: bool, max_rows: int | None) -> int | None:
-    """Rows per verification pass (None: any). Exact attention makes attention row-invariant,
-    but a device's matmul kernels may block differently past some row count (one AMX Xeon's
-    bf16 linears: invariant up to 32 rows, not above), so exact passes verify at most the rows
-    the device's probe found invariant (medusa.load passes the dtype pick's ``invariant_rows``)
-    and never more than exact attention supports; larger proposals keep their first nodes."""
-    if max_rows is not None and max_rows < 1:
-        raise MedusaError(f"max_rows must be at least 1, got {max_rows}")
-    return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
-
-
-def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
-    """Set ``model``'s attention batch-invariant or not and return which (medusa/runtime/exact.py:
-    a tree row equals its one-token pass bit for bit). None: on in half precision, where
-    kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
-    vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16)."""
-    if exact is None:
-        exact = model.dtype in (torch.bfloat16, torch.float16)
-    device = model.get_output_embeddings().weight.device
-    if compile and exact:
-        # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
-        # the norms' reduction run as opaque ops (medusa/runtime/exact.py), the rest with inductor's emulated
-        # precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
-        if device.type != "cpu":
-            raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
-                              f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
-    if exact != is_exact(model):
-        set_exact(model, exact)
-    return exact
 
 
 def truncate(proposal: Proposal, rows: int) -> Proposal:
@@ -205,41 +43,6 @@ def truncate(proposal: Proposal, rows: int) -> Proposal:
     tree = compile_tree(proposal.tree.paths[: rows - 1]).to(proposal.tokens.device)
     q = None if proposal.q is None else proposal.q[:rows]
     return Proposal(tree=tree, tokens=proposal.tokens[:rows], q=q, is_chain=proposal.is_chain)
-
-
-def compiled_pass(model: PreTrainedModel, device: torch.device, compile: bool | str, kernels: str, folder,
-                  build: bool = True):
-    """The compiled verification pass: on the CPU one graph per size, saved to ``folder`` so a
-    second process loads it (compiled.py; ``build=False``: only loaded, never compiled here);
-    elsewhere ``torch.compile`` traced per process."""
-    if device.type == "cpu":
-        return SavedPasses(model, folder, compile if isinstance(compile, str) else "inductor", kernels, build)
-    return kv.compiled_forward(device, compile)
-
-
-AUTO = "auto"
-
-
-def auto_compile(device: torch.device, model: PreTrainedModel, exact: bool = False) -> tuple[bool, str]:
-    """``compile="auto"``: whether to compile, and why. On a CPU the passes run compiled where
-    this machine has them saved and eagerly otherwise, never compiling in the process (compiled
-    passes measured 3-16% faster end to end on both AMD EPYC CPUs in float32 and 12-15% faster
-    per pass on the AMX Xeon in bfloat16, exact ones bit-identical to eager: docs/compile.md#compiled
-    and docs/compile.md#compiled-exact-passes; compiling takes minutes, so ``python -m infer.precompile`` does
-    it beside the process, as the chat starts it). Elsewhere eager: on CUDA, where CUDA graphs
-    made plain decoding 5x faster end to end on an H200 (docs/benchmarks/2026-11-26-h200.md#compiled-passes-cuda-graphs), they compile in
-    the process (about 45 s per pass size), which ``compile=True`` asks for and auto does not do
-    behind a user's back."""
-    if device.type != "cpu":
-        why = ("CUDA graphs ran 5x faster on an H200 but compile for ~45 s per pass size in the process: "
-               "pass compile=True (--compile)") if device.type == "cuda" else "compiled passes are measured on CPUs and CUDA only"
-        return False, f"compile=auto: eager on {device.type} ({why})"
-    if exact:
-        try:
-            opaque_ops(model)
-        except MedusaError as e:
-            return False, f"compile=auto: eager ({e})"
-    return True, "compile=auto: pass sizes saved for this machine run compiled, the others eagerly until saved"
 
 
 def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
@@ -252,7 +55,26 @@ def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
 
 
 class Engine:
-    """A target model plus whatever proposes for it (heads, ...), decoding one sequence."""
+    """A target model plus whatever proposes for it (heads, ...), decoding one sequence.
+
+    How its target passes run is :attr:`passes`, a :class:`~medusa.decoding.passes.PassStrategy`
+    built from ``compile`` and ``static_cache`` (medusa/decoding/passes.py):
+
+    - ``compile=False``: eager passes, on a dynamic cache (on a static one with ``static_cache``);
+    - ``compile=True``: compiled passes on a static cache: on a CPU each pass size compiled once
+      and saved for later processes (``"saved-graphs"``), on CUDA CUDA graphs (``"cuda-graphs"``,
+      torch.compile's "reduce-overhead", traced in each process); exact in half precision on the
+      CPU only;
+    - ``compile="auto"``: on a CPU the generations whose pass sizes this machine has saved run
+      the saved graphs, the others eagerly on a dynamic cache, and nothing compiles in the
+      process (:meth:`build_passes` builds the missing sizes in a background process);
+      elsewhere eager (``passes.reason`` says why);
+    - a torch.compile backend's name (e.g. ``"aot_eager"``, to debug tracing): ``True``'s
+      passes, compiled by that backend.
+
+    Compiled passes are padded to a few pass sizes (``PASS_BUCKETS``), so proposals of any
+    size reuse a handful of graphs; the prefill stays eager.
+    """
 
     def __init__(
         self,
@@ -281,76 +103,17 @@ class Engine:
         # mode "draft": a draft model sharing the target's vocabulary (medusa.models.draft.load_draft)
         self.draft = draft
         self.proposer_config = proposer_config or ProposerConfig()
-        self._cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
-        self._set_pass(compile, static_cache, kernels)
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
         # linears (medusa/runtime/kernels.py), compiled ones too; model.generate and training
         # never do.
+        self._kernels = kernel_scope(model, kernels, draft, heads)
         self.kernels = kernels
+        self.passes: PassStrategy = make_passes(model, compile, static_cache, kernels, exact)
         self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
         self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
         # medusa.load sets it: eagle trees sized for this machine (medusa/autotune/sizing.py);
         # None: the sizes calibrated for the device type (calibration.json)
         self.tree_sizes = None
-        self._kernels = self._kernel_context(kernels, heads)
-
-    def _set_pass(self, compile: bool | str, static_cache: bool, kernels: str) -> None:
-        """A static cache (fixed shapes and addresses) and, with compile, the verification pass
-        compiled: CUDA graphs on CUDA ("reduce-overhead"), inductor kernels elsewhere. A
-        string names another torch.compile backend (e.g. "aot_eager" to debug tracing), or is
-        ``"auto"`` (:func:`auto_compile`). Each pass size compiles once: compiled passes are
-        padded to a few bucket sizes (PASS_BUCKETS), so proposals of any size (hybrid, lookup,
-        draft, eagle, budget-cut trees) reuse a handful of graphs; the prefill stays eager."""
-        auto = compile == AUTO
-        if auto:
-            compile, self.compile_reason = auto_compile(self.device, self.model, self.exact)
-        else:
-            self.compile_reason = f"compile={compile!r}"
-        self.compile_mode = ("auto" if auto else "on") if compile else "off"
-        # compile="auto": static only for generations whose passes are all saved (_static_for)
-        self.static_cache = bool(static_cache or (compile and not auto))
-        self._pass = kv.forward
-        self._clone_outputs = False
-        self._compiled = bool(compile)
-        self._marks_capacity = False  # whether step marks the cache's capacity dynamic (SavedPasses mark their own)
-        # Static cache growth: powers of two, except for a pass compiled for the CPU (the
-        # capacity is symbolic there, so any size reuses the graph): SLOT_STEP slots at a
-        # time, keeping the slots attention reads close to the length. CUDA graphs record
-        # one graph per capacity: powers of two there, as for an uncompiled static cache.
-        self._slot_step = SLOT_STEP if compile and self.device.type == "cpu" else None
-        if compile:
-            if self.exact:
-                opaque_ops(self.model)
-            kv.persist_compiled(cache_root() / "inductor")
-            self._pass = compiled_pass(self.model, self.device, compile, kernels, cache_root() / "compiled", build=not auto)
-            # traced in each process (CUDA): step marks the capacity dynamic, and outputs are
-            # cloned (CUDA graphs reuse their output memory at the next replay)
-            self._marks_capacity = self._clone_outputs = not isinstance(self._pass, SavedPasses)
-
-    def _kernel_context(self, kernels: str, heads: MedusaHeads | None):
-        if kernels not in KERNELS:
-            raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-        if kernels == "default":
-            return contextlib.nullcontext()
-        if not onednn_available(self.device, self.model.dtype):
-            raise MedusaError(f"kernels='onednn' needs a CPU and torch build with oneDNN {self.model.dtype} linears, "
-                              f"not {self.device.type} here: use kernels='default'")
-        # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
-        # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
-        # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
-        half = self.model.dtype in (torch.bfloat16, torch.float16)
-        packed_heads = None if getattr(heads, "int8", False) else heads  # int8 heads run their own kernel
-        return PackedLinears(self.model, self.draft, packed_heads, stock_above=PACKED_ROWS if half else None)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the verification pass is compiled (``compile``)."""
-        return self._compiled
-
-    @property
-    def saved_passes(self) -> SavedPasses | None:
-        """The CPU's saved compiled passes (:mod:`medusa.decoding.compiled`), None elsewhere."""
-        return self._pass if isinstance(self._pass, SavedPasses) else None
 
     def kernel_scope(self):
         """A context in which the target (and draft, heads) run the engine's linear kernels:
@@ -423,17 +186,15 @@ class Engine:
     def precompile(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:
         """Compile the verification pass for every size ``mode``'s proposals can take, now,
-        instead of inside the first answers (an engine built with ``compile``; otherwise a
-        no-op). ``rows``: the largest proposal, root included (default: the proposer's
-        ``max_rows``; given with a mode's name, every size from 1 up compiles). Sizes from the
-        proposer's ``min_rows`` up compile: a smaller pass (a tree the answer's budget cut
-        short) pads up to it. Each pass bucket compiles once, on a throwaway cache; the
-        capacity is symbolic (:func:`medusa.runtime.hf.mark_capacity_dynamic`), so no
-        prompt length recompiles later. On the CPU a size an earlier process saved is loaded
-        instead (:mod:`medusa.decoding.compiled`; with ``compile="auto"`` only those are, the
-        others run eagerly). ``progress(bucket, seconds)`` is called after each.
-        Returns the buckets compiled (or already compiled: then each takes milliseconds)."""
-        if not self._compiled:
+        instead of inside the first answers (compiled passes only; otherwise a no-op). ``rows``:
+        the largest proposal, root included (default: the proposer's ``max_rows``; given with a
+        mode's name, every size from 1 up compiles). Sizes from the proposer's ``min_rows`` up
+        compile: a smaller pass (a tree the answer's budget cut short) pads up to it. Each pass
+        bucket compiles once, on a throwaway cache whose capacity is symbolic, so no prompt
+        length recompiles later. On the CPU a size an earlier process saved is loaded instead
+        (with ``compile="auto"`` only those are, the others run eagerly). ``progress(bucket,
+        seconds)`` is called after each. Returns the buckets compiled (or already compiled)."""
+        if not self.passes.compiled:
             return []
         return self.compile_sizes(self.pass_sizes(mode, tree, rows), progress)
 
@@ -454,37 +215,27 @@ class Engine:
 
     def compile_sizes(self, buckets: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
         """Compile (or load, where saved) the verification pass for each of ``buckets``."""
-        if not self._compiled:
-            return []
-        saved = isinstance(self._pass, SavedPasses)
-        with torch.inference_mode(), self._kernels:
-            for b in buckets:
-                t0 = time.perf_counter()
-                # a saved size is loaded (or compiled and saved); otherwise one traced pass compiles it
-                if not saved or (self._pass.graph(self.model, b, self._cache_arg) is None and self._pass.build):
-                    self._pass(*example_pass(self.model, b, self._cache_arg), cache_arg=self._cache_arg)
-                if progress is not None:
-                    progress(b, time.perf_counter() - t0)
-        return list(buckets)
-
-    def _static_for(self, proposer: Proposer) -> bool:
-        """Whether a generation by ``proposer`` runs on a static cache. With ``compile="auto"``
-        only once this machine has saved every pass size it uses: until then it is the eager
-        engine, dynamic cache and all (a static cache's eager passes read its spare slots)."""
-        if self.compile_mode != "auto":
-            return self.static_cache
-        try:
-            return not self._pass.missing(self.pass_sizes(proposer))
-        except MedusaError:  # a proposer that does not say its sizes
-            return False
+        with self._kernels:
+            return self.passes.warm(buckets, progress)
 
     def unsaved_passes(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None) -> list[int]:
-        """With ``compile="auto"`` on the CPU: the pass buckets ``mode`` uses that this machine
-        has not saved yet (they run eagerly until ``python -m infer.precompile`` saves them).
-        Empty otherwise."""
-        if self.compile_mode != "auto" or not isinstance(self._pass, SavedPasses):
+        """The pass buckets ``mode`` uses that this machine has not saved yet: with
+        ``compile="auto"`` they run eagerly until saved (:meth:`build_passes`), with
+        ``compile=True`` on a CPU they compile at first use. Empty for passes that save nothing."""
+        if self.passes.saved is None:
             return []
-        return self._pass.missing(self.pass_sizes(mode, tree))
+        return self.passes.missing(self.pass_sizes(mode, tree))
+
+    def build_passes(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
+                     source: str | None = None, trust_remote_code: bool = False) -> PassBuild:
+        """Load the compiled pass sizes ``mode`` uses that this machine has saved, and start
+        building the others in a background process at low priority (the chat does this with
+        ``compile="auto"``; a generation runs compiled once all its sizes are saved). ``source``:
+        where that process loads the target from (default: the folder or Hub id it was loaded
+        from). Returns a :class:`~medusa.decoding.pass_build.PassBuild`; nothing is built for
+        passes that save nothing (eager, CUDA graphs)."""
+        sizes = self.pass_sizes(mode, tree) if self.passes.saved is not None else []
+        return start_build(self.passes, sizes, self._kernels, source, trust_remote_code)
 
     def tree_paths(self, tree: str | Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
         """The tree to use: the argument, else the engine's, else the default for the device.
@@ -503,10 +254,10 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                 sampling: SamplingConfig, max_new_tokens: int, static: bool | None = None) -> DecodeState:
-        static = self.static_cache if static is None else static  # compile="auto" decides per generation
+                 sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None) -> DecodeState:
+        passes = passes or self.passes  # compile="auto" picks per generation (PassStrategy.for_generation)
         cache, start, share = None, 0, CacheShare()
-        if state is not None and kv.is_static(state.cache) == static:
+        if state is not None and kv.is_static(state.cache) == passes.static:
             cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
             start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
             start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
@@ -516,18 +267,10 @@ class Engine:
             else:  # its cache was taken by another generation since: branch off a copy
                 cache = kv.copy_prefix(state.cache, start, self.model)
         if cache is None:
-            cache = kv.new_static_cache(self.model, 256) if static else kv.new_cache()
+            cache = passes.new_cache()
         stats.prefill_tokens = len(ids) - start
         new = torch.tensor([ids[start:]], device=self.device)
-        pos = torch.arange(start, len(ids), device=self.device)[None]
-        mask = None
-        if static:
-            # room for the answer and a large tree, so that decoding rarely regrows the cache;
-            # a compiled CPU pass takes any capacity, so there the cache grows as it fills
-            room = len(ids) + (SLOT_STEP if self._slot_step else max_new_tokens + 64)
-            kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room, self._slot_step)
-            mask = kv.causal_mask(self.model, start, len(ids) - start, self.model.dtype, self.device, kv.capacity(cache))
-        logits, hidden = kv.forward(self.model, new, pos, cache, mask, logits_rows=slice(-1, None))
+        logits, hidden = passes.prefill(cache, new, start, max_new_tokens)
         generator = sampling.generator(self.device)
         root = next_token(logits[-1], sampling, generator)
         new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
@@ -542,32 +285,7 @@ class Engine:
         ``min_rows``: a compiled pass of fewer rows runs padded to that size's bucket (the
         proposer's usual size: a tree cut short by the budget reuses the usual graph)."""
         tree, start = proposal.tree, state.length
-        n = proposal.tokens.shape[0]
-        tokens, depth, ancestor = proposal.tokens, tree.depth, tree.ancestor
-        if proposal.side is not None:  # rows after the candidates that none of them sees
-            tokens, depth, ancestor = proposal.side.joined(tokens, depth, ancestor)
-        static = kv.is_static(state.cache)  # compile="auto" decodes eagerly on a dynamic cache until saved
-        compiled = self._compiled and static
-        if compiled:
-            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(max(tokens.shape[0], min_rows)))
-            if not tokens.is_inference():  # a proposer's own tensor: guards tell the two kinds apart
-                tokens = tokens.clone()
-        positions = (start + depth)[None]
-        if static:
-            kv.reserve(state.cache, start + tokens.shape[0], self._slot_step)
-            mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(state.cache))
-            if self._marks_capacity:
-                kv.mark_capacity_dynamic(state.cache, mask)  # one graph per bucket, whatever the capacity
-        else:
-            chain = proposal.is_chain and proposal.side is None
-            mask = None if chain else kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
-        forward = kv.forward if self._compiled and not static else self._pass  # auto, nothing saved yet: eager
-        logits, hidden = forward(self.model, tokens[None], positions, state.cache, mask, cache_arg=self._cache_arg)
-        side = None if proposal.side is None else logits[n:n + proposal.side.tokens.shape[0]]
-        logits, hidden = logits[:n], hidden[:n]  # padding rows are never verified, side rows are handed back
-        if compiled and self._clone_outputs:
-            logits, hidden = logits.clone(), hidden.clone()
-            side = None if side is None else side.clone()
+        logits, hidden, side = self.passes.verify(state.cache, start, proposal, min_rows)
         acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
@@ -591,7 +309,8 @@ class Engine:
         stats = GenerationStats()
         t0 = time.perf_counter()
         with self._kernels:  # entered per step, never across a yield: the caller may use the model
-            state = self._prefill(ids, prior, stats, sampling, max_new_tokens, self._static_for(proposer))
+            passes = self.passes.for_generation(lambda: self.pass_sizes(proposer))
+            state = self._prefill(ids, prior, stats, sampling, max_new_tokens, passes)
         stats.prefill_seconds = time.perf_counter() - t0
         emitted: list[int] = []
         chunk, reason = cut_chunk([int(state.root)], self.eos, max_new_tokens)

@@ -1,0 +1,355 @@
+"""How the engine's target passes run: one small interface, :class:`PassStrategy`, and its kinds.
+
+The decode loop (medusa/decoding/engine.py) never asks "am I compiled?": it asks its strategy
+for a new cache, a prefill and the verification of a proposal's rows. Padding to a few pass
+sizes, masks, cache reservation and output copies are the strategy's business.
+
+- :class:`EagerPasses` (``name="eager"``): transformers' forward on a dynamic cache.
+- :class:`StaticPasses` (``"static"``): the same forward on a static cache (fixed shapes and addresses).
+- :class:`SavedGraphPasses` (``"saved-graphs"``): on a CPU, each pass size compiled once and
+  saved for later processes (medusa/decoding/compiled.py), on a static cache.
+- :class:`TracedPasses` (``"cuda-graphs"`` on CUDA, else ``"traced"``): ``torch.compile`` traced
+  in each process (CUDA graphs, "reduce-overhead", on CUDA), on a static cache.
+- :class:`AutoPasses` (``"auto"``): per generation, the saved graphs where every size it needs
+  is saved, else eager on a dynamic cache; nothing compiles in the process.
+
+:func:`make_passes` builds one from the engine's ``compile``, ``static_cache``, ``kernels``
+and ``exact``; the module surgery compiled passes need (opaque norms and rotary for exact
+ones, inductor's kernel cache) happens there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa.decoding.compiled import SavedPasses, example_pass
+from medusa.decoding.state import Proposal
+from medusa.errors import MedusaError
+from medusa.models.target import context_window
+from medusa.runtime import hf as kv
+from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
+from medusa.runtime.files import cache_root
+from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
+from medusa.runtime.opaque import opaque_ops
+
+AUTO = "auto"
+# Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
+# 1.5x the rows), so one process compiles a handful of graphs whatever the proposals are.
+PASS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+PACKED_ROWS = 64  # half precision: passes of more rows (a prefill) use torch's linear kernels
+SLOT_STEP = 64  # static cache growth of saved CPU graphs (SavedGraphPasses.slot_step)
+
+Outputs = tuple[torch.Tensor, torch.Tensor]  # a prefill's: logits [1, V] (the last row), hidden states [T, H]
+# a verification's: the candidates' logits [n, V] and hidden states [n, H], the side rows' logits [E, V] or None
+Verified = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def pass_bucket(n: int) -> int:
+    """The compiled pass size for ``n`` rows (``n`` itself past the largest bucket)."""
+    return next((b for b in PASS_BUCKETS if b >= n), n)
+
+
+def pad_pass(tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor, size: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a pass of ``n`` rows to ``size``: padding rows hold token 0 at the root's position and
+    see the prefix and themselves only, so no real row sees them; their logits are dropped and
+    their cache entries cut with the rejected nodes."""
+    n = tokens.shape[0]
+    if size == n:
+        return tokens, depth, ancestor
+    grown = torch.eye(size, dtype=torch.bool, device=ancestor.device)
+    grown[:n, :n] = ancestor
+    return (torch.cat([tokens, tokens.new_zeros(size - n)]), torch.cat([depth, depth.new_zeros(size - n)]), grown)
+
+
+def pass_rows(exact: bool, max_rows: int | None) -> int | None:
+    """Rows per verification pass (None: any). Exact attention makes attention row-invariant,
+    but a device's matmul kernels may block differently past some row count, so exact passes
+    verify at most the rows the device's probe found invariant (medusa.load passes the dtype
+    pick's ``invariant_rows``) and never more than exact attention supports; larger proposals
+    keep their first nodes."""
+    if max_rows is not None and max_rows < 1:
+        raise MedusaError(f"max_rows must be at least 1, got {max_rows}")
+    return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
+
+
+def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
+    """Set ``model``'s attention batch-invariant or not and return which (medusa/runtime/exact.py:
+    a tree row equals its one-token pass bit for bit). None: on in half precision, where
+    kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
+    vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16). ``compile``: the
+    engine's, ``"auto"`` excluded (it never compiles off the CPU)."""
+    if exact is None:
+        exact = model.dtype in (torch.bfloat16, torch.float16)
+    device = model.get_output_embeddings().weight.device
+    # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
+    # the norms' reduction run as opaque ops (medusa/runtime/exact.py), the rest with inductor's
+    # emulated precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
+    if compile and exact and device.type != "cpu":
+        raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
+                          f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
+    if exact != is_exact(model):
+        set_exact(model, exact)
+    return exact
+
+
+def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | None = None, heads=None):
+    """The context in which the engine's passes run its linear kernels: ``"default"`` (torch's)
+    or ``"onednn"`` (packed oneDNN linears for the target, draft model and heads;
+    medusa/runtime/kernels.py). Compiled passes trace inside it."""
+    if kernels not in KERNELS:
+        raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+    if kernels == "default":
+        return contextlib.nullcontext()
+    device = model.get_output_embeddings().weight.device
+    if not onednn_available(device, model.dtype):
+        raise MedusaError(f"kernels='onednn' needs a CPU and torch build with oneDNN {model.dtype} linears, "
+                          f"not {device.type} here: use kernels='default'")
+    # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
+    # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
+    # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
+    half = model.dtype in (torch.bfloat16, torch.float16)
+    packed_heads = None if getattr(heads, "int8", False) else heads  # int8 heads run their own kernel
+    return PackedLinears(model, draft, packed_heads, stock_above=PACKED_ROWS if half else None)
+
+
+def _rows(proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pass's tokens, depths and ancestor mask: the candidates, then any side rows that none
+    of them sees (:class:`~medusa.decoding.state.SideRows`)."""
+    tokens, depth, ancestor = proposal.tokens, proposal.tree.depth, proposal.tree.ancestor
+    return (tokens, depth, ancestor) if proposal.side is None else proposal.side.joined(tokens, depth, ancestor)
+
+
+def _split(proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor) -> Verified:
+    """A pass's outputs: the candidates' rows, the side rows' logits; padding rows are dropped."""
+    n = proposal.tokens.shape[0]
+    side = None if proposal.side is None else logits[n:n + proposal.side.tokens.shape[0]]
+    return logits[:n], hidden[:n], side
+
+
+class PassStrategy:
+    """How a generation's target passes run. The base is eager on a dynamic cache.
+
+    ``name`` says which kind; ``static`` whether its caches are static; ``compiled`` whether
+    passes may run compiled; ``reason`` why this kind was built; ``saved`` the saved CPU graphs
+    (:class:`~medusa.decoding.compiled.SavedPasses`) where there are any; ``forward`` the
+    function a pass calls (:func:`medusa.runtime.hf.forward`'s signature: wrap it to watch passes).
+    """
+
+    name, static, compiled = "eager", False, False
+    saved: SavedPasses | None = None
+
+    def __init__(self, model: PreTrainedModel, reason: str = "compile=False", kernels: str = "default") -> None:
+        self.model, self.reason, self.kernels = model, reason, kernels
+        self.device = model.get_output_embeddings().weight.device
+        self.max_positions = context_window(model)
+        self.cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
+        self.forward: Callable = kv.forward
+
+    def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
+        """The strategy one generation runs on (``sizes()``: the pass sizes its proposer uses)."""
+        return self
+
+    def new_cache(self):
+        return kv.new_cache()
+
+    def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
+        """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs."""
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        return kv.forward(self.model, ids, positions, cache, None, logits_rows=slice(-1, None))
+
+    def verify(self, cache, start: int, proposal: Proposal, min_rows: int = 1) -> Verified:
+        """The target's outputs for ``proposal``'s ``n`` candidate rows after ``start`` cached
+        tokens (``[n, V]``, ``[n, H]``) and its side rows' logits (``[E, V]``, None without side
+        rows); their keys and values are left in ``cache`` after ``start``."""
+        tokens, depth, ancestor = _rows(proposal)
+        chain = proposal.is_chain and proposal.side is None
+        mask = None if chain else kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
+        logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
+                                      cache_arg=self.cache_arg)
+        return _split(proposal, logits, hidden)
+
+    def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
+        """Compile (or load, where saved) the pass of each of ``sizes``; the sizes done."""
+        return []
+
+    def missing(self, sizes: Sequence[int]) -> list[int]:
+        """The pass ``sizes`` not saved for this machine (only saved graphs save any)."""
+        return []
+
+
+class StaticPasses(PassStrategy):
+    """Eager passes on a static cache. Its capacity grows in powers of two (``slot_step``
+    None) or ``slot_step`` slots at a time; ``pads`` pads passes to their bucket (compiled
+    kinds: a handful of graphs whatever the proposals are)."""
+
+    name, static = "static", True
+    slot_step: int | None = None
+    pads = False
+
+    def new_cache(self):
+        return kv.new_static_cache(self.model, 256)
+
+    def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
+        total = start + ids.shape[1]
+        # room for the answer and a large tree, so that decoding rarely regrows the cache; a
+        # saved CPU graph takes any capacity, so there the cache grows as it fills
+        room = total + (SLOT_STEP if self.slot_step else max_new_tokens + 64)
+        kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room, self.slot_step)
+        mask = kv.causal_mask(self.model, start, ids.shape[1], self.model.dtype, self.device, kv.capacity(cache))
+        positions = torch.arange(start, total, device=self.device)[None]
+        return kv.forward(self.model, ids, positions, cache, mask, logits_rows=slice(-1, None))
+
+    def verify(self, cache, start: int, proposal: Proposal, min_rows: int = 1) -> Verified:
+        tokens, depth, ancestor = _rows(proposal)
+        if self.pads:  # a pass of fewer rows than the proposer's usual reuses the usual graph
+            tokens, depth, ancestor = pad_pass(tokens, depth, ancestor, pass_bucket(max(tokens.shape[0], min_rows)))
+            if not tokens.is_inference():  # a proposer's own tensor: guards tell the two kinds apart
+                tokens = tokens.clone()
+        kv.reserve(cache, start + tokens.shape[0], self.slot_step)
+        mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(cache))
+        self._before(cache, mask)
+        logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
+                                      cache_arg=self.cache_arg)
+        return self._after(*_split(proposal, logits, hidden))  # padding rows are never verified
+
+    def _before(self, cache, mask) -> None:
+        pass
+
+    def _after(self, logits: torch.Tensor, hidden: torch.Tensor, side: torch.Tensor | None) -> Verified:
+        return logits, hidden, side
+
+
+class SavedGraphPasses(StaticPasses):
+    """On a CPU: each pass size compiled once and saved for later processes (``saved``). The
+    capacity is symbolic in a saved graph, so the cache grows ``SLOT_STEP`` slots at a time,
+    keeping the slots attention reads close to the length."""
+
+    name, compiled, pads, slot_step = "saved-graphs", True, True, SLOT_STEP
+
+    def __init__(self, model: PreTrainedModel, saved: SavedPasses, reason: str, kernels: str = "default") -> None:
+        super().__init__(model, reason, kernels)
+        self.saved = self.forward = saved
+
+    @torch.inference_mode()
+    def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
+        for b in sizes:
+            t0 = time.perf_counter()
+            # a saved size is loaded (or compiled and saved); build=False leaves a missing one eager
+            if self.saved.graph(self.model, b, self.cache_arg) is None and self.saved.build:
+                self.saved(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg)
+            if progress is not None:
+                progress(b, time.perf_counter() - t0)
+        return list(sizes)
+
+    def missing(self, sizes: Sequence[int]) -> list[int]:
+        return self.saved.missing(list(sizes))
+
+
+class TracedPasses(StaticPasses):
+    """``torch.compile`` traced in each process: CUDA graphs ("reduce-overhead") on CUDA. Each
+    pass marks the cache's capacity dynamic (one graph per bucket, whatever the capacity) and
+    its outputs are cloned (CUDA graphs reuse their output memory at the next replay). The
+    capacity grows in powers of two: CUDA graphs record one graph per capacity."""
+
+    compiled, pads = True, True
+
+    def __init__(self, model: PreTrainedModel, compile: bool | str, reason: str, kernels: str = "default") -> None:
+        super().__init__(model, reason, kernels)
+        backend = compile if isinstance(compile, str) else "inductor"
+        self.name = "cuda-graphs" if self.device.type == "cuda" and backend == "inductor" else "traced"
+        self.forward = kv.compiled_forward(self.device, compile)
+
+    @torch.inference_mode()
+    def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
+        for b in sizes:
+            t0 = time.perf_counter()
+            self.forward(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg)
+            if progress is not None:
+                progress(b, time.perf_counter() - t0)
+        return list(sizes)
+
+    def _before(self, cache, mask) -> None:
+        kv.mark_capacity_dynamic(cache, mask)
+
+    def _after(self, logits: torch.Tensor, hidden: torch.Tensor, side: torch.Tensor | None) -> Verified:
+        return logits.clone(), hidden.clone(), None if side is None else side.clone()
+
+
+class AutoPasses(PassStrategy):
+    """``compile="auto"`` on a CPU: a generation whose pass sizes are all saved here runs the
+    saved graphs (``graphs``), any other eagerly on a dynamic cache (``eager``), and nothing
+    compiles in the process. A missing size is looked for again every few seconds, so what a
+    background build saves (:mod:`medusa.decoding.pass_build`) is picked up while it runs."""
+
+    name, compiled = "auto", True
+
+    def __init__(self, model: PreTrainedModel, graphs: SavedGraphPasses, reason: str, kernels: str = "default") -> None:
+        super().__init__(model, reason, kernels)
+        self.graphs, self.eager, self.saved = graphs, PassStrategy(model, reason, kernels), graphs.saved
+
+    def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
+        try:
+            return self.eager if self.graphs.missing(sizes()) else self.graphs
+        except MedusaError:  # a proposer that does not say its sizes
+            return self.eager
+
+    def verify(self, cache, start: int, proposal: Proposal, min_rows: int = 1) -> Verified:
+        # the generation's kind, told by its cache (a state prefilled before all sizes were saved)
+        return (self.graphs if kv.is_static(cache) else self.eager).verify(cache, start, proposal, min_rows)
+
+    def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
+        return self.graphs.warm(sizes, progress)
+
+    def missing(self, sizes: Sequence[int]) -> list[int]:
+        return self.graphs.missing(sizes)
+
+
+def _auto(device: torch.device, model: PreTrainedModel, exact: bool) -> tuple[bool, str]:
+    """``compile="auto"``: whether to compile, and why. On a CPU the passes run compiled where
+    this machine has them saved and eagerly otherwise, never compiling in the process
+    (docs/compile.md#compiled and docs/compile.md#compiled-exact-passes; compiling takes
+    minutes, so a background build does it, :func:`medusa.decoding.pass_build.start_build`).
+    Elsewhere eager: CUDA graphs compile in the process (docs/compile.md), which ``compile=True``
+    asks for and auto does not do behind a user's back. Exact passes need opaque norms and
+    rotary (the module surgery; a norm of another form refuses, and the passes stay eager)."""
+    if device.type != "cpu":
+        why = ("CUDA graphs ran 5x faster on an H200 but compile for ~45 s per pass size in the process: "
+               "pass compile=True (--compile)") if device.type == "cuda" else "compiled passes are measured on CPUs and CUDA only"
+        return False, f"compile=auto: eager on {device.type} ({why})"
+    if exact:
+        try:
+            opaque_ops(model)
+        except MedusaError as e:
+            return False, f"compile=auto: eager ({e})"
+    return True, "compile=auto: pass sizes saved for this machine run compiled, the others eagerly until saved"
+
+
+def make_passes(model: PreTrainedModel, compile: bool | str = False, static_cache: bool = False,
+                kernels: str = "default", exact: bool = False) -> PassStrategy:
+    """The pass strategy for ``compile`` (see :class:`medusa.decoding.engine.Engine`): False:
+    eager, on a static cache with ``static_cache``; True (or a torch.compile backend's name):
+    saved graphs on a CPU, CUDA graphs on CUDA (traced by that backend elsewhere); ``"auto"``:
+    :class:`AutoPasses` on a CPU, eager elsewhere. ``exact``: the model's attention is exact
+    (:func:`use_exact`); compiled exact passes get opaque norms and rotary here."""
+    device = model.get_output_embeddings().weight.device
+    auto = compile == AUTO
+    reason = f"compile={compile!r}"
+    if auto:
+        compile, reason = _auto(device, model, exact)
+    if not compile:
+        return (StaticPasses if static_cache else PassStrategy)(model, reason, kernels)
+    if exact:
+        opaque_ops(model)
+    kv.persist_compiled(cache_root() / "inductor")
+    if device.type != "cpu":
+        return TracedPasses(model, compile, reason, kernels)
+    backend = compile if isinstance(compile, str) else "inductor"
+    graphs = SavedGraphPasses(model, SavedPasses(model, cache_root() / "compiled", backend, kernels, build=not auto),
+                              reason, kernels)
+    return AutoPasses(model, graphs, reason, kernels) if auto else graphs
