@@ -107,14 +107,11 @@ def load(
     ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set. ``tree`` shapes the
     static tree of Medusa heads; eagle heads grow theirs per step, so a tree with them is an error.
 
-    ``static_cache`` keeps the KV cache in fixed tensors. ``compile`` (``engine.passes`` says what
-    was built, :class:`~medusa.decoding.engine.Engine` documents each value): False: eager passes;
-    True: compiled passes on a static cache, once per pass size (on a CPU saved for later
-    processes, on CUDA CUDA graphs traced in each process; ``engine.precompile(mode)`` compiles a
-    mode's sizes now), exact in half precision on the CPU (on a GPU the loaded dtype is kept);
-    ``"auto"`` (the chat's default): the dtype is picked, and on a CPU a generation whose pass
-    sizes are saved here runs compiled, others eagerly (``engine.build_passes(mode)`` builds the
-    missing ones in a background process); a torch.compile backend's name: True's passes, by that backend.
+    ``static_cache`` keeps the KV cache in fixed tensors. ``compile`` (each value documented on
+    :class:`~medusa.decoding.engine.Engine`; ``engine.passes`` says what was built): False eager;
+    True compiled once per pass size (saved for later processes on a CPU, CUDA graphs on CUDA, where
+    the loaded dtype is kept); ``"auto"`` (the chat's default): on a CPU saved passes where this
+    machine has them, else eager (``engine.build_passes(mode)`` builds the rest); a backend's name.
 
     ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
     oneDNN weights on a CPU, medusa/runtime/kernels.py); ``None`` picks the faster here by

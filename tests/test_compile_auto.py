@@ -46,12 +46,12 @@ def test_auto_runs_saved_sizes_compiled_the_others_eagerly_and_picks_up_what_a_b
     ref = hf_greedy(model, prompt, n)
 
     eng = Engine(model, compile="auto")
-    assert eng.compile_mode == "auto"
+    assert eng.passes.name == "auto"
     assert eng.unsaved_passes("baseline") == [1]
     assert eng.precompile("baseline") == [1]  # nothing saved: nothing loaded, nothing compiled
     res = eng.generate(prompt, max_new_tokens=n, mode="baseline")
     assert res.tokens == ref and not kv.is_static(res.state.cache)  # the eager engine, dynamic cache and all
-    saved = eng.saved_passes
+    saved = eng.passes.saved
     assert saved.traced == [] and saved.loaded == [] and saved.fallback is None
     assert not saved.path(1).exists()
 
@@ -74,7 +74,7 @@ def test_auto_runs_saved_sizes_compiled_the_others_eagerly_and_picks_up_what_a_b
     later = Engine(load_target(str(folder), device="cpu", dtype="float32")[0], compile="auto")
     assert later.unsaved_passes("baseline") == []
     later.precompile("baseline")
-    assert later.saved_passes.loaded == [1] and later.saved_passes.traced == []
+    assert later.passes.saved.loaded == [1] and later.passes.saved.traced == []
     assert later.generate(prompt, max_new_tokens=n, mode="baseline").tokens == ref
 
     again = precompile_cli(["--model", str(folder), "--sizes", "1", "--kernels", eng.kernels, "--threads", str(threads)])
@@ -84,7 +84,7 @@ def test_auto_runs_saved_sizes_compiled_the_others_eagerly_and_picks_up_what_a_b
 def test_a_second_build_leaves_the_passes_to_the_live_one_holding_the_lock(tmp_path, cache):
     folder = tiny_target(tmp_path / "target")
     eng = Engine(load_target(str(folder), device="cpu", dtype="float32")[0], compile="auto")
-    lock = eng.saved_passes.lock_path()
+    lock = eng.passes.saved.lock_path()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def test_a_second_build_leaves_the_passes_to_the_live_one_holding_the_lock(tmp_p
                               "--threads", str(torch.get_num_threads())], timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"another process (pid {holder.pid}) is compiling" in out.stdout
-        assert not eng.saved_passes.path(1).exists()  # it compiled nothing
+        assert not eng.passes.saved.path(1).exists()  # it compiled nothing
     finally:
         holder.kill()
         holder.wait()
@@ -104,11 +104,11 @@ def test_a_second_build_leaves_the_passes_to_the_live_one_holding_the_lock(tmp_p
 
 def test_auto_compiles_on_the_cpu_in_either_dtype_and_exact_where_half(cache):
     half = Engine(tiny_model("llama").to(torch.bfloat16), compile="auto")
-    assert half.compile_mode == "auto" and half.exact and half.saved_passes is not None
+    assert half.passes.name == "auto" and half.exact and half.passes.saved is not None
     assert half.unsaved_passes("baseline") == [1]  # nothing saved in this cache: eager until precompiled
     exact = Engine(tiny_model("llama"), compile="auto", exact=True)
-    assert exact.compile_mode == "auto" and exact.exact
-    assert Engine(tiny_model("llama"), compile=False).compile_mode == "off"
+    assert exact.passes.name == "auto" and exact.exact
+    assert Engine(tiny_model("llama"), compile=False).passes.name == "eager"
 
 
 @pytest.mark.parametrize("sizes", ["0", "x", "1,,-2"])

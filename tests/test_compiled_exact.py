@@ -55,11 +55,11 @@ def _logits(model, run, width: int, kernels) -> list[torch.Tensor]:
 def test_a_compiled_bfloat16_pass_is_bit_identical_to_the_eager_one(arch, cache):
     model = tiny_model(arch).to(torch.bfloat16)
     eng = Engine(model, compile=True, kernels=_kernels())
-    assert eng.exact and eng.compiled
+    assert eng.exact and eng.passes.name == "saved-graphs"
     width = PREFIX + 64
     eager = _logits(model, kv.forward, width, eng.kernel_scope())
-    compiled = _logits(model, eng._pass, width, eng.kernel_scope())
-    assert sorted(eng.saved_passes.traced) == sorted({len(PATHS) + 1, 1})  # both sizes ran compiled
+    compiled = _logits(model, eng.passes.forward, width, eng.kernel_scope())
+    assert sorted(eng.passes.saved.traced) == sorted({len(PATHS) + 1, 1})  # both sizes ran compiled
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
 
@@ -114,8 +114,8 @@ def test_norms_of_another_form_refuse_compiled_exact_passes_in_one_line(cache):
         Engine(gemma, compile=True)
     assert "\n" not in str(err.value)
     auto = Engine(gemma, compile="auto")  # the chat's default: eager, and it says why
-    assert auto.compile_mode == "off" and "Gemma3RMSNorm" in auto.compile_reason
-    assert Engine(gemma, compile="aot_eager", exact=False).compiled  # the caller's explicit opt-out
+    assert auto.passes.name == "eager" and "Gemma3RMSNorm" in auto.passes.reason
+    assert Engine(gemma, compile="aot_eager", exact=False).passes.compiled  # the caller's explicit opt-out
 
 
 def test_merge_stacked_keeps_one_call_per_group():

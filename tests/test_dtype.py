@@ -150,7 +150,7 @@ def test_compile_on_the_cpu_picks_the_dtype_and_half_precision_compiles_exact(tm
     eng = medusa.load(model=str(target_folder(tmp_path)), heads="init", compile="aot_eager")
     assert "compile=True" not in eng.model.dtype_choice.reason  # the pick, as without compile
     assert (tmp_path / "cache" / "dtype.json").exists()
-    assert eng.exact == (eng.model.dtype == torch.bfloat16) and eng.compiled
+    assert eng.exact == (eng.model.dtype == torch.bfloat16) and eng.passes.compiled
     half = tiny_model("llama").to(torch.bfloat16)
     assert Engine(half, compile="aot_eager").exact  # compiled exact passes (tests/test_compiled_exact.py)
     assert Engine(half, compile="aot_eager", exact=False).max_rows is None  # the caller's explicit opt-out

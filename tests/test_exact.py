@@ -210,13 +210,13 @@ def test_engine_verifies_at_most_max_rows_per_pass():
     model = tiny_model("llama")
     seen = []
     eng = Engine(model, heads=random_heads(model, 0), tree=PATHS, max_rows=4)
-    real = eng._pass
+    real = eng.passes.forward
 
     def watched(model, tokens, *args, **kwargs):
         seen.append(tokens.shape[1])
         return real(model, tokens, *args, **kwargs)
 
-    eng._pass = watched
+    eng.passes.forward = watched
     prompt = [5, 17, 33, 9, 41, 12, 5, 17, 33]
     base = eng.generate(prompt, max_new_tokens=32, mode="baseline")
     for mode in ("medusa", "hybrid"):

@@ -19,7 +19,8 @@ from medusa.autotune.device import (
     model_key,
     pick_kernels,
 )
-from medusa.decoding.engine import PACKED_ROWS, Engine
+from medusa.decoding.engine import Engine
+from medusa.decoding.passes import PACKED_ROWS
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact

@@ -212,7 +212,7 @@ def test_the_benchs_compiled_twin_is_sized_for_its_padded_passes(tmp_path, monke
     engine = Engine(model, heads=heads)
     engine.tree_sizes = size_here(engine, bench.cache_root() / "sizing.json")
     twin = bench._compiled_twin(engine, heads, ProposerConfig())
-    assert twin.compiled and twin.tree_sizes is not engine.tree_sizes
+    assert twin.passes.compiled and twin.tree_sizes is not engine.tree_sizes
     assert twin.tree_sizes.cost_ms == bucketed(engine.tree_sizes.cost_ms)  # the same timings, read from the cache
     engine.tree_sizes = None  # calibrated sizes: the twin keeps them
     assert bench._compiled_twin(engine, heads, ProposerConfig()).tree_sizes is None

@@ -105,7 +105,7 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatc
     n = 30
     ref = hf_greedy(model, PROMPT, n)
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile=backend)
-    assert eng.static_cache
+    assert eng.passes.static and eng.passes.compiled
     first = eng.generate(PROMPT, max_new_tokens=n, mode="medusa")
     again = eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="medusa")  # the compiled graph, reused
     assert first.tokens == ref
@@ -119,7 +119,7 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatc
 def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     # Modes whose proposals vary in size (lookup's chain, hybrid's tree + chain, trees cut by
     # the token budget) run padded to PASS_BUCKETS: outputs unchanged, few distinct graphs.
-    from medusa.decoding.engine import PASS_BUCKETS, pad_pass, pass_bucket
+    from medusa.decoding.passes import PASS_BUCKETS, pad_pass, pass_bucket
 
     assert [pass_bucket(n) for n in (1, 3, 5, 13, 17, 33, 600)] == [1, 4, 8, 16, 24, 48, 600]
     tokens, depth = torch.tensor([4, 5, 6]), torch.tensor([0, 1, 1])
@@ -132,13 +132,13 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     model = tiny_model("llama")
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
     sizes = []
-    compiled = eng._pass
+    compiled = eng.passes.forward
 
     def recording(model, ids, *args, **kwargs):
         sizes.append(ids.shape[1])
         return compiled(model, ids, *args, **kwargs)
 
-    eng._pass = recording
+    eng.passes.forward = recording
     for prompt, n in ((PROMPT, 30), (PROMPT[:-1] + [7, 7, 7, 9], 21), ([3, 4, 5] * 4, 17)):
         ref = hf_greedy(model, prompt, n)
         for mode in ("lookup", "hybrid", "medusa"):
@@ -150,13 +150,13 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
 def test_precompile_covers_every_pass_and_capacity(arch):
     # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
     # capacity (a long prompt, a regrown cache), compiles nothing more and stays exact.
-    from medusa.decoding.engine import PASS_BUCKETS, pass_bucket
+    from medusa.decoding.passes import PASS_BUCKETS, pass_bucket
 
     torch._dynamo.reset()
     kwargs = {"sliding_window": 8} if arch == "gemma3" else {}
     model = tiny_model(arch, max_position_embeddings=2048, **kwargs)
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
-    saved = eng._pass  # SavedPasses: what this process traced, what it loaded
+    saved = eng.passes.saved  # what this process traced, what it loaded
     buckets = eng.precompile("hybrid")
     rows = len(TREE) + 1 + eng.proposer_config.chain()  # root, tree, lookup chain
     least = pass_bucket(len(TREE) + 1)  # the whole tree without a chain: smaller passes pad up to it
@@ -181,13 +181,13 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
     torch._dynamo.reset()
     model = tiny_model("qwen2", max_position_embeddings=2048)
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
-    sizes, compiled = set(), eng._pass
+    sizes, compiled = set(), eng.passes.forward
 
     def recording(model, ids, *args, **kwargs):
         sizes.add(ids.shape[1])
         return compiled(model, ids, *args, **kwargs)
 
-    eng._pass = recording
+    eng.passes.forward = recording
     capacities = set()
     for prompt in (PROMPT, [3, 4, 5, 6] * 80, [9, 8] * 250):  # 256, 512 and 1024 slots
         res = eng.generate(prompt, max_new_tokens=24, mode="medusa")
@@ -200,7 +200,7 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
 def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
     # A CPU-compiled engine reserves the prompt plus SLOT_STEP slots and grows SLOT_STEP at a
     # time (attention reads every slot); a reused state keeps growing; tokens stay exact.
-    from medusa.decoding.engine import SLOT_STEP
+    from medusa.decoding.passes import SLOT_STEP
 
     torch._dynamo.reset()
     model = tiny_model("llama", max_position_embeddings=2048)
@@ -243,20 +243,20 @@ def test_a_tree_cut_short_by_the_budget_pads_up_to_the_precompiled_sizes():
     # precompile("hybrid") compiles from the whole tree's size up; steps near the end of an
     # answer, whose tree the token budget cuts to 1-3 rows, run padded into those graphs:
     # nothing compiles during the answers, and the tokens stay exact.
-    from medusa.decoding.engine import pass_bucket
+    from medusa.decoding.passes import pass_bucket
 
     torch._dynamo.reset()
     model = tiny_model("llama", max_position_embeddings=2048)
     eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, compile="aot_eager")
     buckets = eng.precompile("hybrid")
     assert buckets[0] == pass_bucket(len(TREE) + 1) > 1
-    sizes, compiled = [], eng._pass
+    sizes, compiled = [], eng.passes.forward
 
     def recording(model, ids, *args, **kwargs):
         sizes.append(ids.shape[1])
         return compiled(model, ids, *args, **kwargs)
 
-    eng._pass = recording
+    eng.passes.forward = recording
     for prompt, n in ((PROMPT, 1), (PROMPT, 2), (PROMPT[:-1] + [7, 7, 7, 9], 3), ([3, 4, 5] * 4, 13)):
         assert eng.generate(prompt, max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, prompt, n)
     assert sizes and set(sizes) <= set(buckets)  # budget-cut trees included (n = 2, 3)
@@ -304,18 +304,18 @@ def test_a_second_engine_loads_the_saved_passes_instead_of_tracing(tmp_path):
     first = tiny_model("llama", max_position_embeddings=2048)
     eng = Engine(first, heads=init_heads_for(first, num_heads=3), tree=TREE, compile="aot_eager")
     buckets = eng.precompile("hybrid")
-    assert eng._pass.traced == buckets and eng._pass.loaded == []
+    assert eng.passes.saved.traced == buckets and eng.passes.saved.loaded == []
     saved = sorted(p.name for p in (tmp_path / "medusa-cache" / "compiled").iterdir())
-    assert saved == sorted(eng._pass.path(b).name for b in buckets)
+    assert saved == sorted(eng.passes.saved.path(b).name for b in buckets)
 
     other = tiny_model("llama", seed=3, max_position_embeddings=2048)  # other weights, same config
     again = Engine(other, heads=init_heads_for(other, num_heads=3), tree=TREE, compile="aot_eager")
-    assert again._pass.key == eng._pass.key
+    assert again.passes.saved.key == eng.passes.saved.key
     assert again.precompile("hybrid") == buckets
-    assert again._pass.loaded == buckets and again._pass.traced == []
+    assert again.passes.saved.loaded == buckets and again.passes.saved.traced == []
     for prompt, n in ((PROMPT, 40), ([3, 4, 5, 6] * 80, 30)):  # 256 and 512 slots
         assert again.generate(prompt, max_new_tokens=n, mode="hybrid").tokens == hf_greedy(other, prompt, n)
-    assert again._pass.traced == [] and again._pass.fallback is None
+    assert again.passes.saved.traced == [] and again.passes.saved.fallback is None
 
 
 def test_saved_passes_are_keyed_by_what_the_graph_bakes_in():
@@ -333,15 +333,15 @@ def test_an_unreadable_saved_pass_is_compiled_again_with_a_warning():
     model = tiny_model("llama")
     eng = Engine(model, compile="aot_eager")
     assert eng.precompile("baseline") == [1]
-    eng._pass.path(1).write_bytes(b"not a compiled graph")
+    eng.passes.saved.path(1).write_bytes(b"not a compiled graph")
     fresh = Engine(model, compile="aot_eager")
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
         fresh.precompile("baseline")
-    assert fresh._pass.traced == [1] and fresh._pass.fallback is None
+    assert fresh.passes.saved.traced == [1] and fresh.passes.saved.fallback is None
     assert fresh.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
     third = Engine(model, compile="aot_eager")  # the file was written again, whole
     third.precompile("baseline")
-    assert third._pass.loaded == [1]
+    assert third.passes.saved.loaded == [1]
 
 
 def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved():
@@ -350,7 +350,7 @@ def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved
     model = tiny_model("llama")
     eng = Engine(model, compile="aot_eager")
     eng.precompile("baseline")
-    folder, used = eng._pass.folder, eng._pass.path(1)
+    folder, used = eng.passes.saved.folder, eng.passes.saved.path(1)
     month_ago = time.time() - 40 * 86400
     stale, recent, other = folder / "pass-0123-t1-1.bin", folder / "pass-4567-t1-8.bin", folder / "notes.txt"
     for file in (stale, recent, other):
@@ -359,7 +359,7 @@ def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved
         os.utime(file, (age, age))
     again = Engine(model, compile="aot_eager")
     again.precompile("baseline")  # loads the month-old file: it is in use again
-    assert again._pass.loaded == [1] and used.stat().st_mtime > time.time() - 3600
+    assert again.passes.saved.loaded == [1] and used.stat().st_mtime > time.time() - 3600
     wider = tiny_model("llama", hidden_size=32)
     Engine(wider, compile="aot_eager").precompile("baseline")  # a new file saved: the folder is pruned
     assert not stale.exists()
@@ -385,7 +385,7 @@ def test_a_pass_that_breaks_the_graph_falls_back_to_tracing_with_a_warning():
     with pytest.warns(RuntimeWarning, match="could not be compiled as one saved graph"):
         res = eng.generate(PROMPT, max_new_tokens=20, mode="hybrid")
     assert res.tokens == ref
-    assert eng._pass.fallback and eng._pass.traced == []
+    assert eng.passes.saved.fallback and eng.passes.saved.traced == []
     assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=20, mode="medusa").tokens == hf_greedy(model, PROMPT[:-1] + [7], 20)
 
 
@@ -398,7 +398,7 @@ def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path
 
     model = tiny_model("llama")
     eng = Engine(model, compile=True)
-    assert eng.precompile("baseline") == [1] and eng._pass.traced == [1]
+    assert eng.precompile("baseline") == [1] and eng.passes.saved.traced == [1]
     ref = hf_greedy(model, PROMPT, 16)
     assert eng.generate(PROMPT, max_new_tokens=16, mode="baseline").tokens == ref
     script = (  # the same thread count: inductor's CPU kernels bake it in, so it keys the saved pass
@@ -408,7 +408,7 @@ def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path
         "eng = Engine(tiny_model('llama'), compile=True)\n"
         "eng.precompile('baseline')\n"
         f"tokens = eng.generate({PROMPT}, max_new_tokens=16, mode='baseline').tokens\n"
-        "print(eng._pass.loaded, eng._pass.traced, eng._pass.fallback, tokens)\n"
+        "print(eng.passes.saved.loaded, eng.passes.saved.traced, eng.passes.saved.fallback, tokens)\n"
     )
     tests = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
@@ -424,5 +424,5 @@ def test_a_pass_that_cannot_be_saved_is_still_used_with_a_warning(tmp_path):
     eng = Engine(model, compile="aot_eager")
     with pytest.warns(RuntimeWarning, match="could not be saved"):
         assert eng.precompile("baseline") == [1]
-    assert eng._pass.traced == [1] and eng._pass.fallback is None
+    assert eng.passes.saved.traced == [1] and eng.passes.saved.fallback is None
     assert eng.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
