@@ -203,8 +203,10 @@ def test_build_passes_builds_the_missing_sizes_in_a_background_process(tmp_path,
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cuda_graphs_decode_what_eager_passes_decode(arch):
     torch._dynamo.reset()
-    model = tiny_model(arch).to("cuda")
-    heads = random_heads(model).to("cuda")
+    model = tiny_model(arch)
+    heads = random_heads(model)
+    model.to("cuda")
+    heads.to("cuda")
     eager = Engine(model, heads=heads, tree=TREE)
     graphs = Engine(model, heads=heads, tree=TREE, compile=True)
     assert graphs.passes.name == "cuda-graphs"
