@@ -401,7 +401,7 @@ def test_a_damaged_saved_compiled_pass_is_compiled_again(tmp_path, monkeypatch, 
     model = tiny_model("llama")
     first = Engine(model, compile="aot_eager")
     first.precompile("baseline")
-    path = first._pass.path(1)
+    path = first.passes.saved.path(1)
     assert path.parent == tmp_path / "cache" / "compiled"  # only the project's own cache folder
     data = path.read_bytes()
     if fault == "flipped byte":  # same size, one bit off: only the checksum tells
@@ -413,7 +413,7 @@ def test_a_damaged_saved_compiled_pass_is_compiled_again(tmp_path, monkeypatch, 
     fresh = Engine(model, compile="aot_eager")
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
         fresh.precompile("baseline")
-    assert fresh._pass.traced == [1] and fresh._pass.fallback is None
+    assert fresh.passes.saved.traced == [1] and fresh.passes.saved.fallback is None
     assert fresh.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
     assert path.read_bytes()[32:] != b"" and Engine(model, compile="aot_eager").precompile("baseline") == [1]
 
