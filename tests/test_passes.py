@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
-MODES = ("baseline", "medusa", "lookup")
+MODES = ("baseline", "medusa", "lookup", "lookahead")  # lookahead: side rows in the pass
 
 
 @pytest.fixture
