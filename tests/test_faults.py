@@ -223,6 +223,35 @@ def _cache_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "medusa.cache" and r.levelno == logging.WARNING]
 
 
+@pytest.mark.parametrize("name", ["dtype.json", "kernels.json", "draft_dtype.json", "sizing.json"])
+@pytest.mark.parametrize("fault", ["truncated", "zero", "random", "schema"])
+def test_a_damaged_measurement_cache_is_measured_again_with_one_warning(tmp_path, caplog, name, fault):
+    # Every measurement load() caches (the dtype, kernel and heads' dtype picks, the sizing curves)
+    # goes through one table reader: half a JSON object, as a crash during a write leaves it,
+    # garbage, or a table of non-entries is dropped and measured again, never a crash.
+    from medusa.autotune.device import _cached
+
+    cache = tmp_path / name
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"dtype": "float32", "reason": "measured"}
+
+    _cached(cache, "other | key", lambda: {"kept": 1}, timed=False)
+    _cached(cache, "this | key", measure, timed=False)
+    if fault == "schema":
+        cache.write_text(json.dumps({"this | key": [1, 2]}))
+    else:
+        inject(cache, fault)
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        entry, was_cached = _cached(cache, "this | key", measure, timed=False)
+    assert (entry, was_cached, len(calls)) == ({"dtype": "float32", "reason": "measured"}, False, 2)
+    assert len(_cache_warnings(caplog)) == 1 and name in _cache_warnings(caplog)[0]
+    assert json.loads(cache.read_text()) == {"this | key": entry}  # healed: valid again, the new entry in it
+    assert _cached(cache, "this | key", measure, timed=False) == (entry, True) and len(calls) == 2
+
+
 @pytest.mark.parametrize("fault", ["truncated", "zero", "random"])
 def test_a_damaged_tokenised_rows_cache_is_rebuilt_with_one_warning(tmp_path, caplog, fault):
     from medusa.training.data import tokenise

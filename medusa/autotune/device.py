@@ -43,7 +43,9 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.autotune.timing import measure_cost, measure_costs
+from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact, set_exact
+from medusa.runtime.files import atomic_file, drop_cache_entry, read_json
 from medusa.runtime.kernels import (
     PackedLinears,
     kernels_key,
@@ -269,7 +271,7 @@ def _cached(cache_file: Path, key: str, measure, timed: bool = True) -> tuple[di
     kernels at 115-117 ms for one token under load, 93 and 135 ms idle, so the pick flipped):
     such an entry is marked and measured again by the first call that finds the machine idle
     (``timed=False``: ``measure`` is not a timing, e.g. an exactness probe)."""
-    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    table = _read_table(cache_file)
     if key in table and ("busy_share" not in table[key] or _busy_now()):
         return table[key], True
     share: list[float] = []
@@ -280,13 +282,27 @@ def _cached(cache_file: Path, key: str, measure, timed: bool = True) -> tuple[di
         entry = {**entry, "busy_share": round(share[0], 3)}
         if "reason" in entry:
             entry["reason"] = f"{entry['reason']}; {note}"
-    table = json.loads(cache_file.read_text()) if cache_file.exists() else {}  # another process may have written
+    table = _read_table(cache_file)  # another process may have written
     table[key] = entry
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-    tmp.replace(cache_file)
+    with atomic_file(cache_file) as tmp:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     return entry, False
+
+
+def _read_table(cache_file: Path) -> dict:
+    """The measurement table in ``cache_file`` ({} if absent). A damaged one (cut off, garbage,
+    not an object of entries) is dropped with one warning line and measured again."""
+    if not cache_file.exists():
+        return {}
+    try:
+        table = read_json(cache_file, "")
+    except MedusaError:
+        table = None
+    if isinstance(table, dict) and all(isinstance(v, dict) for v in table.values()):
+        return table
+    drop_cache_entry(cache_file, "damaged (not a JSON table of entries)")
+    return {}
 
 
 def _costs(entry: dict) -> dict[str, dict[int, float]]:
