@@ -27,6 +27,9 @@ from medusa.training.distributed import cpu_threads_warning, usable_cores
 from medusa.training.heads_task import HeadsTrainer, summarise
 from medusa.training.loop import TrainConfig
 
+# compiles passes or launches processes: make test-all only (the fast tier skips it)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
