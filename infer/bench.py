@@ -1,6 +1,6 @@
 """Benchmark decoding modes side by side, in one run, on the same machine.
 
-    python -m infer.bench --modes hf,baseline,medusa --limit 10 --max-new-tokens 256
+    python -m infer.bench --modes hf,baseline,hybrid --limit 10 --max-new-tokens 256
 
 Every mode decodes the same chat-formatted prompts with the same target. Models load
 before any timing, each mode is warmed up once, and prompts are interleaved across modes
@@ -15,11 +15,15 @@ dtype, transformers' default attention, torch's kernels): the speed a user compa
 where another dtype runs ``generate`` faster (on one AMX Xeon float32 did). Their outputs are
 compared too, and may differ where the dtype or the attention differs.
 
-Modes ``eagle`` and ``eagle-hybrid`` (the eagle tree plus the lookup chain) run the EAGLE
-heads of ``--eagle-heads`` (default: those shipped for the embedded model) on the same loaded
-target, so that Medusa heads (``medusa``, ``hybrid``) and EAGLE heads compare in one run.
+Engine modes mean what they mean in the library and the chat: ``medusa`` and ``eagle`` run heads
+of that kind, ``hybrid`` the loaded heads plus the lookup chain. A heads suffix picks the kind
+for any engine mode: ``hybrid@eagle``, ``hybrid@medusa`` (``medusa``/``eagle`` alone imply theirs).
+Heads of a kind that ``--heads`` did not load are loaded through ``medusa.load(target=...)`` on
+the same target: ``--eagle-heads`` / ``--medusa-heads``, else those shipped for the embedded
+model. So Medusa and EAGLE heads compare in one run. The default ``--modes`` is ``hf``,
+``baseline`` and the engine's default mode (``hybrid`` with heads).
 
-Any engine mode with ``+compile`` (``baseline+compile``, ``eagle-hybrid+compile``) runs the
+Any engine mode with ``+compile`` (``baseline+compile``, ``hybrid@eagle+compile``) runs the
 same mode on a twin engine with a compiled verification pass, beside the eager one; every
 compiled pass size is compiled in the warm-up, outside the timing (the seconds are printed
 and kept in the results' ``meta``).
@@ -35,6 +39,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -47,8 +52,6 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
 from infer import bench_vllm
-from medusa.autotune.device import adopt_draft_dtype
-from medusa.autotune.sizing import size_here
 from medusa.config import count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
@@ -57,7 +60,6 @@ from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
 from medusa.runtime import hf as kv
-from medusa.runtime.files import cache_root
 from medusa.runtime.kernels import KERNELS
 
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
@@ -136,9 +138,32 @@ def encode(engine: Engine, prompt: str) -> list[int]:
     return tok(prompt)["input_ids"]
 
 
+# -- run state -----------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What one bench run decodes with: its settings, and the engines its modes run on, keyed by
+    ``(heads kind, compiled)`` (``None``: the engine ``--heads`` loaded), built on first use
+    through ``medusa.load`` on the same target. ``args``: the command line, read only."""
+
+    args: argparse.Namespace
+    sampling: SamplingConfig
+    max_new_tokens: int
+    tree: str | None
+    engines: dict[tuple[str | None, bool], Engine] = field(default_factory=dict)
+    plain_targets: dict[str, torch.nn.Module] = field(default_factory=dict)
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def main(self) -> Engine:
+        return self.engines[None, False]
+
+    def shorter(self, max_new_tokens: int) -> Bench:
+        return dataclasses.replace(self, max_new_tokens=max_new_tokens)
+
+
 # -- modes ---------------------------------------------------------------------------------
-Runner = Callable[[Engine, list[int], argparse.Namespace], Run]
-MODES: dict[str, Runner] = {}
+Runner = Callable[[Engine, list[int], Bench], Run]
+MODES: dict[str, Runner] = {}  # registered at import; ENGINE_MODES with suffixes are parsed (mode_spec)
 
 
 def mode(name: str) -> Callable[[Runner], Runner]:
@@ -149,20 +174,20 @@ def mode(name: str) -> Callable[[Runner], Runner]:
     return register
 
 
-def _engine_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, name: str) -> Run:
-    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode=name, tree=_static_tree(engine, args),
-                          sampling=args.sampling)
+def _engine_run(engine: Engine, ids: list[int], bench: Bench, *, name: str) -> Run:
+    res = engine.generate(ids, max_new_tokens=bench.max_new_tokens, mode=name, tree=_static_tree(engine, bench.tree),
+                          sampling=bench.sampling)
     st = res.stats
     phases = {"prefill": st.prefill_seconds, "draft": st.draft_seconds, "verify": st.verify_seconds,
               "update": st.update_seconds}
     return Run(tokens=res.tokens, seconds=st.seconds, steps=st.steps + 1, accepted=list(st.accepted), phases=phases)
 
 
-def _hf_config(engine: Engine, args: argparse.Namespace, **extra) -> GenerationConfig:
+def _hf_config(engine: Engine, bench: Bench, **extra) -> GenerationConfig:
     eos = sorted(engine.eos) or None
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                            **{**args.sampling.hf_generate_kwargs(), **extra})
+    return GenerationConfig(max_new_tokens=bench.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                            **{**bench.sampling.hf_generate_kwargs(), **extra})
 
 
 def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, model=None, **kwargs) -> Run:
@@ -177,9 +202,9 @@ def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, model=
     return Run(tokens=out[0, len(ids):].tolist(), seconds=seconds)
 
 
-def _static_tree(engine: Engine, args: argparse.Namespace) -> str | None:
+def _static_tree(engine: Engine, tree: str | None) -> str | None:
     """--tree for an engine with Medusa heads; eagle heads grow their own tree per step."""
-    return args.tree if engine.heads is not None and engine.heads.config.kind == "medusa" else None
+    return tree if engine.heads is not None and engine.heads.config.kind == "medusa" else None
 
 
 def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
@@ -190,8 +215,8 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     if engine.heads.config.kind == "eagle":
         from medusa.decoding.eagle_draft import DynamicTree
 
-        if engine.tree_sizes is not None:
-            return engine.tree_sizes.eagle.nodes + 1
+        if engine.plan.eagle is not None:
+            return engine.plan.eagle.nodes + 1
         return DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype).nodes + 1
     return len(engine.tree_paths(tree)) + 1
 
@@ -200,7 +225,8 @@ def _sizes_reason(engine: Engine) -> str | None:
     """How the eagle heads' trees were sized (None: no eagle heads)."""
     if engine.heads is None or engine.heads.config.kind != "eagle":
         return None
-    return engine.tree_sizes.reason if engine.tree_sizes is not None else "calibrated for the device type"
+    trees = engine.plan.decision("trees")
+    return trees.reason if trees is not None else "calibrated for the device type"
 
 
 def lookahead_size(text: str) -> tuple[int, int, int]:
@@ -226,11 +252,11 @@ def _sync(engine: Engine) -> None:
 
 
 @mode("hf")
-def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace, model=None) -> Run:
+def run_hf(engine: Engine, ids: list[int], bench: Bench, model=None) -> Run:
     """transformers ``generate`` on the engine's target, or on ``model`` (another copy of it)."""
-    if not args.sampling.greedy and args.sampling.seed is not None:
-        torch.manual_seed(args.sampling.seed)  # transformers samples from the global generator
-    run = hf_generate(engine, ids, _hf_config(engine, args), model=model)
+    if not bench.sampling.greedy and bench.sampling.seed is not None:
+        torch.manual_seed(bench.sampling.seed)  # transformers samples from the global generator
+    run = hf_generate(engine, ids, _hf_config(engine, bench), model=model)
     run.steps = len(run.tokens)
     return run
 
@@ -238,13 +264,13 @@ def run_hf(engine: Engine, ids: list[int], args: argparse.Namespace, model=None)
 PLAIN_DTYPES = ("float32", "bfloat16")  # hf-float32, hf-bfloat16: transformers as a user loads the target
 
 
-def run_hf_as_loaded(engine: Engine, ids: list[int], args: argparse.Namespace, *, dtype: str) -> Run:
+def run_hf_as_loaded(engine: Engine, ids: list[int], bench: Bench, *, dtype: str) -> Run:
     """transformers ``generate`` on the target as a user loads it for transformers alone: its
     own copy in ``dtype`` with transformers' default attention and torch's kernels. ``hf``
     runs the engine's own target, in the engine's dtype, with its attention (batch-invariant
     in half precision); on a device where another dtype or attention runs ``generate``
     faster, that is the speed a user would compare with."""
-    return run_hf(engine, ids, args, model=args.plain_targets[dtype])
+    return run_hf(engine, ids, bench, model=bench.plain_targets[dtype])
 
 
 for _dtype in PLAIN_DTYPES:
@@ -265,43 +291,22 @@ HF_STATIC_MIN = 2048  # hf-compile's cache slots: one size for every prompt, so 
 
 
 @mode("hf-compile")
-def run_hf_compile(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+def run_hf_compile(engine: Engine, ids: list[int], bench: Bench) -> Run:
     """transformers ``generate`` as a user would compile it: its own fixed-size ``StaticCache``
     and its ``torch.compile``'d decoding forward (``CompileConfig``; allowed on every device).
     The cache has ``HF_STATIC_MIN`` slots (a power of two above that for longer runs), so one
     graph serves every prompt; it is compiled in the bench's warm-up, outside the timing."""
-    need = len(ids) + args.max_new_tokens
+    need = len(ids) + bench.max_new_tokens
     size = max(HF_STATIC_MIN, 1 << (need - 1).bit_length())
     if engine.max_positions is not None:
         size = min(size, engine.max_positions)
     cache = StaticCache(config=engine.model.config, max_cache_len=size)
     compiled = CompileConfig(fullgraph=False, mode="default" if engine.device.type != "cuda" else "reduce-overhead")
     compiled._compile_all_devices = True  # transformers compiles on CUDA only unless this is set
-    run = hf_generate(engine, ids, _hf_config(engine, args, compile_config=compiled),
+    run = hf_generate(engine, ids, _hf_config(engine, bench, compile_config=compiled),
                       **kv.cache_kwarg(engine.model.forward, cache))  # generate takes the model's name
     run.steps = len(run.tokens)
     return run
-
-
-# The engine's own modes: the same runner, by name (baseline, medusa, draft, lookup, hybrid;
-# eagle is registered below, on the engine holding eagle heads).
-for _name in ENGINE_MODES:
-    MODES[_name] = functools.partial(_engine_run, name=_name)
-
-
-def _eagle_engine(engine: Engine, args: argparse.Namespace) -> Engine:
-    """The engine whose heads are eagle heads: the main one when ``--heads`` loaded eagle heads."""
-    return engine if args.eagle_engine is None else args.eagle_engine
-
-
-@mode("eagle")
-def run_eagle(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(_eagle_engine(engine, args), ids, args, name="eagle")
-
-
-@mode("eagle-hybrid")
-def run_eagle_hybrid(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
-    return _engine_run(_eagle_engine(engine, args), ids, args, name="hybrid")
 
 
 def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
@@ -312,62 +317,85 @@ def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
     return f"{len(table)} contexts from {table.sequences} answers"
 
 
-EAGLE_MODES = ("eagle", "eagle-hybrid")  # bench modes on the engine holding eagle heads
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
+HEAD_KINDS = ("medusa", "eagle")  # mode suffix @KIND: the engine mode on heads of that kind
+_SPEC = re.compile(rf"^(?P<base>[a-z]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<compiled>\{COMPILED})?$")
 
 
-def _engine_and_name(engine: Engine, name: str, args: argparse.Namespace) -> tuple[Engine, str] | None:
-    """The engine a bench mode runs on and the engine's own mode name (None: not an engine mode)."""
-    compiled = name.endswith(COMPILED)
-    base = name.removesuffix(COMPILED)
-    if base in EAGLE_MODES:
-        eng = (args.compiled_eagle_engine or args.compiled_engine) if compiled else _eagle_engine(engine, args)
-        return eng, "eagle" if base == "eagle" else "hybrid"
-    if base in ENGINE_MODES:
-        return (args.compiled_engine if compiled else engine), base
-    return None
+@dataclass(frozen=True)
+class ModeSpec:
+    """An engine mode as the bench names it: ``BASE[@KIND][+compile]``."""
+
+    base: str  # the engine's mode (medusa, eagle, hybrid, ...)
+    kind: str | None  # heads kind it runs on (None: the heads --heads loaded)
+    compiled: bool
 
 
-def _compiled_run(engine: Engine, ids: list[int], args: argparse.Namespace, *, base: str) -> Run:
-    """``base`` on the compiled twin of the engine (same loaded target and heads)."""
-    twin = argparse.Namespace(**{**vars(args), "eagle_engine": args.compiled_eagle_engine})
-    return MODES[base](args.compiled_engine, ids, twin)
+def mode_spec(name: str) -> ModeSpec | None:
+    """The engine mode ``name`` names (None: not an engine mode). ``medusa`` and ``eagle`` run
+    heads of their own kind; other modes the loaded heads unless ``@KIND`` says which."""
+    found = _SPEC.match(name)
+    if found is None or found["base"] not in ENGINE_MODES:
+        return None
+    kind = found["kind"] or (found["base"] if found["base"] in HEAD_KINDS else None)
+    return ModeSpec(found["base"], kind, bool(found["compiled"]))
 
 
-def _register_compiled(modes: list[str]) -> None:
-    for name in modes:
-        base = name.removesuffix(COMPILED)
-        if name.endswith(COMPILED) and (base in ENGINE_MODES or base in EAGLE_MODES):
-            MODES[name] = functools.partial(_compiled_run, base=base)
+def known_mode(name: str) -> bool:
+    return name in MODES or mode_spec(name) is not None
 
 
-def _compiled_twin(engine: Engine, heads, proposers: ProposerConfig) -> Engine:
-    """``engine`` with compiled passes: the same target, heads, kernels and rows per pass; its
-    eagle trees sized as ``medusa.load(compile=True)`` sizes them (on the CPU: here, for passes
-    padded to their buckets; on a GPU: calibrated), unless the engine's are the calibrated ones."""
-    twin = Engine(engine.model, engine.tokenizer, heads=heads, tree=engine.tree, draft=engine.draft, compile=True,
-                  proposer_config=proposers, kernels=engine.kernels, max_rows=engine.max_rows)
-    if engine.tree_sizes is not None:
-        twin.tree_sizes = size_here(twin, cache_root() / "sizing.json")
-    return twin
+def _heads_source(bench: Bench, kind: str):
+    """The heads of ``kind`` a mode runs: the loaded ones if of that kind (and not overridden),
+    else --eagle-heads / --medusa-heads, else the kind shipped for the embedded model."""
+    main, given = bench.main, getattr(bench.args, f"{kind}_heads")
+    if given is None and main.heads is not None and main.heads.config.kind == kind:
+        return main.heads
+    return given or kind  # "medusa"/"eagle": medusa.load's shipped heads of that kind
 
 
-def precompile(engine: Engine, modes: list[str], args: argparse.Namespace) -> dict[str, float]:
+def engine_for(bench: Bench, spec: ModeSpec) -> Engine:
+    """The engine ``spec`` runs on, loaded through ``medusa.load`` on the bench's target (once)."""
+    main = bench.main
+    heads = main.heads if spec.kind is None else _heads_source(bench, spec.kind)
+    slot = (None if heads is main.heads else spec.kind, spec.compiled)
+    if slot not in bench.engines:
+        a = bench.args
+        engine = medusa.load(target=main, heads=heads, static_cache=a.static_cache, compile=spec.compiled or a.compile,
+                             proposers=main.proposer_config, draft_dtype=a.draft_dtype, autotune=AUTOTUNE[a.autotune])
+        if spec.kind is not None and engine.heads.config.kind != spec.kind:
+            flag = f"--{spec.kind}-heads" if getattr(a, f"{spec.kind}_heads") else "--heads"
+            raise MedusaError(f"{flag} {getattr(a, f'{spec.kind}_heads') or a.heads} holds "
+                              f"{engine.heads.config.kind} heads: pass a folder of {spec.kind} heads")
+        bench.engines[slot] = engine
+    return bench.engines[slot]
+
+
+def run_mode(name: str, engine: Engine, ids: list[int], bench: Bench) -> Run:
+    """One mode on one prompt: an engine mode on its engine, else the registered runner."""
+    spec = mode_spec(name)
+    if spec is None:
+        return MODES[name](engine, ids, bench)
+    return _engine_run(engine_for(bench, spec), ids, bench, name=spec.base)
+
+
+def precompile(modes: list[str], bench: Bench) -> dict[str, float]:
     """Compile, before any timing, every pass size each compiled mode can use; seconds per mode."""
     seconds = {}
     for name in modes:
-        target = _engine_and_name(engine, name, args)
-        if target is None or not target[0].passes.compiled:
+        spec = mode_spec(name)
+        if spec is None or not engine_for(bench, spec).passes.compiled:
             continue
+        engine = engine_for(bench, spec)
         t0 = time.perf_counter()
-        buckets = target[0].precompile(target[1], _static_tree(target[0], args))
+        buckets = engine.precompile(spec.base, _static_tree(engine, bench.tree))
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: compiled pass sizes {', '.join(map(str, buckets))} in {seconds[name]:.1f} s", file=sys.stderr)
     return seconds
 
 
 @mode("hf-assisted")
-def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+def run_hf_assisted(engine: Engine, ids: list[int], bench: Bench) -> Run:
     """transformers' assisted generation with the same draft and draft length as ``draft``."""
     if engine.draft is None:
         raise MedusaError("mode hf-assisted needs a draft: pass --draft FOLDER_OR_HUB_ID (or --draft default)")
@@ -379,13 +407,13 @@ def run_hf_assisted(engine: Engine, ids: list[int], args: argparse.Namespace) ->
     # confidence stop otherwise defaults to 0.4): set both, so both modes draft alike.
     for name, value in settings.items():
         setattr(engine.draft.generation_config, name, value)
-    return hf_generate(engine, ids, _hf_config(engine, args, **settings), assistant_model=engine.draft)
+    return hf_generate(engine, ids, _hf_config(engine, bench, **settings), assistant_model=engine.draft)
 
 
 @mode("prompt-lookup")
-def run_prompt_lookup(engine: Engine, ids: list[int], args: argparse.Namespace) -> Run:
+def run_prompt_lookup(engine: Engine, ids: list[int], bench: Bench) -> Run:
     """transformers' prompt lookup decoding with the same settings as ``lookup``."""
-    config = _hf_config(engine, args, prompt_lookup_num_tokens=engine.proposer_config.chain(),
+    config = _hf_config(engine, bench, prompt_lookup_num_tokens=engine.proposer_config.chain(),
                         max_matching_ngram_size=engine.proposer_config.lookup_ngram)
     return hf_generate(engine, ids, config)
 
@@ -495,9 +523,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
-    ap.add_argument("--eagle-heads", default=None,
-                    help="eagle heads for modes eagle and eagle-hybrid when --heads are not eagle heads "
-                         "(default: the eagle heads shipped for the default model)")
+    for kind in HEAD_KINDS:
+        ap.add_argument(f"--{kind}-heads", default=None,
+                        help=f"{kind} heads for modes {kind} and MODE@{kind} when --heads did not load {kind} heads "
+                             f"(default: the {kind} heads shipped for the default model)")
     ap.add_argument("--draft", default=None,
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
     pc = ProposerConfig()  # the one place the per-mode defaults live
@@ -506,11 +535,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-confidence", type=float, default=pc.draft_confidence,
                     help=f"end a draft chain after a token the draft gave less probability (default {pc.draft_confidence:g}, transformers' own; 0: off; draft, hf-assisted)")
     ap.add_argument("--lookup-tokens", type=count(), default=pc.lookup_tokens,
-                    help="tokens copied per step (lookup, hybrid, prompt-lookup; default 8, and for eagle-hybrid "
-                         "the chain sized with the tree for this machine)")
+                    help="tokens copied per step (lookup, hybrid, prompt-lookup; default 8, and for hybrid on eagle "
+                         "heads the chain sized with the tree for this machine)")
     ap.add_argument("--lookup-ngram", type=count(), default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--no-answer-ngrams", dest="answer_ngrams", action="store_false",
-                    help="hybrid, eagle-hybrid: draft no chain from the heads folder's n-gram table of the target's "
+                    help="hybrid modes: draft no chain from the heads folder's n-gram table of the target's "
                          "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
@@ -518,7 +547,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
     ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category")
     ap.add_argument("--max-new-tokens", type=count(), default=MAX_NEW_TOKENS)
-    ap.add_argument("--modes", default="hf,baseline,medusa", help=f"comma-separated, from: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated, from: {', '.join(MODES)}, {', '.join(ENGINE_MODES)} (an engine mode may "
+                         f"carry @medusa or @eagle: the heads kind, and {COMPILED}); default: hf, baseline and the "
+                         "engine's default mode (hybrid with heads)")
     ap.add_argument("--tree", default=None, help="Medusa heads' tree (modes medusa, hybrid): a name in medusa/assets/trees "
                     "or a JSON file of paths (default: calibrated per device)")
     d = SamplingConfig()  # the one place sampling defaults live
@@ -533,7 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile", action="store_true",
                     help="engine modes: static cache and a torch.compile'd verification pass (CUDA graphs on CUDA); "
                          "every pass size is compiled before the timing (the seconds are reported). A mode named "
-                         "MODE+compile (e.g. eagle-hybrid+compile) runs compiled beside the eager MODE in one run")
+                         "MODE+compile (e.g. hybrid@eagle+compile) runs compiled beside the eager MODE in one run")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kernels", choices=KERNELS, default=None,
                     help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
@@ -542,131 +574,120 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
                          "or bfloat16 beside a float32 target where it measures faster here; int8: eagle heads on "
                          "int8 weights, CPU")
-    ap.add_argument("--tree-sizes", choices=("here", "calibrated"), default="here",
-                    help="eagle heads' trees and eagle-hybrid's lookup chain: sized from this machine's pass costs "
-                         "(measured once, cached) or as calibrated for the device type (calibration.json)")
+    ap.add_argument("--autotune", choices=tuple(AUTOTUNE), default="on",
+                    help="the machine plan (medusa.load's autotune): on measures what is not cached, cached uses "
+                         "only what is, off takes the defaults (EAGLE trees as calibrated for the device type)")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
 
 
-def eagle_heads(args: argparse.Namespace, engine: Engine):
-    """The eagle heads of ``--eagle-heads``, or those shipped for the embedded default model."""
-    from medusa.api import SHIPPED_EAGLE_HEADS
-    from medusa.hub.hub import load_heads_from
-
-    source = args.eagle_heads
-    if source is None:
-        if args.model is not None or not (SHIPPED_EAGLE_HEADS / "config.json").is_file():
-            raise MedusaError("modes eagle and eagle-hybrid need eagle heads: pass --eagle-heads FOLDER (or --heads FOLDER)")
-        source = SHIPPED_EAGLE_HEADS
-    heads = load_heads_from(source, engine.model)
-    if heads.config.kind != "eagle":
-        raise MedusaError(f"--eagle-heads {source} holds {heads.config.kind} heads: pass a folder of eagle heads")
-    adopt_draft_dtype(heads, engine.model, cache_root() / "draft_dtype.json", args.draft_dtype)  # as medusa.load's heads
-    return heads
+AUTOTUNE = {"on": True, "cached": "cached", "off": False}  # --autotune -> medusa.load(autotune=...)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        args.sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                                  seed=args.seed, acceptance=args.acceptance)
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        _register_compiled(modes)
-        unknown = [m for m in modes if m not in MODES]
-        if unknown:
-            raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)} "
-                              f"(an engine mode with {COMPILED} runs it compiled)")
-        if args.out:
-            require_extra("bench")  # the report's plots need matplotlib: say so before the run, not after
-        for flag, folder in (("--json", args.json and Path(args.json).parent), ("--out", args.out and Path(args.out))):
-            if folder:
-                writable_folder(folder, flag)  # before the run: a long bench never ends in a traceback
-        prompts = read_prompts(args.prompts, args.limit, args.per_category)
-        bases = {m.removesuffix(COMPILED) for m in modes}
-        uses_heads = sorted({"medusa", "hybrid"} & bases)
-        uses_eagle = bool({"eagle", "eagle-hybrid"} & bases)
-        if args.tree is not None and not uses_heads:
-            raise MedusaError(f"--tree shapes the static tree of Medusa heads (modes medusa, hybrid), which none of "
-                              f"{', '.join(modes)} uses (eagle heads grow their tree per step): drop --tree")
-        heads = args.heads
-        if heads is None and uses_heads and args.model is None:
-            from medusa.api import SHIPPED_HEADS
+def parse_modes(text: str | None, engine: Engine | None = None) -> list[str]:
+    """The modes asked for (default: hf, baseline and ``engine``'s default mode), all known."""
+    names = [m.strip() for m in (text or f"hf,baseline,{engine.default_mode}").split(",") if m.strip()]
+    modes = list(dict.fromkeys(names))
+    unknown = [m for m in modes if not known_mode(m)]
+    if unknown:
+        raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}, "
+                          f"{', '.join(ENGINE_MODES)} (an engine mode with @medusa or @eagle runs those heads, "
+                          f"with {COMPILED} compiled)")
+    return modes
 
-            heads = str(SHIPPED_HEADS)  # modes medusa and hybrid: the shipped Medusa heads
-        draft = args.draft or ("default" if {"draft", "hf-assisted"} & bases else None)
-        proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
-                                   draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
-                                   lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams,
-                                   **dict(zip(("lookahead_window", "lookahead_ngram", "lookahead_guesses"),
-                                              args.lookahead or ())))
-        engine = medusa.load(model=args.model, heads=heads, draft=draft, device=args.device, dtype=args.dtype, tree=args.tree,
-                             static_cache=args.static_cache, compile=args.compile, proposers=proposers,
-                             kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=args.tree_sizes == "here")
-        if uses_heads and engine.heads is None:
-            raise MedusaError(f"mode {uses_heads[0]} needs heads: pass --heads FOLDER (or --heads init for untrained ones)")
-        args.eagle_engine = None
-        own_eagle = engine.heads is not None and engine.heads.config.kind == "eagle"
-        if uses_eagle and (args.eagle_heads is not None or not own_eagle):  # --eagle-heads wins over --heads
-            args.eagle_engine = Engine(engine.model, engine.tokenizer, heads=eagle_heads(args, engine),
-                                       static_cache=args.static_cache, compile=args.compile, proposer_config=proposers,
-                                       kernels=engine.kernels, max_rows=engine.max_rows)
-            if args.tree_sizes == "here":
-                args.eagle_engine.tree_sizes = size_here(args.eagle_engine, cache_root() / "sizing.json")
-        args.compiled_engine = args.compiled_eagle_engine = None
-        if any(m.endswith(COMPILED) for m in modes):
-            args.compiled_engine = _compiled_twin(engine, engine.heads, proposers)
-            if args.eagle_engine is not None:
-                args.compiled_eagle_engine = _compiled_twin(args.eagle_engine, args.eagle_engine.heads, proposers)
-        args.plain_targets = plain_targets(modes, args, engine.device)
-        for p in prompts:
-            p.ids = encode(engine, p.text)
-        reference = "hf" if "hf" in modes else None
-        print(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, modes: {', '.join(modes)}",
-              file=sys.stderr)
-        if uses_eagle or own_eagle:
-            print(f"eagle trees: {_sizes_reason(args.eagle_engine or engine)}", file=sys.stderr)
-            if args.compiled_engine is not None:
-                print(f"compiled eagle trees: {_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)}",
-                      file=sys.stderr)
-        if "lookahead" in bases:
-            print(f"lookahead: {_lookahead_reason(engine)}", file=sys.stderr)
-        args.compile_seconds = precompile(engine, modes, args)  # compiled passes: every size, before any timing
-        for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
-            MODES[m](engine, prompts[0].ids, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
-        runs: dict[str, list[Run]] = {m: [] for m in modes}
-        for p in tqdm(prompts, desc="prompts", file=sys.stderr):
-            for m in modes:
-                runs[m].append(MODES[m](engine, p.ids, args))
-    except MedusaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    summary = summarise(prompts, runs, reference, sampled=not args.sampling.greedy)
-    print(table(summary, reference))
-    for line in profile_lines(summary):
-        print(line)
-    fastest = against_fastest_peer(summary)
-    if fastest:
-        print(fastest)
-    meta = {"model": args.model or "embedded default", "heads": args.heads or "default", "max_new_tokens": args.max_new_tokens,
-            "draft": draft, "draft_tokens": args.draft_tokens, "adaptive_draft": args.adaptive_draft,
-            "draft_confidence": args.draft_confidence,
-            "lookup_tokens": args.lookup_tokens, "lookup_ngram": args.lookup_ngram,
-            "answer_ngrams": _answer_ngrams(args.eagle_engine or engine, args.answer_ngrams),
-            "prompts": args.prompts, "num_prompts": len(prompts), "device": str(engine.device),
-            "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(),
-            "dtype_reason": getattr(getattr(engine.model, "dtype_choice", None), "reason", "asked for (--dtype)"),
-            "kernels": engine.kernels, "kernel_reason": engine.kernel_choice.reason if engine.kernel_choice else None,
-            "draft_dtype_reason": engine.draft_dtype_choice.reason if engine.draft_dtype_choice else None,
-            "sampling": dataclasses.asdict(args.sampling),
-            "tree_nodes": _tree_nodes(engine, args.tree), "compile_seconds": args.compile_seconds,
-            "eagle_tree_nodes": _tree_nodes(args.eagle_engine, None) if args.eagle_engine else None,
-            "tree_sizes": _sizes_reason(args.eagle_engine or engine),
-            "compiled_tree_sizes": (_sizes_reason(args.compiled_eagle_engine or args.compiled_engine)
-                                    if args.compiled_engine is not None else None),
-            "lookahead": _lookahead_reason(engine) if "lookahead" in bases else None,
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before the run: the report's plots need matplotlib, and the outputs must be writable."""
+    if args.out:
+        require_extra("bench")
+    for flag, folder in (("--json", args.json and Path(args.json).parent), ("--out", args.out and Path(args.out))):
+        if folder:
+            writable_folder(folder, flag)  # before the run: a long bench never ends in a traceback
+
+
+def load_bench(args: argparse.Namespace) -> Bench:
+    """The main engine through ``medusa.load`` and the run's settings."""
+    wanted = set(args.modes.split(",")) if args.modes else set()
+    draft = args.draft or ("default" if {"draft", "hf-assisted"} & wanted else None)
+    proposers = ProposerConfig(draft_tokens=args.draft_tokens, adaptive_draft=args.adaptive_draft,
+                               draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
+                               lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams,
+                               **dict(zip(("lookahead_window", "lookahead_ngram", "lookahead_guesses"),
+                                          args.lookahead or ())))
+    engine = medusa.load(model=args.model, heads=args.heads, draft=draft, device=args.device, dtype=args.dtype,
+                         tree=None, static_cache=args.static_cache, compile=args.compile, proposers=proposers,
+                         kernels=args.kernels, draft_dtype=args.draft_dtype, autotune=AUTOTUNE[args.autotune])
+    sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                         seed=args.seed, acceptance=args.acceptance)
+    return Bench(args=args, sampling=sampling, max_new_tokens=args.max_new_tokens, tree=args.tree,
+                 engines={(None, False): engine})
+
+
+def prepare(bench: Bench, modes: list[str]) -> None:
+    """Every engine the modes run on, loaded before any timing; --tree used by one of them."""
+    specs = [s for s in map(mode_spec, modes) if s is not None]
+    engines = [(s, engine_for(bench, s)) for s in specs]
+    static = [s.base for s, e in engines if s.base in ("medusa", "hybrid") and e.heads is not None
+              and e.heads.config.kind == "medusa"]
+    if bench.tree is not None and not static:
+        raise MedusaError(f"--tree shapes the static tree of Medusa heads (modes medusa, hybrid on Medusa heads), which "
+                          f"none of {', '.join(modes)} uses (eagle heads grow their tree per step): drop --tree")
+    bench.plain_targets = plain_targets(modes, bench.args, bench.main.device)
+
+
+def eagle_engine(bench: Bench) -> Engine | None:
+    """The engine the eagle modes ran on (loaded for them, else the main one with eagle heads)."""
+    eager = [(kind, e) for (kind, compiled), e in bench.engines.items() if not compiled]
+    found = [e for kind, e in eager if kind == "eagle"] + [e for _, e in eager if e.heads is not None
+                                                          and e.heads.config.kind == "eagle"]
+    return found[0] if found else None
+
+
+def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[str, list[Run]]:
+    """Warm every mode up once, then run the prompts interleaved across modes."""
+    for p in prompts:
+        p.ids = encode(bench.main, p.text)
+    print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, modes: "
+          f"{', '.join(modes)}", file=sys.stderr)
+    for engine in {id(e): e for e in bench.engines.values()}.values():
+        if engine.heads is not None and engine.heads.config.kind == "eagle":
+            print(f"eagle trees{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
+    if "lookahead" in modes:
+        print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
+    bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing
+    short = bench.shorter(8)
+    for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
+        run_mode(m, bench.main, prompts[0].ids, short)
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    for p in tqdm(prompts, desc="prompts", file=sys.stderr):
+        for m in modes:
+            runs[m].append(run_mode(m, bench.main, p.ids, bench))
+    return runs
+
+
+def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str | None) -> dict:
+    """What the results were measured with (the engines' plans from ``engine.describe()``)."""
+    a, engine, eagle = bench.args, bench.main, eagle_engine(bench)
+    compiled = next((e for (kind, on), e in bench.engines.items() if on), None)
+    return {"model": a.model or "embedded default", "heads": a.heads or "default", "max_new_tokens": a.max_new_tokens,
+            "draft": None if engine.draft is None else (a.draft or "default"), "draft_tokens": a.draft_tokens,
+            "adaptive_draft": a.adaptive_draft, "draft_confidence": a.draft_confidence,
+            "lookup_tokens": a.lookup_tokens, "lookup_ngram": a.lookup_ngram,
+            "answer_ngrams": _answer_ngrams(eagle or engine, a.answer_ngrams),
+            "prompts": a.prompts, "num_prompts": len(prompts), "device": str(engine.device),
+            "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(), "kernels": engine.kernels,
+            "plan": engine.describe(), "eagle_plan": None if eagle is None or eagle is engine else eagle.describe(),
+            "sampling": dataclasses.asdict(bench.sampling), "default_mode": engine.default_mode,
+            "tree_nodes": _tree_nodes(engine, bench.tree), "compile_seconds": bench.compile_seconds,
+            "eagle_tree_nodes": _tree_nodes(eagle, None) if eagle is not None and eagle is not engine else None,
+            "tree_sizes": _sizes_reason(eagle or engine),
+            "compiled_tree_sizes": _sizes_reason(compiled) if compiled is not None else None,
+            "lookahead": _lookahead_reason(engine) if "lookahead" in modes else None,
             "fastest_transformers": fastest}
+
+
+def write_results(args: argparse.Namespace, meta: dict, summary: dict, reference: str | None, heads) -> None:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -675,8 +696,33 @@ def main(argv: list[str] | None = None) -> int:
         from infer.report import write_report
 
         folder = write_report(Path(args.out), meta, summary, reference,
-                              "\n\n".join([table(summary, reference), *profile_lines(summary)]), engine.heads)
+                              "\n\n".join([table(summary, reference), *profile_lines(summary)]), heads)
         print(f"report written to {folder}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.modes:
+            parse_modes(args.modes)  # before loading anything: an unknown mode is a one-line error now
+        check_outputs(args)
+        prompts = read_prompts(args.prompts, args.limit, args.per_category)
+        bench = load_bench(args)
+        modes = parse_modes(args.modes, bench.main)
+        prepare(bench, modes)
+        runs = timed_runs(bench, modes, prompts)
+    except MedusaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    reference = "hf" if "hf" in modes else None
+    summary = summarise(prompts, runs, reference, sampled=not bench.sampling.greedy)
+    print(table(summary, reference))
+    for line in profile_lines(summary):
+        print(line)
+    fastest = against_fastest_peer(summary)
+    if fastest:
+        print(fastest)
+    write_results(args, run_meta(bench, prompts, modes, fastest), summary, reference, bench.main.heads)
     return 0
 
 

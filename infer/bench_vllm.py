@@ -36,7 +36,9 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
     if name == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": args.lookup_tokens or LOOKUP_TOKENS,
                 "prompt_lookup_max": args.lookup_ngram, "prompt_lookup_min": 1}
-    from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
+    import torch
+
+    from medusa.api import default_heads
     from medusa.hub.hub import read_heads, resolve_heads_folder
     from medusa.hub.vllm_client import export_for_vllm
 
@@ -44,12 +46,12 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
         heads = args.eagle_heads
         if heads is None and args.heads not in (None, "init"):
             heads = args.heads if read_heads(resolve_heads_folder(args.heads))[0].kind == "eagle" else None
-        if heads is None and args.model is None:
-            heads = SHIPPED_EAGLE_HEADS
+        if heads is None:
+            heads = default_heads(args.model, torch.device("cpu"), "eagle")
         if heads is None:
             raise MedusaError("mode vllm-eagle needs trained eagle heads: pass --eagle-heads FOLDER")
     else:
-        heads = args.heads or (SHIPPED_HEADS if args.model is None else None)
+        heads = args.heads or default_heads(args.model, torch.device("cpu"), "medusa")
         if heads is None or heads == "init":
             raise MedusaError("mode vllm-heads needs trained heads: pass --heads FOLDER")
     tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
@@ -83,8 +85,8 @@ def register(mode: Callable, run_type: type) -> None:
     """Register the vLLM modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
 
     def runner(name: str):
-        def run(engine, ids: list[int], args: argparse.Namespace):
-            out = worker(name, args).generate(ids, args.max_new_tokens)
+        def run(engine, ids: list[int], bench):  # bench: infer.bench.Bench (its args are the CLI's)
+            out = worker(name, bench.args).generate(ids, bench.max_new_tokens)
             spec = out["spec"]
             # Every target pass emits its accepted draft tokens plus one.
             steps = len(out["tokens"]) - spec["accepted_tokens"]

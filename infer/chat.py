@@ -414,17 +414,14 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
 
     if args.model is None and embedded_needs_dequantising():
         say(style.dim("first use: dequantising the embedded model from GGUF, about 40 s (cached for next time)"))
-    if not (cache_root() / "dtype.json").is_file():  # the first of the picks load() measures and caches
-        say(style.dim("first start on this machine: timing passes to pick the dtype, kernels and tree sizes "
-                      "(cached for next time)"))
+    if not (cache_root() / "plan.json").is_file():  # what load() measures and caches (the machine plan)
+        say(style.dim("first start on this machine: measuring the machine plan (dtype, kernels, tree sizes; "
+                      "cached for next time)"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         heads = args.heads
         if heads is None and args.model is None and args.mode in ("medusa", "eagle"):
-            from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
-
-            # the default heads' kind follows the device (medusa.api.shipped_heads_for); these modes name one
-            heads = str(SHIPPED_HEADS if args.mode == "medusa" else SHIPPED_EAGLE_HEADS)
+            heads = args.mode  # these modes name the kind: the shipped heads of it (medusa.api.default_heads)
         # --tree goes with each call (pick_mode says when the loaded heads cannot use it)
         engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
                              compile={"on": True, "off": False, "auto": "auto"}[args.compile], kernels=args.kernels,
@@ -439,24 +436,12 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
 
 
 def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
-    if args.mode is not None:
-        mode = args.mode
-    elif engine.heads is not None:
-        mode = "hybrid"  # the heads and prompt lookup in one tree: the fastest mode measured
-    elif args.draft is not None:
-        mode = "draft"
-    else:
-        mode = "baseline"
+    mode = args.mode or engine.default_mode  # the library's default (hybrid with heads)
+    if mode == "baseline" and args.mode is None:
         whose = "ship with this install yet" if args.model is None else f"were given for {args.model}"
         say(style.dim(f"note: no trained heads {whose}: decoding in baseline mode (--heads FOLDER for trained "
                       "heads, --heads init for untrained ones, --mode lookup for prompt lookup)"))
-    eagle = engine.heads is not None and engine.heads.config.kind == "eagle"
-    if args.tree is not None and mode in ("eagle", "hybrid") and eagle:
-        from medusa.errors import MedusaError
-
-        raise MedusaError("--tree shapes the static tree of Medusa heads, but the loaded heads are eagle heads, whose "
-                          "tree grows per step (sized for this device): drop --tree, or pass --mode medusa")
-    engine.proposer(mode, args.tree)  # the engine's one-line error for a mode it cannot run
+    engine.proposer(mode, args.tree)  # the engine's one-line error for a mode it cannot run (a tree for eagle heads)
     return mode
 
 
@@ -501,13 +486,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     model = args.model or "SmolLM2-135M-Instruct (embedded)"
     lines = [(f"model   {model} · {params:.1f}M parameters · {engine.device} {str(lm.dtype).removeprefix('torch.')} "
              f"· context {window} tokens")]
-    choice = getattr(lm, "dtype_choice", None)  # dtype=None: picked by measurement (medusa/autotune/device.py)
-    if choice is not None:
-        lines.append(f"dtype   {choice.reason}")
-    if engine.kernel_choice is not None and engine.kernel_choice.cost_ms:  # picked by measurement
-        lines.append(f"kernels {engine.kernel_choice.reason}")
-    if engine.draft_dtype_choice is not None and engine.draft_dtype_choice.cost_ms:  # picked by measurement
-        lines.append(f"drafts  {engine.draft_dtype_choice.reason}")
+    # what the machine plan picked and why (dtype, kernels, rows, heads' dtype, trees)
+    lines += [line for line in engine.describe() if not line.startswith(("passes", "mode"))]
     if engine.heads is not None and engine.heads.config.kind == "eagle":
         from medusa.decoding.proposers import Hybrid
         from medusa.decoding.tree import tree_key
@@ -517,15 +497,13 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         size = (proposer.heads if isinstance(proposer, Hybrid) else proposer).size
         device = key if key in engine.heads.dynamic else engine.device.type
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
-        label = "sized here" if engine.tree_sizes is not None else label
+        label = "sized here" if engine.plan.eagle is not None else label
         chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
         table = proposer.lookup.table if isinstance(proposer, Hybrid) else None
         if table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
             chain += f" (else from {len(table):,} n-grams of {table.sequences:,} answers)"
         lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
-        if engine.tree_sizes is not None:
-            lines.append(f"trees   {engine.tree_sizes.reason}")
     elif engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"

@@ -48,6 +48,14 @@ def write_report(folder: Path, meta: dict, summary: dict, reference: str | None,
     (folder / "table.md").write_text("\n".join(md))
 
     modes = list(summary)
+    _speed_plot(plt, folder, summary, reference, modes)
+    _accepted_plot(plt, folder, summary, modes)
+    _category_plot(plt, folder, summary, reference, modes)
+    _accuracy_plot(plt, folder, heads)
+    return folder
+
+
+def _speed_plot(plt, folder: Path, summary: dict, reference: str | None, modes: list[str]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     tps = [summary[m]["tokens_per_second"] for m in modes]
     axes[0].bar(modes, tps, color="tab:blue")
@@ -64,6 +72,8 @@ def write_report(folder: Path, meta: dict, summary: dict, reference: str | None,
     fig.savefig(folder / "speed.png", dpi=120)
     plt.close(fig)
 
+
+def _accepted_plot(plt, folder: Path, summary: dict, modes: list[str]) -> None:
     spec = [m for m in modes if any(p.get("accepted") for p in summary[m]["per_prompt"])]
     if spec:
         fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -81,6 +91,8 @@ def write_report(folder: Path, meta: dict, summary: dict, reference: str | None,
         fig.savefig(folder / "accepted_length.png", dpi=120)
         plt.close(fig)
 
+
+def _category_plot(plt, folder: Path, summary: dict, reference: str | None, modes: list[str]) -> None:
     cats = sorted({c for s in summary.values() for c in s["categories"]})
     if reference in summary and len(cats) > 1:
         fig, ax = plt.subplots(figsize=(8, 3.8))
@@ -101,6 +113,8 @@ def write_report(folder: Path, meta: dict, summary: dict, reference: str | None,
         fig.savefig(folder / "speedup_by_category.png", dpi=120)
         plt.close(fig)
 
+
+def _accuracy_plot(plt, folder: Path, heads) -> None:
     acc = head_accuracy(heads)
     if acc:
         fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -113,4 +127,3 @@ def write_report(folder: Path, meta: dict, summary: dict, reference: str | None,
         fig.tight_layout()
         fig.savefig(folder / "head_accuracy.png", dpi=120)
         plt.close(fig)
-    return folder

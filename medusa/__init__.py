@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "load": "medusa.api",
     "Engine": "medusa.decoding.engine",
+    "Plan": "medusa.decoding.plan",
     "GenerationResult": "medusa.decoding.engine",
     "GenerationStats": "medusa.decoding.engine",
     "MedusaError": "medusa.errors",
@@ -34,13 +35,14 @@ _EXPORTS = {
     "Conversation": "medusa.conversation",
 }
 
-__all__ = ["load", "Engine", "GenerationResult", "GenerationStats", "MedusaError", "HeadsConfig", "MedusaHeads",
+__all__ = ["load", "Engine", "Plan", "GenerationResult", "GenerationStats", "MedusaError", "HeadsConfig", "MedusaHeads",
            "load_heads", "compile_tree", "SamplingConfig", "ProposerConfig", "Conversation"]
 
 if TYPE_CHECKING:
     from medusa.api import load
     from medusa.conversation import Conversation
     from medusa.decoding.engine import Engine, GenerationResult, GenerationStats
+    from medusa.decoding.plan import Plan
     from medusa.decoding.proposers import ProposerConfig
     from medusa.decoding.sampling import SamplingConfig
     from medusa.decoding.tree import compile_tree

@@ -8,29 +8,20 @@ from pathlib import Path
 
 import torch
 
-from medusa.autotune.device import (
-    DtypeChoice,
-    KernelChoice,
-    adopt_draft_dtype,
-    adopt_picked_dtype,
-    exact_rows,
-    pick_kernels,
-)
-from medusa.autotune.sizing import size_here
+from medusa.autotune.planner import Planner, make_plan
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import ProposerConfig
+from medusa.errors import MedusaError
 from medusa.hub.hub import load_heads_from
 from medusa.models.draft import load_draft
 from medusa.models.heads import MedusaHeads
 from medusa.models.loader import init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_NAME, load_target
-from medusa.runtime.files import cache_root
 
-# Medusa heads shipped with the repo for the embedded default model (mode medusa; the bench's
-# medusa and hybrid modes).
+# Medusa heads shipped with the repo for the embedded default model (heads="medusa").
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
-# EAGLE heads shipped for the same model: the default heads of medusa.load() and the chat on a
-# CPU, since their hybrid mode measured fastest there (docs/benchmarks/README.md); the bench's eagle modes.
+# EAGLE heads shipped for the same model (heads="eagle"): the default heads of medusa.load() on a
+# CPU, since their hybrid mode measured fastest there (docs/benchmarks/README.md).
 SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
 
 
@@ -44,48 +35,53 @@ def shipped_heads_for(device: torch.device) -> Path | None:
     return next((f for f in order if (f / "config.json").is_file()), None)
 
 
-def resolve_heads(heads: str | MedusaHeads | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
-    """``None``: the shipped heads when the target is the embedded default (else no heads): the
-    EAGLE heads, or on CUDA the Medusa heads (:func:`shipped_heads_for`);
+SHIPPED = {"medusa": SHIPPED_HEADS, "eagle": SHIPPED_EAGLE_HEADS}  # heads="medusa" / "eagle"
+
+
+def default_heads(model_arg: str | None, device: torch.device, kind: str | None = None) -> Path | None:
+    """The one place the default heads are chosen: for the embedded default target, the shipped
+    heads of ``kind`` ("medusa" or "eagle"), or with no kind the kind that measured fastest on
+    this device type (:func:`shipped_heads_for`); for any other target none."""
+    if kind is not None and kind not in SHIPPED:
+        raise MedusaError(f"unknown heads kind {kind!r}: use one of {', '.join(SHIPPED)}, a folder or a Hub id")
+    if model_arg is not None:
+        return None
+    if kind is None:
+        return shipped_heads_for(device)
+    return SHIPPED[kind] if (SHIPPED[kind] / "config.json").is_file() else None
+
+
+def resolve_heads(heads: str | torch.nn.Module | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
+    """``None``: :func:`default_heads` (the shipped heads when the target is the embedded
+    default, else no heads); ``"medusa"``/``"eagle"``: the shipped heads of that kind;
     ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
     Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub.hub`)."""
-    if isinstance(heads, MedusaHeads):
-        return heads.bind(model.get_output_embeddings()) if heads.config.projection == "shared" else heads
-    if heads is None:
-        if model_arg is None:
-            shipped = shipped_heads_for(model.get_output_embeddings().weight.device)
-            return None if shipped is None else load_heads(shipped, model)
-        return None
+    if isinstance(heads, torch.nn.Module):  # heads already loaded (Medusa or EAGLE)
+        shared = isinstance(heads, MedusaHeads) and heads.config.projection == "shared"
+        return heads.bind(model.get_output_embeddings()) if shared else heads
+    if heads is None or heads in SHIPPED:  # a folder of that name: pass "./medusa"
+        folder = default_heads(model_arg, model.get_output_embeddings().weight.device, heads)
+        if folder is None and heads is not None:
+            raise MedusaError(f"the shipped {heads} heads are for the embedded default model: pass heads=FOLDER "
+                              f"(--heads FOLDER) for {model_arg}")
+        return None if folder is None else load_heads(folder, model)
     if heads == "init":
         return init_heads_for(model)
     return load_heads_from(heads, model)
 
 
-def _exact_pass_rows(lm, picked: DtypeChoice | None, kernels: str) -> int | None:
-    """A half-precision target verifies at most the largest pass this device keeps exact with
-    these kernels (device.invariant_rows; probed by the dtype pick, else once and cached)."""
-    if lm.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if picked is not None and kernels == "default":
-        return picked.invariant_rows
-    return exact_rows(lm, cache_root() / "dtype.json", kernels)
-
-
-def _picked_dtype(lm, compile: bool | str) -> DtypeChoice | None:
-    """The fastest dtype that keeps the promise on this device (medusa/autotune/device.py), adopted by ``lm``.
-    With ``compile=True`` off the CPU none is picked: compiled passes there are exact in float32
-    only (the Engine refuses exact attention with them), so the loaded dtype is kept; on the CPU
-    compiled exact passes are bit-identical to eager ones (docs/compile.md#compiled-exact-passes)."""
-    if not compile or compile == "auto" or lm.device.type == "cpu":
-        return adopt_picked_dtype(lm, cache_root() / "dtype.json")
-    lm.dtype_choice = DtypeChoice(str(lm.dtype).removeprefix("torch."), f"compile=True on {lm.device.type}: the "
-                                  "loaded dtype is kept (compiled passes are exact in float32 only there)", {})
-    return None
+def _reuse(target: Engine | torch.nn.Module, dtype, trust_remote_code: bool):
+    """``(lm, tokenizer, draft, base plan)`` of a target already loaded."""
+    if dtype is not None:
+        raise MedusaError("dtype= converts a target as it loads: drop it with target= (the target keeps its dtype)")
+    if isinstance(target, Engine):
+        return target.model, target.tokenizer, target.draft, target.plan
+    return target, None, None, None
 
 
 def load(
     model: str | None = None,
-    heads: str | MedusaHeads | None = None,
+    heads: str | torch.nn.Module | None = None,
     draft: str | torch.nn.Module | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
@@ -98,55 +94,47 @@ def load(
     proposers: ProposerConfig | None = None,
     kernels: str | None = None,
     draft_dtype: torch.dtype | str | None = None,
-    size_trees: bool = True,
+    autotune: bool | str = True,
+    target: Engine | torch.nn.Module | None = None,
 ) -> Engine:
     """Load a target (``None``: the embedded default), its heads, and return an :class:`Engine`.
 
-    ``draft`` (for ``mode="draft"``) is a model folder, Hub id or ``.gguf`` file sharing the
-    target's tokenizer, or ``"default"`` (see :func:`medusa.draft.load_draft`); it drafts
-    ``draft_tokens`` per step, adapted per step when ``adaptive_draft`` is set. ``tree`` shapes the
-    static tree of Medusa heads; eagle heads grow theirs per step, so a tree with them is an error.
+    ``heads``: :func:`resolve_heads` (``None``: :func:`default_heads`). ``draft`` (``mode="draft"``):
+    a model folder, Hub id, ``.gguf`` file or ``"default"`` sharing the target's tokenizer
+    (:func:`medusa.draft.load_draft`), drafting ``draft_tokens`` per step (``adaptive_draft``:
+    adapted per step). ``tree`` shapes the static tree of Medusa heads; eagle heads grow
+    theirs per step, so a tree with them is an error.
 
-    ``static_cache`` keeps the KV cache in fixed tensors. ``compile`` (each value documented on
-    :class:`~medusa.decoding.engine.Engine`; ``engine.passes`` says what was built): False eager;
-    True compiled once per pass size (saved for later processes on a CPU, CUDA graphs on CUDA, where
-    the loaded dtype is kept); ``"auto"`` (the chat's default): on a CPU saved passes where this
-    machine has them, else eager (``engine.build_passes(mode)`` builds the rest); a backend's name.
+    ``static_cache``: fixed KV tensors; ``compile``: each value documented on :class:`Engine`.
 
-    ``kernels``: the engine's linear kernels, ``"default"`` (torch's) or ``"onednn"`` (packed
-    oneDNN weights on a CPU, medusa/runtime/kernels.py); ``None`` picks the faster here by
-    measurement, once (cached; in half precision packed kernels must also pass the exactness
-    probe), and ``"default"`` on a GPU; compiled passes keep the pick (``engine.kernel_choice``
-    says which and why). Half precision verifies at most the rows the probe found exact.
+    ``autotune``: the machine plan (medusa/autotune/planner.py, docs/machine-plan.md): the
+    target's dtype, linear kernels, exact rows per pass in half precision, the heads' drafting
+    dtype, EAGLE tree sizes. ``True`` measures what the cache (``plan.json``) lacks, once per
+    machine; ``"cached"`` uses what is cached and the defaults for the rest, measuring nothing;
+    ``False`` measures nothing, writes nothing, and uses :meth:`Plan.default`. ``dtype``,
+    ``kernels`` (``"default"`` or ``"onednn"``) and ``draft_dtype`` (the heads' dtype, drafts
+    only: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``) override their step.
+    ``engine.describe()`` says what was picked, why, and what measuring it cost.
 
-    ``draft_dtype``: the heads' dtype. Heads only propose (the target verifies every token in
-    its own dtype), so they may draft in bfloat16 beside a float32 target; ``None`` keeps the
-    target's dtype, or picks bfloat16 for a float32 target where it measures faster on this
-    device (once, cached). ``engine.draft_dtype_choice`` says which and why.
-
-    ``size_trees``: eagle trees (and hybrid's lookup chain) sized from this machine's pass costs,
-    measured once, cached (medusa/autotune/sizing.py; compiled CPU passes at their padded sizes); False: calibrated.
+    ``target``: a target already loaded, as an Engine (its model, tokenizer, draft, heads unless
+    ``heads`` names others, and plan's target decisions are reused) or a transformers model.
     """
-    lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    picked = _picked_dtype(lm, compile) if dtype is None else None
-    draft_lm = None if draft is None else load_draft(
-        draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME, embedded_target=model is None,
-        trust_remote_code=trust_remote_code)
+    planner = Planner(autotune)
+    if target is None:
+        lm, tokenizer = load_target(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        base, draft_lm = None, None
+    else:
+        lm, tokenizer, draft_lm, base = _reuse(target, dtype, trust_remote_code)
+    if draft is not None:
+        draft_lm = load_draft(draft, lm, tokenizer, target_name=model or DEFAULT_MODEL_NAME,
+                              embedded_target=model is None, trust_remote_code=trust_remote_code)
     overrides = {k: v for k, v in (("draft_tokens", draft_tokens), ("adaptive_draft", adaptive_draft)) if v is not None}
     config = dataclasses.replace(proposers or ProposerConfig(), **overrides)
-    choice = _kernel_choice(lm, kernels)
-    max_rows = _exact_pass_rows(lm, picked, choice.kernels)
-    heads = resolve_heads(heads, model, lm)
-    draft_choice = None if heads is None else adopt_draft_dtype(heads, lm, cache_root() / "draft_dtype.json", draft_dtype)
-    engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm,
-                    static_cache=static_cache, compile=compile, proposer_config=config, kernels=choice.kernels, max_rows=max_rows)
-    engine.kernel_choice, engine.draft_dtype_choice = choice, draft_choice
-    engine.tree_sizes = size_here(engine, cache_root() / "sizing.json") if size_trees else None
-    return engine
-
-
-def _kernel_choice(lm, kernels: str | None) -> KernelChoice:
-    """The kernels asked for, else the faster here by measurement (device.pick_kernels, cached)."""
-    if kernels is None:
-        return pick_kernels(lm, cache_root() / "kernels.json", rows_file=cache_root() / "dtype.json")
-    return KernelChoice(kernels, "asked for", {})
+    if base is None:  # the target's decisions first: heads are loaded in the picked dtype
+        base = make_plan(lm, None, dtype_asked=dtype is not None, kernels=kernels, compile=compile, planner=planner)
+    if target is not None:  # a given target keeps its own heads (none for a bare model) unless others are named
+        heads = heads if heads is not None else getattr(target, "heads", None) if isinstance(target, Engine) else None
+    heads = resolve_heads(heads, model or ("the given target" if target is not None else None), lm)
+    plan = make_plan(lm, heads, kernels=kernels, draft_dtype=draft_dtype, compile=compile, base=base, planner=planner)
+    return Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm, static_cache=static_cache, compile=compile,
+                  proposer_config=config, plan=plan)

@@ -138,7 +138,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", required=True, help="heads folder to calibrate (calibration.json is written into it)")
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
@@ -173,57 +173,70 @@ def main(argv: list[str] | None = None) -> int:
                     help="the heads' dtype while drafting (default: as medusa.load picks on this device; "
                          "int8: eagle heads on int8 weights, CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def held_out_prompts(args: argparse.Namespace, tok) -> tuple[list[list[int]], list]:
+    """Prompt ids of held-out conversations, and reference conversations for the vocabulary."""
+    pool = load_conversations(args.prompts, DataStats(), seed=args.seed)
+    held_out, reference = split_pool(pool, args.samples, args.exclude, args.prompts)
+    prompts = []
+    for _, messages in held_out:
+        first = next(m for m in messages if m["role"] == "user")
+        ids = tok.apply_chat_template([first], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompts.append(ids[-args.max_prompt_tokens:])
+    return prompts, reference[: args.reference_answers]
+
+
+def draft_vocab(args: argparse.Namespace, engine, answers: list[list[int]], reference) -> tuple[list[int] | None, float]:
+    """Draft vocabulary: frequent tokens of half the target's answers and of reference answers,
+    and the share of the other half's tokens it covers (set on the heads)."""
+    if not args.vocab_size:
+        return None, 1.0
+    counts: Counter = Counter()
+    half = len(answers) // 2
+    for a in answers[:half]:
+        counts.update(a)
+    for _, messages in tqdm(reference, desc="reference answers", file=sys.stderr):
+        for m in messages:
+            if m["role"] == "assistant":
+                counts.update(engine.tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+    counts.update({t: 10**9 for t in engine.eos})  # end-of-turn must always be proposable
+    vocab_ids = [t for t, _ in counts.most_common(args.vocab_size)]
+    held = [t for a in answers[half:] for t in a]
+    engine.heads.set_draft_vocab(vocab_ids)
+    return vocab_ids, sum(t in set(vocab_ids) for t in held) / max(len(held), 1)
+
+
+def head_ranks(args: argparse.Namespace, engine, prompts, answers) -> torch.Tensor:
+    """Per-path acceptance on the target's own answers: each position's rank of the true token per head."""
+    all_ranks = []
+    with torch.inference_mode():
+        for p, a in tqdm(list(zip(prompts, answers)), desc="head ranks", file=sys.stderr):
+            seq = torch.tensor(p + a, device=engine.device)
+            out = engine.model.get_decoder()(input_ids=seq[None])
+            hidden = out.last_hidden_state[0, len(p) - 1:]  # the position that produced a[0] onwards
+            all_ranks.append(candidate_ranks(engine.heads, hidden, seq[len(p) - 1:], args.max_rank))
+    return torch.cat(all_ranks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.for_device and not args.cost:
         print("error: --for-device needs --cost, the pass-cost curve measured on that device", file=sys.stderr)
         return 1
     try:
         engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype,
-                             kernels=args.kernels, draft_dtype=args.draft_dtype, size_trees=False)
-        heads, tok = engine.heads, engine.tokenizer
+                             kernels=args.kernels, draft_dtype=args.draft_dtype)
+        heads = engine.heads
         heads.set_draft_vocab(None)
-        stats = DataStats()
-        pool = load_conversations(args.prompts, stats, seed=args.seed)
-        held_out, reference = split_pool(pool, args.samples, args.exclude, args.prompts)
-        reference = reference[: args.reference_answers]
-        prompts = []
-        for _, messages in held_out:
-            first = next(m for m in messages if m["role"] == "user")
-            ids = tok.apply_chat_template([first], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            prompts.append(ids[-args.max_prompt_tokens:])
+        prompts, reference = held_out_prompts(args, engine.tokenizer)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
-
-        # Draft vocabulary: frequent tokens of the target's answers and of reference answers.
-        vocab_ids = None
-        coverage = 1.0
-        if args.vocab_size:
-            counts: Counter = Counter()
-            half = len(answers) // 2
-            for a in answers[:half]:
-                counts.update(a)
-            for _, messages in tqdm(reference, desc="reference answers", file=sys.stderr):
-                for m in messages:
-                    if m["role"] == "assistant":
-                        counts.update(tok(m["content"], add_special_tokens=False)["input_ids"])
-            counts.update({t: 10**9 for t in engine.eos})  # end-of-turn must always be proposable
-            vocab_ids = [t for t, _ in counts.most_common(args.vocab_size)]
-            held = [t for a in answers[half:] for t in a]
-            coverage = sum(t in set(vocab_ids) for t in held) / max(len(held), 1)
-            heads.set_draft_vocab(vocab_ids)
-
+        vocab_ids, coverage = draft_vocab(args, engine, answers, reference)
         if heads.config.kind == "eagle":
             return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
-
-        # Per-path acceptance on the target's own answers.
-        all_ranks = []
-        with torch.inference_mode():
-            for p, a in tqdm(list(zip(prompts, answers)), desc="head ranks", file=sys.stderr):
-                seq = torch.tensor(p + a, device=engine.device)
-                out = engine.model.get_decoder()(input_ids=seq[None])
-                hidden = out.last_hidden_state[0, len(p) - 1:]  # the position that produced a[0] onwards
-                all_ranks.append(candidate_ranks(heads, hidden, seq[len(p) - 1:], args.max_rank))
-        ranks = torch.cat(all_ranks)
+        ranks = head_ranks(args, engine, prompts, answers)
         counts_paths = path_counts(ranks)
         positions = ranks.shape[0]
         accuracy = {f"head{k}": {f"top{r}": float(((ranks[:, k] >= 0) & (ranks[:, k] < r)).float().mean())
@@ -244,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"best tree on {device}: {len(choice.paths)} candidates, expected {choice.expected_tokens:.2f} tokens/pass, "
           f"{choice.step_ms:.1f} ms/pass -> {choice.tokens_per_second:.1f} tokens/s "
           f"(plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
-    if args.dry_run:
-        return 0
+    if not args.dry_run:
+        write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage)
+    return 0
+
+
+def write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage) -> None:
+    """The tree and what it was chosen from, into the heads folder's calibration.json."""
     path = Path(args.heads) / CALIBRATION_NAME
     record = json.loads(path.read_text()) if path.is_file() else {}
     record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
@@ -262,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     record["command"] = command(argv)
     path.write_text(json.dumps(record) + "\n")
     print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ for what in ('kernel_choice', 'draft_dtype_choice', 'compile_reason'):
     print(what, getattr(eng, what, None))
 "
 step bench 150 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,baseline,lookup,medusa,hybrid
-step bench-eagle 120 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,eagle,eagle-hybrid
+step bench-eagle 120 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,eagle,hybrid@eagle
 # Compiled passes (CUDA graphs on CUDA), in two runs so that a long compile of one leaves the other.
 step compiled 200 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,hf-compile,baseline,baseline+compile
-step compiled-eagle 120 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,eagle-hybrid+compile
+step compiled-eagle 120 $PY -m infer.bench --device "$DEVICE" $BENCH_ARGS --modes hf,hybrid@eagle+compile
 step profile 45 $PY scripts/profile_step.py --device "$DEVICE" --reps 20
 
 for f in probe load bench bench-eagle compiled compiled-eagle profile; do

@@ -1,7 +1,7 @@
 """Prompts the shipped heads never trained on, for a benchmark outside MT-Bench.
 
     python scripts/heldout_prompts.py --out runs/prompts/sharegpt-heldout.json --n 40
-    python -m infer.bench --prompts runs/prompts/sharegpt-heldout.json --modes hf,lookup,eagle-hybrid
+    python -m infer.bench --prompts runs/prompts/sharegpt-heldout.json --modes hf,lookup,hybrid@eagle
 
 Reads a conversation source (default: ShareGPT, the source of the self-distilled training
 answers), drops every conversation whose first user turn is the prompt of an answer in the

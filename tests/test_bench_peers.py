@@ -61,7 +61,7 @@ def test_plain_targets_load_only_the_copies_asked_for(tmp_path, dtype):
 
 def test_the_fastest_transformers_peer_is_named_with_every_other_mode_against_it():
     summary = {"hf": {"tokens_per_second": 10.0}, "hf-float32": {"tokens_per_second": 16.0},
-               "baseline": {"tokens_per_second": 12.0}, "eagle-hybrid": {"tokens_per_second": 24.0}}
+               "baseline": {"tokens_per_second": 12.0}, "hybrid@eagle": {"tokens_per_second": 24.0}}
     assert bench.against_fastest_peer(summary) == ("fastest transformers generate here: hf-float32 (16.0 tokens/s); "
-                                                   "baseline 0.75x, eagle-hybrid 1.50x")
+                                                   "baseline 0.75x, hybrid@eagle 1.50x")
     assert bench.against_fastest_peer({"hf": {"tokens_per_second": 10.0}, "baseline": {"tokens_per_second": 12.0}}) is None

@@ -154,7 +154,7 @@ def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     path.write_text(json.dumps(record))
     for dtype, size in (("float32", fp32), ("bfloat16", bf16)):
         eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype=dtype, kernels="default",
-                          size_trees=False)  # the calibrated sizes (not this machine's own: test_sizing.py)
+                          autotune=False)  # the calibrated sizes (not this machine's own: test_sizing.py)
         assert eng.proposer("eagle").size == size, dtype
 
 

@@ -201,7 +201,8 @@ def test_eagle_heads_chat_with_their_dynamic_tree_in_the_banner(engine, tmp_path
 def test_banner_says_which_dtype_was_picked_and_why(tmp_path):
     done = run_cli(["--prompt", "Hi", "--max-new-tokens", "2"], tmp_path)
     assert done.returncode == 0, done.stderr
-    assert re.search(r"dtype   (float32|bfloat16)\b.*(faster|not exact)", done.stderr), done.stderr  # measured
+    # the plan's dtype decision, with the rule's reason (medusa/autotune/dtype.py)
+    assert re.search(r"dtype\s+(float32|bfloat16)\b.*(AMX|exact|bfloat16)", done.stderr), done.stderr
 
 
 def test_bad_path_is_one_line_error_with_exit_code(tmp_path):
@@ -268,7 +269,7 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys):
     expected = {"model": "model not found", "heads": "heads not found", "other-model-heads": "heads trained for",
                 "mode": "unknown mode 'bogus'", "too-long": "shorten it", "empty": "prompt is empty",
                 "draft-tokenizer": "different tokenizer", "tree": "not found",
-                "tree-for-eagle-heads": "drop --tree, or pass --mode medusa",
+                "tree-for-eagle-heads": "drop the tree, or use Medusa heads (mode medusa)",
                 "device": "device 'cuda:99' is not available", "device-name": "unknown device 'gpu0'"}[case]
     if "--prompt" not in args:
         args += ["--prompt", "hi"]

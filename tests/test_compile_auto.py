@@ -18,6 +18,7 @@ from train_fixtures import tiny_target
 
 from medusa.decoding import compiled
 from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
 from medusa.models.target import load_target
 from medusa.runtime import hf as kv
 
@@ -109,7 +110,7 @@ def test_auto_compiles_on_the_cpu_in_either_dtype_and_exact_where_half(cache):
     half = Engine(tiny_model("llama").to(torch.bfloat16), compile="auto")
     assert half.passes.name == "auto" and half.exact and half.passes.saved is not None
     assert half.unsaved_passes("baseline") == [1]  # nothing saved in this cache: eager until precompiled
-    exact = Engine(tiny_model("llama"), compile="auto", exact=True)
+    exact = Engine(tiny_model("llama"), compile="auto", plan=Plan(exact=True))
     assert exact.passes.name == "auto" and exact.exact
     assert Engine(tiny_model("llama"), compile=False).passes.name == "eager"
 

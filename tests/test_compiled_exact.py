@@ -13,6 +13,7 @@ from test_exact import PATHS, PREFIX
 from tiny import tiny_model
 
 from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
@@ -57,7 +58,7 @@ def _logits(model, run, width: int, kernels) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_compiled_bfloat16_pass_is_bit_identical_to_the_eager_one(arch, cache):
     model = tiny_model(arch).to(torch.bfloat16)
-    eng = Engine(model, compile=True, kernels=_kernels())
+    eng = Engine(model, compile=True, plan=Plan(kernels=_kernels()))
     assert eng.exact and eng.passes.name == "saved-graphs"
     width = PREFIX + 64
     eager = _logits(model, kv.forward, width, eng.kernel_scope())
@@ -72,8 +73,8 @@ def test_compiled_bfloat16_speculation_equals_eager_baseline(arch, cache):
     model = tiny_model(arch).to(torch.bfloat16)
     heads = random_heads(model, 0).to(torch.bfloat16)
     kernels = _kernels()
-    base = Engine(model, kernels=kernels).generate(PROMPT, max_new_tokens=32, mode="baseline")
-    eng = Engine(model, heads=heads, tree=PATHS, compile=True, kernels=kernels)
+    base = Engine(model, plan=Plan(kernels=kernels)).generate(PROMPT, max_new_tokens=32, mode="baseline")
+    eng = Engine(model, heads=heads, tree=PATHS, compile=True, plan=Plan(kernels=kernels))
     eng.precompile("medusa")
     for mode in ("baseline", "medusa", "hybrid", "lookup"):
         out = eng.generate(PROMPT, max_new_tokens=32, mode=mode)
@@ -118,7 +119,7 @@ def test_norms_of_another_form_refuse_compiled_exact_passes_in_one_line(cache):
     assert "\n" not in str(err.value)
     auto = Engine(gemma, compile="auto")  # the chat's default: eager, and it says why
     assert auto.passes.name == "eager" and "Gemma3RMSNorm" in auto.passes.reason
-    assert Engine(gemma, compile="aot_eager", exact=False).passes.compiled  # the caller's explicit opt-out
+    assert Engine(gemma, compile="aot_eager", plan=Plan(exact=False)).passes.compiled  # the caller's explicit opt-out
 
 
 def test_merge_stacked_keeps_one_call_per_group():

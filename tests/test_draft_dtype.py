@@ -2,7 +2,6 @@
 beside a float32 target, the target verifies every token in float32, so outputs stay the
 target's own; the dtype is picked by measuring the draft vocabulary's scoring, once, cached."""
 
-import json
 
 import pytest
 import torch
@@ -11,14 +10,11 @@ from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads, target_folder
 
 import medusa
-from medusa.autotune.device import (
-    DRAFT_KEY_VERSION,
-    adopt_draft_dtype,
-    decide_draft_dtype,
-    device_key,
-    pick_draft_dtype,
-)
+from medusa.autotune.cache import PlanCache
+from medusa.autotune.device import decide_draft_dtype
+from medusa.autotune.planner import Planner, adopt_draft_dtype
 from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Decision, Plan
 from medusa.errors import MedusaError
 from medusa.runtime.kernels import int8_available
 
@@ -34,17 +30,17 @@ def test_bfloat16_heads_beside_a_float32_target_keep_its_greedy_output(arch, ker
     ref = hf_greedy(model, PROMPT, n)
     heads = random_heads(model)
     heads.set_draft_vocab(list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17])  # scored over a bf16 copy of these rows
-    adopt_draft_dtype(heads, model, None, "bfloat16")
+    adopt_draft_dtype(heads, "bfloat16")
     assert heads.dtype == torch.bfloat16 and model.dtype == torch.float32
-    medusa_engine = Engine(model, heads=heads, tree=TREE, kernels=kernels)
+    medusa_engine = Engine(model, heads=heads, tree=TREE, plan=Plan(kernels=kernels))
     for mode in ("medusa", "hybrid"):
         res = medusa_engine.generate(PROMPT, max_new_tokens=n, mode=mode)
         assert res.tokens == ref, mode
     assert heads._draft_weight.dtype == torch.bfloat16  # the draft vocabulary's rows, cached in the heads' dtype
     eagle = noisy_eagle(model)
-    adopt_draft_dtype(eagle, model, None, torch.bfloat16)
+    adopt_draft_dtype(eagle, "bfloat16")
     assert eagle.fc.weight.dtype == torch.bfloat16
-    eagle_engine = Engine(model, heads=eagle, kernels=kernels)
+    eagle_engine = Engine(model, heads=eagle, plan=Plan(kernels=kernels))
     for mode in ("eagle", "hybrid"):
         res = eagle_engine.generate(PROMPT, max_new_tokens=n, mode=mode)
         assert res.tokens == ref, mode
@@ -56,7 +52,7 @@ def test_bfloat16_eagle_heads_draft_what_float32_heads_mostly_draft(one_thread):
     model = tiny_model("llama")
     ref = Engine(model, heads=noisy_eagle(model)).generate(PROMPT, max_new_tokens=40, mode="eagle")
     half = noisy_eagle(model)
-    adopt_draft_dtype(half, model, None, "bfloat16")
+    adopt_draft_dtype(half, "bfloat16")
     res = Engine(model, heads=half).generate(PROMPT, max_new_tokens=40, mode="eagle")
     assert res.tokens == ref.tokens
     assert abs(res.stats.tau - ref.stats.tau) <= 0.5 * ref.stats.tau
@@ -65,7 +61,7 @@ def test_bfloat16_eagle_heads_draft_what_float32_heads_mostly_draft(one_thread):
 def test_sampling_with_bfloat16_heads_is_reproducible_and_valid(one_thread):
     model = tiny_model("llama")
     heads = random_heads(model)
-    adopt_draft_dtype(heads, model, None, "bfloat16")
+    adopt_draft_dtype(heads, "bfloat16")
     eng = Engine(model, heads=heads, tree=TREE)
     a = eng.generate(PROMPT, max_new_tokens=24, mode="medusa", temperature=0.8, seed=3).tokens
     b = eng.generate(PROMPT, max_new_tokens=24, mode="medusa", temperature=0.8, seed=3).tokens
@@ -83,36 +79,36 @@ def test_decide_draft_dtype_keeps_bfloat16_only_when_clearly_faster():
 
 
 def test_draft_dtype_pick_is_measured_once_and_cached(tmp_path):
-    cache = tmp_path / "draft_dtype.json"
+    cache = PlanCache(tmp_path)
     model = tiny_model("llama")
     heads = random_heads(model)
-    first = pick_draft_dtype(model, heads, cache)
-    assert set(first.cost_ms) == {"float32", "bfloat16"} and all(ms > 0 for ms in first.cost_ms.values())
-    assert first.dtype == decide_draft_dtype(first.cost_ms)[0]
-    table = json.loads(cache.read_text())
-    (key,) = table
-    assert key == f"{device_key(torch.device('cpu'))} | h64 rows96 | {DRAFT_KEY_VERSION}"
-    table[key]["dtype"] = "float32" if first.dtype == "bfloat16" else "bfloat16"
-    table[key].pop("busy_share", None)  # timed while busy: it would be timed again (tested apart)
-    cache.write_text(json.dumps(table))
-    again = adopt_draft_dtype(heads, model, cache)
-    assert again.dtype == table[key]["dtype"] and again.reason.endswith("(cached)")
-    assert heads.dtype == getattr(torch, again.dtype)
+    first = Planner(True, cache).draft_dtype(model, heads, None)
+    (key,) = cache.entries()
+    entry = cache.entries()[key]
+    assert set(entry["cost_ms"]) == {"float32", "bfloat16"} and all(ms > 0 for ms in entry["cost_ms"].values())
+    assert first.value == decide_draft_dtype(entry["cost_ms"])[0]
+    assert key.startswith("draft_dtype | cpu ") and key.endswith("| h64 rows96")
+    edited = {k: v for k, v in entry.items() if k != "busy_share"}  # a busy timing would be timed again
+    cache.put(key, {**edited, "dtype": "float32" if first.value == "bfloat16" else "bfloat16"})
+    again = Planner(True, cache).draft_dtype(model, heads, None)
+    assert again.value != first.value and "(cached" in again.reason
+    adopt_draft_dtype(heads, again.value)
+    assert heads.dtype == getattr(torch, again.value)
     # a draft vocabulary is another shape: measured for its own rows
     heads.set_draft_vocab(list(range(32)))
-    pick_draft_dtype(model, heads, cache)
-    assert len(json.loads(cache.read_text())) == 2
+    Planner(True, cache).draft_dtype(model, heads, None)
+    assert len(cache.entries()) == 2
     # a bfloat16 target: the heads keep the target's dtype, unmeasured
     half = tiny_model("llama").to(torch.bfloat16)
-    assert pick_draft_dtype(half, random_heads(half), cache).dtype == "bfloat16"
-    assert len(json.loads(cache.read_text())) == 2
+    assert Planner(True, cache).draft_dtype(half, random_heads(half), None).value == "bfloat16"
+    assert len(cache.entries()) == 2
 
 
 def test_load_applies_the_draft_dtype_and_rejects_unknown_ones(tmp_path):
     folder = str(target_folder(tmp_path))
     eng = medusa.load(model=folder, heads="init", draft_dtype="bfloat16", kernels="default")
     assert eng.heads.dtype == torch.bfloat16 and eng.model.dtype == torch.float32
-    assert eng.draft_dtype_choice.dtype == "bfloat16" and eng.draft_dtype_choice.reason == "asked for"
+    assert eng.plan.decision("draft_dtype") == Decision("draft_dtype", "bfloat16", "asked for")
     ids = [2, 3, 4, 5, 3, 4]
     expected = hf_greedy(eng.model, ids, 12)
     assert eng.generate(ids, max_new_tokens=12, mode="hybrid").tokens == expected
@@ -130,14 +126,16 @@ def test_int8_eagle_heads_draft_beside_any_target_and_keep_its_greedy_output(tar
     n = 40
     ref = hf_greedy(model, PROMPT, n)
     bf16 = noisy_eagle(model)
-    adopt_draft_dtype(bf16, model, None, "bfloat16")
+    adopt_draft_dtype(bf16, "bfloat16")
     heads = noisy_eagle(model).to(torch.bfloat16)
     heads.load_state_dict(bf16.state_dict())  # the same heads, to be quantized
     vocab = list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17]
     for h in (bf16, heads):
         h.set_draft_vocab(vocab)
     state = {k: v.clone() for k, v in bf16.state_dict().items()}
-    assert int8_available() and adopt_draft_dtype(heads, model, None, "int8").dtype == "int8"
+    assert int8_available()
+    adopt_draft_dtype(heads, "int8")
+    assert heads.int8
     assert heads.int8 and heads.fc.weight.dtype == torch.bfloat16
     # the float weights stay (saving writes them), under the same names
     assert {k: v.dtype for k, v in heads.state_dict().items()} == {k: v.dtype for k, v in state.items()}
@@ -153,7 +151,7 @@ def test_int8_eagle_heads_draft_beside_any_target_and_keep_its_greedy_output(tar
         # noise rounds to steps of 1/127 (measured: 2.4% of the largest output)
         assert (heads.fc(x).float() - bf16.fc(x).float()).abs().max() <= 0.05 * bf16.fc(x).float().abs().max()
     for kernels in ("default", "onednn"):
-        engine = Engine(model, heads=heads, kernels=kernels)  # an engine packs the target, not int8 heads
+        engine = Engine(model, heads=heads, plan=Plan(kernels=kernels))  # an engine packs the target, not int8 heads
         for mode in ("eagle", "hybrid"):
             res = engine.generate(PROMPT, max_new_tokens=n, mode=mode)
             assert res.tokens == ref, (kernels, mode)

@@ -17,12 +17,12 @@ def test_bench_runs_medusa_and_eagle_heads_in_one_run(tmp_path, capsys):
     eagle = save_heads(init_eagle_for(model), tmp_path / "eagle")
     out = tmp_path / "bench.json"
     args = ["--model", str(folder), "--heads", "init", "--eagle-heads", str(eagle), "--limit", "2",
-            "--max-new-tokens", "10", "--modes", "hf,medusa,eagle,eagle-hybrid", "--json", str(out)]
+            "--max-new-tokens", "10", "--modes", "hf,medusa,eagle,hybrid@eagle", "--json", str(out)]
     assert bench.main(args) == 0
     modes = json.loads(out.read_text())["modes"]
-    assert set(modes) == {"hf", "medusa", "eagle", "eagle-hybrid"}
+    assert set(modes) == {"hf", "medusa", "eagle", "hybrid@eagle"}
     ref = [p["tokens"] for p in modes["hf"]["per_prompt"]]
-    for name in ("medusa", "eagle", "eagle-hybrid"):
+    for name in ("medusa", "eagle", "hybrid@eagle"):
         assert modes[name]["identical"] == 2 and [p["tokens"] for p in modes[name]["per_prompt"]] == ref, name
 
 

@@ -10,8 +10,10 @@ from test_draft import noisy_copy
 from test_engine import random_heads
 from tiny import tiny_model
 
-from medusa.autotune.device import MIN_ROWS, _order_sensitive, decide, invariant_rows, linear_invariant_rows
+from medusa.autotune.device import MIN_ROWS, _order_sensitive, invariant_rows, linear_invariant_rows
+from medusa.autotune.dtype import dtype_rule
 from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
@@ -67,7 +69,7 @@ def test_tree_rows_equal_one_token_passes_bit_for_bit(arch, static, prefix):
     if rows < nodes:
         # this device's matmul kernels round a pass this large differently from one-token
         # passes (no attention can fix that): the engine never verifies one here
-        assert Engine(model, max_rows=rows).max_rows < nodes
+        assert Engine(model, plan=Plan(max_rows=rows)).max_rows < nodes
         return
     assert differing == 0  # attention was the only row-count dependent op, and exact attention fixes it
 
@@ -180,7 +182,7 @@ def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
     if kernels == "onednn" and not onednn_available("cpu", torch.bfloat16):
         # a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT packs no bf16 weights: a one-line refusal
         with pytest.raises(MedusaError, match="oneDNN torch.bfloat16 linears.*kernels='default'"):
-            Engine(model, kernels="onednn")
+            Engine(model, plan=Plan(kernels="onednn"))
         return
     set_exact(model, True)
     # the largest pass whose rows all equal their one-token passes on this device with these
@@ -189,11 +191,11 @@ def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
         rows = invariant_rows(model, limit=24, prefix=PREFIX, kernels=kernels)
     if rows < MIN_ROWS:
         # bfloat16 cannot be exact here even for small trees: the dtype pick must refuse it
-        assert decide({"float32": {1: 38.7, 16: 77.7}, "bfloat16": {1: 36.1, 16: 43.0}}, rows)[0] == "float32"
+        assert dtype_rule(True, "AMX", rows, 0.3)[0] == "float32"
         return
     draft = noisy_copy(tiny_model(arch), 0.02).to(torch.bfloat16)
     eng = Engine(model, heads=random_heads(model, 0).to(torch.bfloat16), tree=PATHS, draft=draft,
-                 proposer_config=ProposerConfig(draft_tokens=3), max_rows=rows, kernels=kernels)
+                 proposer_config=ProposerConfig(draft_tokens=3), plan=Plan(max_rows=rows, kernels=kernels))
     assert eng.exact and is_exact(model)  # the default in half precision
     assert eng.max_rows == rows
     prompt = [5, 17, 33, 9, 41, 12, 5, 17, 33]
@@ -209,7 +211,7 @@ def test_bfloat16_speculation_equals_baseline_in_every_mode(arch, kernels):
 def test_engine_verifies_at_most_max_rows_per_pass():
     model = tiny_model("llama")
     seen = []
-    eng = Engine(model, heads=random_heads(model, 0), tree=PATHS, max_rows=4)
+    eng = Engine(model, heads=random_heads(model, 0), tree=PATHS, plan=Plan(max_rows=4))
     real = eng.passes.forward
 
     def watched(model, tokens, *args, **kwargs):
@@ -224,9 +226,9 @@ def test_engine_verifies_at_most_max_rows_per_pass():
         out = eng.generate(prompt, max_new_tokens=32, mode=mode)
         assert out.tokens == base.tokens, mode
         assert seen and max(seen) == 4, mode  # the 10-node tree was cut to its first 4 nodes
-    assert Engine(model, exact=True).max_rows == EXACT_MAX_ROWS  # exact passes are capped anyway
+    assert Engine(model, plan=Plan(exact=True)).max_rows == EXACT_MAX_ROWS  # exact passes are capped anyway
     with pytest.raises(MedusaError, match="max_rows"):
-        Engine(model, max_rows=0)
+        Engine(model, plan=Plan(max_rows=0))
 
 
 def test_invariant_rows_finds_the_first_pass_size_that_differs():
@@ -281,6 +283,6 @@ def test_invariant_rows_is_at_most_the_linear_probe():
 def test_exact_is_off_by_default_in_float32_and_can_be_forced():
     model = tiny_model("llama")
     assert not Engine(model).exact and not is_exact(model)
-    assert Engine(model, exact=True).exact and is_exact(model)
-    Engine(model, exact=False)
+    assert Engine(model, plan=Plan(exact=True)).exact and is_exact(model)
+    Engine(model, plan=Plan(exact=False))
     assert not is_exact(model)

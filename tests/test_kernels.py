@@ -1,7 +1,6 @@
 """Packed oneDNN linears (medusa/runtime/kernels.py): the same model with other matmul kernels,
 active only inside the engine's passes, picked per device by measurement and cached."""
 
-import json
 
 import pytest
 import torch
@@ -10,17 +9,12 @@ from test_eagle import noisy_eagle
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
-from medusa.autotune.device import (
-    KERNEL_KEY_VERSION,
-    KEY_VERSION,
-    MIN_ROWS,
-    decide_kernels,
-    device_key,
-    model_key,
-    pick_kernels,
-)
+from medusa.autotune.cache import PlanCache
+from medusa.autotune.device import MIN_ROWS, decide_kernels
+from medusa.autotune.planner import Planner
 from medusa.decoding.engine import Engine
 from medusa.decoding.passes import PACKED_ROWS
+from medusa.decoding.plan import Plan
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact
@@ -102,13 +96,13 @@ def test_inputs_of_more_rows_than_stock_above_run_the_stock_kernels():
     assert "mkldnn::_linear_pointwise" in short and not {"aten::mm", "aten::addmm"} & short
     assert "mkldnn::_linear_pointwise" not in long and {"aten::mm", "aten::addmm"} & long
     # the engine packs a half-precision model's decoding passes only; float32 ones everywhere
-    engine = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    engine = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="onednn"))
     with engine.kernel_scope():
         _, prefill = logits_and_ops(model, torch.tensor([list(range(1, PACKED_ROWS + 2))]))
         _, step = logits_and_ops(model, torch.tensor([PROMPT[:1]]))
     assert "mkldnn::_linear_pointwise" not in prefill and "mkldnn::_linear_pointwise" in step
     full = tiny_model("llama")
-    with Engine(full, heads=random_heads(full), tree=TREE, kernels="onednn").kernel_scope():
+    with Engine(full, heads=random_heads(full), tree=TREE, plan=Plan(kernels="onednn")).kernel_scope():
         _, prefill = logits_and_ops(full, torch.tensor([list(range(1, PACKED_ROWS + 2))]))
     assert "mkldnn::_linear_pointwise" in prefill
 
@@ -118,14 +112,14 @@ def test_greedy_with_onednn_kernels_equals_target_greedy(arch, one_thread):
     model = tiny_model(arch)
     n = 40
     ref = hf_greedy(model, PROMPT, n)
-    medusa = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    medusa = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="onednn"))
     for mode in ("baseline", "medusa", "lookup", "hybrid"):
         assert medusa.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
     # a draft model: the target's own weights nudged, packed beside the target's
-    draft = Engine(model, draft=noisy_copy(model, 0.02), kernels="onednn",
-                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0))
+    draft = Engine(model, draft=noisy_copy(model, 0.02),
+                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels="onednn"))
     assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
-    eagle = Engine(model, heads=noisy_eagle(model), kernels="onednn")
+    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels="onednn"))
     res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
     assert res.tokens == ref
     assert max(res.stats.accepted) > 1  # the packed heads drafted tokens that were accepted
@@ -135,7 +129,7 @@ def test_greedy_with_onednn_kernels_equals_target_greedy(arch, one_thread):
 def test_the_model_is_stock_between_streamed_chunks():
     # a caller holding a half-consumed stream may use the model itself meanwhile
     model = tiny_model("llama")
-    eng = Engine(model, heads=random_heads(model), tree=TREE, kernels="onednn")
+    eng = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="onednn"))
     stream = eng.stream(PROMPT, max_new_tokens=12, mode="medusa")
     for _ in stream:
         assert stock(model)
@@ -145,7 +139,7 @@ def test_the_model_is_stock_between_streamed_chunks():
 def test_kernel_errors_are_one_line():
     model = tiny_model("llama")
     with pytest.raises(MedusaError, match="unknown kernels 'mkl'") as err:
-        Engine(model, kernels="mkl")
+        Engine(model, plan=Plan(kernels="mkl"))
     assert "\n" not in str(err.value)
 
 
@@ -160,7 +154,7 @@ def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, tmp_path
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     model = tiny_model("llama")
     n = 30
-    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, kernels="onednn")
+    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, plan=Plan(kernels="onednn"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         res = eng.generate(PROMPT, max_new_tokens=n, mode="medusa")
     ops = {event.key for event in prof.key_averages()}
@@ -282,39 +276,41 @@ def test_decide_kernels_keeps_onednn_only_when_clearly_faster():
 
 
 def test_kernel_pick_is_measured_once_and_cached(tmp_path):
-    cache = tmp_path / "kernels.json"
+    cache = PlanCache(tmp_path)
     model = tiny_model("llama")
-    first = pick_kernels(model, cache)
-    assert set(first.cost_ms) == {"default", "onednn"} and all(ms > 0 for c in first.cost_ms.values() for ms in c.values())
-    assert first.kernels == decide_kernels(first.cost_ms)[0]
+    first, _ = Planner(True, cache).kernels(model, None)
+    (key,) = cache.entries()
+    entry = cache.entries()[key]
+    assert set(entry["cost_ms"]) == {"default", "onednn"} and entry["seconds"] > 0
+    assert first.value == decide_kernels(probe_costs(entry))[0] and first.seconds == entry["seconds"]
     assert stock(model)  # measuring left the model as it was
-    table = json.loads(cache.read_text())
-    (key,) = table
-    assert key == f"{device_key(torch.device('cpu'))} | {model_key(model)} | torch.float32 | {KERNEL_KEY_VERSION}"
-    table[key]["kernels"] = "default" if first.kernels == "onednn" else "onednn"
-    table[key].pop("busy_share", None)  # timed while busy: it would be timed again (tested apart)
-    cache.write_text(json.dumps(table))
-    again = pick_kernels(model, cache)
-    assert again.kernels == table[key]["kernels"] and again.reason.endswith("(cached)")
+    assert key.startswith("kernels | ") and key.endswith(f"| torch.float32 | onednn-p{PACKING_VERSION}".replace(
+        "torch.", ""))
+    # a cached entry is used as is: an edited entry wins over a new measurement
+    edited = {k: v for k, v in entry.items() if k != "busy_share"}  # a busy timing would be timed again
+    cache.put(key, {**edited, "kernels": "default" if first.value == "onednn" else "onednn"})
+    again, _ = Planner(True, cache).kernels(model, None)
+    assert again.value != first.value and "(cached" in again.reason and again.seconds == 0
+
+
+def probe_costs(entry):
+    return {k: {int(n): ms for n, ms in c.items()} for k, c in entry["cost_ms"].items()}
 
 
 def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_path):
-    cache = tmp_path / "kernels.json"
+    cache = PlanCache(tmp_path)
     half = tiny_model("llama").to(torch.bfloat16)
-    choice = pick_kernels(half, cache)
+    choice, rows = Planner(True, cache).kernels(half, None)
     if not onednn_available("cpu", torch.bfloat16):  # an AVX2-only CPU packs no bf16 weights
-        assert choice.kernels == "default" and "no packed oneDNN linears" in choice.reason and not choice.cost_ms
+        assert choice.value == "default" and "no packed oneDNN linears" in choice.reason and not cache.entries()
         return
-    assert set(choice.cost_ms) == {"default", "onednn"}
+    (entry,) = cache.entries().values()
+    assert set(entry["cost_ms"]) == {"default", "onednn"}
     assert not is_exact(half) and stock(half)  # measured with exact attention and packed weights, then restored
-    table = json.loads(cache.read_text())
-    rows_keys = [k for k in table if k.startswith("rows | ") and k.endswith(f"| onednn-p{PACKING_VERSION} | {KEY_VERSION}")]
-    if choice.kernels == "onednn":
-        # picked only after the exactness probe ran with the packed weights, and capped by it
-        (key,) = rows_keys
-        assert choice.invariant_rows == table[key]["invariant_rows"] >= MIN_ROWS
+    if choice.value == "onednn":
+        assert rows == entry["invariant_rows"] >= MIN_ROWS  # picked only after the exactness probe, capped by it
     else:
-        assert choice.kernels == decide_kernels(choice.cost_ms, choice.invariant_rows, half=True)[0]
+        assert choice.value == decide_kernels(probe_costs(entry), entry["invariant_rows"], half=True)[0]
     # faster but not exact is refused; faster and exact is kept
     faster = {"default": {1: 50.0, 16: 66.0}, "onednn": {1: 30.0, 16: 45.0}}
     assert decide_kernels(faster, MIN_ROWS - 1, half=True)[0] == "default"

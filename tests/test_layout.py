@@ -171,6 +171,13 @@ def test_library_functions_read_top_to_bottom():
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
 
 
+def test_entry_point_functions_read_top_to_bottom():
+    """The entry points (infer/, train/, scripts/) are thin: their functions fit on a screen too."""
+    found = {str(path.relative_to(ROOT.parent)): long for folder in ("infer", "train", "scripts")
+             for path in sorted((ROOT.parent / folder).rglob("*.py")) if (long := long_functions(path))}
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
 def test_the_length_check_sees_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")

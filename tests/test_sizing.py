@@ -10,10 +10,13 @@ import torch
 from test_eagle import PROMPT, noisy_eagle
 from tiny import hf_greedy, tiny_model
 
-from medusa.autotune.sizing import SIZES, SizeChoice, bucketed, drafting_ms, monotone, size_here
+from medusa.autotune.cache import PlanCache
+from medusa.autotune.planner import Planner
+from medusa.autotune.sizing import SIZES, bucketed, drafting_ms, monotone
 from medusa.autotune.trees import Acceptance, acceptance_by_size, choose_dynamic
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
 from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
 from medusa.models.loader import init_heads_for
 
@@ -99,7 +102,17 @@ def test_monotone_smooths_noise_into_a_non_decreasing_curve():
 
 def _sized_engine(tmp_path, model, heads):
     heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
-    return Engine(model, heads=heads), tmp_path / "sizing.json"
+    return Engine(model, heads=heads), PlanCache(tmp_path)
+
+
+def size_here(engine: Engine, cache: PlanCache, compile=False) -> Plan:
+    """The engine's plan with its trees sized by the planner over ``cache``."""
+    return Planner(True, cache).trees(engine.model, engine.heads, engine.plan, compile)
+
+
+def _edit(cache: PlanCache, **fields) -> None:
+    (key, entry), = cache.entries().items()
+    cache.put(key, {**{k: v for k, v in entry.items() if k != "busy_share"}, **fields})
 
 
 def test_size_here_measures_once_and_follows_this_machines_costs(tmp_path):
@@ -107,30 +120,26 @@ def test_size_here_measures_once_and_follows_this_machines_costs(tmp_path):
     heads = noisy_eagle(model)
     engine, cache = _sized_engine(tmp_path, model, heads)
     choice = size_here(engine, cache)
-    table = json.loads(cache.read_text())
-    (key, entry), = table.items()
+    (entry,) = cache.entries().values()
     assert sorted(map(int, entry["cost_ms"])) == list(SIZES) and set(entry["draft_ms"]) == {"3x1"}
-    assert choice.cost_ms[1] > 0 and "sized here" in choice.reason
+    trees = choice.decision("trees")
+    assert entry["seconds"] > 0 and "sized here" in trees.reason and trees.seconds == entry["seconds"]
     # a later engine reads the cache: with these (written) costs the choice follows them
-    entry.pop("busy_share", None)  # (timed while other processes ran: it would be timed again)
-    entry["cost_ms"] = {"1": 10.0, "2": 40.0, "32": 1000.0}  # steep: no tree pays
-    cache.write_text(json.dumps(table))
+    _edit(cache, cost_ms={"1": 10.0, "2": 40.0, "32": 1000.0})  # steep: no tree pays
     steep = size_here(engine, cache)
     assert (steep.eagle.nodes, steep.hybrid.nodes, steep.hybrid.chain) == (0, 0, 0)
-    entry["cost_ms"] = {str(n): 10.0 for n in SIZES}  # flat, and drafting free: the largest tree and chain
-    entry["draft_ms"] = {"3x1": 0.0}
-    cache.write_text(json.dumps(table))
+    _edit(cache, cost_ms={str(n): 10.0 for n in SIZES}, draft_ms={"3x1": 0.0})  # flat, drafting free
     flat = size_here(engine, cache)
     assert (flat.eagle.nodes, flat.hybrid.nodes, flat.hybrid.chain) == (2, 2, 2)
-    # the engine decodes with the sizes it was given, exactly
+    # the engine decodes with the sizes its plan holds, exactly
     ref = hf_greedy(model, PROMPT, 24)
-    for sizes, kinds in ((steep, (EagleProposer, EagleProposer)), (flat, (EagleProposer, Hybrid))):
-        engine.tree_sizes = sizes
+    for plan, kinds in ((steep, (EagleProposer, EagleProposer)), (flat, (EagleProposer, Hybrid))):
+        engine = Engine(model, heads=heads, plan=plan)
         eagle, hybrid = engine.proposer("eagle"), engine.proposer("hybrid")
         assert (type(eagle), type(hybrid)) == kinds
-        assert eagle.size == sizes.eagle
+        assert eagle.size == plan.eagle
         for mode in ("eagle", "hybrid"):
-            assert engine.generate(PROMPT, max_new_tokens=24, mode=mode).tokens == ref, (sizes.reason, mode)
+            assert engine.generate(PROMPT, max_new_tokens=24, mode=mode).tokens == ref, (plan, mode)
     assert engine.proposer("hybrid").lookup.k == 2  # the sized chain
     engine.proposer_config = ProposerConfig(lookup_tokens=5)  # set by the user: it wins
     assert engine.proposer("hybrid").lookup.k == 5 and engine.proposer("lookup").k == 5
@@ -141,8 +150,8 @@ def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
     engine, _ = _sized_engine(tmp_path, model, noisy_eagle(model))
     proposer = Engine(model, heads=engine.heads).proposer("hybrid")
     assert proposer.lookup.k == LOOKUP_TOKENS  # unsized: the calibrated tree and the default chain
-    engine.tree_sizes = SizeChoice(eagle=DynamicTree(nodes=0), hybrid=DynamicTree(nodes=0, chain=3), reason="",
-                                   cost_ms={}, draft_ms={})
+    engine = Engine(model, heads=engine.heads, plan=Plan(eagle=DynamicTree(nodes=0),
+                                                         hybrid=DynamicTree(nodes=0, chain=3)))
     hybrid = engine.proposer("hybrid")
     assert hybrid.lookup.k == 3 and hybrid.heads.size.nodes == 0
     res = engine.generate(PROMPT, max_new_tokens=24, mode="hybrid")
@@ -152,17 +161,19 @@ def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
 
 def test_nothing_is_sized_without_curves_for_medusa_heads_and_compiled_cpu_engines_share_eager_timings(tmp_path):
     model = tiny_model("llama")
-    assert size_here(Engine(model, heads=noisy_eagle(model)), tmp_path / "s.json") is None  # no curves
-    assert size_here(Engine(model, heads=init_heads_for(model)), tmp_path / "s.json") is None
-    assert not (tmp_path / "s.json").exists()
+    cache = PlanCache(tmp_path)
+    assert size_here(Engine(model, heads=noisy_eagle(model)), cache).eagle is None  # no curves
+    assert size_here(Engine(model, heads=init_heads_for(model)), cache).eagle is None
+    assert not cache.path.exists()
     heads = noisy_eagle(model)
     heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
-    compiled = size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), tmp_path / "s.json")
-    timed = (tmp_path / "s.json").read_text()
-    eager = size_here(Engine(model, heads=heads), tmp_path / "s.json")
+    compiled = size_here(Engine(model, heads=heads, static_cache=True, compile="aot_eager"), cache, "aot_eager")
+    timed = cache.path.read_text()
+    eager = size_here(Engine(model, heads=heads), cache)
     # a CPU engine with compiled passes is sized from the eager passes' timings: one entry
-    assert compiled is not None and eager is not None and (tmp_path / "s.json").read_text() == timed
-    assert compiled.cost_ms == bucketed(eager.cost_ms) and "padded to their buckets" in compiled.reason
+    assert compiled.eagle is not None and eager.eagle is not None and cache.path.read_text() == timed
+    assert "padded to their buckets" in compiled.decision("trees").reason
+    assert "padded" not in eager.decision("trees").reason
 
 
 def test_compiled_passes_are_sized_at_their_padded_buckets():
@@ -203,16 +214,16 @@ def test_drafting_is_timed_as_decoding_runs_it(monkeypatch):
 
 
 def test_the_benchs_compiled_twin_is_sized_for_its_padded_passes(tmp_path, monkeypatch):
-    from infer import bench
+    import medusa
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = tiny_model("llama")
     heads = noisy_eagle(model)
     heads.measured = {"cpu": {"curves": {"3x1": CURVES[(3, 1)].as_record()}}}
-    engine = Engine(model, heads=heads)
-    engine.tree_sizes = size_here(engine, bench.cache_root() / "sizing.json")
-    twin = bench._compiled_twin(engine, heads, ProposerConfig())
-    assert twin.passes.compiled and twin.tree_sizes is not engine.tree_sizes
-    assert twin.tree_sizes.cost_ms == bucketed(engine.tree_sizes.cost_ms)  # the same timings, read from the cache
-    engine.tree_sizes = None  # calibrated sizes: the twin keeps them
-    assert bench._compiled_twin(engine, heads, ProposerConfig()).tree_sizes is None
+    engine = medusa.load(target=model, heads=heads)
+    twin = medusa.load(target=engine, heads=heads, compile=True)  # as the bench's MODE+compile loads it
+    assert twin.passes.compiled and twin.model is engine.model
+    assert "padded to their buckets" in twin.plan.decision("trees").reason
+    assert "(cached" in twin.plan.decision("trees").reason  # the same timings, read from the cache
+    calibrated = medusa.load(target=model, heads=heads, compile=True, autotune=False)
+    assert calibrated.plan.eagle is None  # calibrated sizes

@@ -55,11 +55,9 @@ class SelfDistillConfig:
                        choices=KERNELS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    require_extra("train")  # first, so that even --help names the extra to install
-    cfg = parse_config(SelfDistillConfig, argv)
-    out = Path(cfg.output)
-    try:  # before the model loads: a path that cannot be written fails in a second, not after
+def probe_output(out: Path) -> None:
+    """Before the model loads: a path that cannot be written fails in a second, not after."""
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         existed = out.exists()
         out.open("a").close()
@@ -67,14 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             out.unlink()
     except OSError as err:
         raise MedusaError(f"cannot write the answers to {out}: {err.strerror}; pass --output with a writable path") from None
-    torch.manual_seed(cfg.seed)
-    model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if cfg.chat_template:
-        path = Path(cfg.chat_template)
-        tok.chat_template = path.read_text() if path.is_file() else cfg.chat_template
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+
+
+def answered(out: Path) -> set[str]:
+    """Ids already answered in ``out`` (a run resumes)."""
     done: set[str] = set()
     if out.is_file():
         with out.open() as fh:
@@ -83,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                     done.add(json.loads(line)["id"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line cut off by an interruption: that prompt is redone
+    return done
+
+
+def pending_prompts(cfg, tok, done: set[str]) -> list[tuple[str, list[dict], list[int]]]:
+    """``(id, head messages, prompt ids)`` of every prompt still to answer."""
     stats = DataStats()
     prompts: list[tuple[str, list[dict], list[int]]] = []
     seen: set[tuple[int, ...]] = set()
@@ -108,6 +107,44 @@ def main(argv: list[str] | None = None) -> int:
             seen.add(key)
             prompts.append((rid, head, list(ids)))
     print(f"data: {stats.summary()}; {len(done)} already answered, {len(prompts)} to go", file=sys.stderr)
+    return prompts
+
+
+def answer_batch(model, tok, batch, gen_kwargs: dict, eos: set[int]) -> list[dict]:
+    """One left-padded batch through ``generate``: the records of its non-empty answers."""
+    width = max(len(p[2]) for p in batch)
+    input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (_, _, ids) in enumerate(batch):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attn[i, width - len(ids):] = 1
+    device = model.get_output_embeddings().weight.device
+    with torch.no_grad():
+        gen = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
+    records = []
+    for (rid, head, _), row in zip(batch, gen[:, width:].tolist()):
+        cut = next((i for i, t in enumerate(row) if t in eos), None)
+        answer = tok.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
+        if answer.strip():
+            records.append({"id": rid, "messages": head + [{"role": "assistant", "content": answer}],
+                            "finished": cut is not None})
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    require_extra("train")  # first, so that even --help names the extra to install
+    cfg = parse_config(SelfDistillConfig, argv)
+    out = Path(cfg.output)
+    probe_output(out)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        path = Path(cfg.chat_template)
+        tok.chat_template = path.read_text() if path.is_file() else cfg.chat_template
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    prompts = pending_prompts(cfg, tok, answered(out))
     # Similar lengths together (less padding per batch), batches in random order: a run
     # stopped early has answered a fair sample of the prompts, not just the shortest.
     prompts.sort(key=lambda p: len(p[2]))
@@ -119,27 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         gen_kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
     else:
         gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    device = model.get_output_embeddings().weight.device
     eos = set(eos_token_ids(model, tok)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
     kernels = PackedLinears(model) if cfg.kernels == "onednn" else contextlib.nullcontext()
     with out.open("a") as fh, kernels:
         for batch in batches:
-            width = max(len(p[2]) for p in batch)
-            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
-            attn = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, (_, _, ids) in enumerate(batch):
-                input_ids[i, width - len(ids):] = torch.tensor(ids)
-                attn[i, width - len(ids):] = 1
-            with torch.no_grad():
-                gen = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
-            for (rid, head, _), row in zip(batch, gen[:, width:].tolist()):
-                cut = next((i for i, t in enumerate(row) if t in eos), None)
-                answer = tok.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
-                if not answer.strip():
-                    continue
-                rec = {"id": rid, "messages": head + [{"role": "assistant", "content": answer}],
-                       "finished": cut is not None}
+            for rec in answer_batch(model, tok, batch, gen_kwargs, eos):
                 fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
             fh.flush()
             bar.update(len(batch))

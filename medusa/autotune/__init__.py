@@ -1,3 +1,4 @@
-"""Autotune: what this machine measures, above decoding because it times the engine's own
-passes: the target's pass cost (timing), the dtype and linear kernels (device), tree sizes
-(sizing) and offline tree calibration (trees)."""
+"""Autotune: what this machine measures, once, into the engine's plan (planner.py: the steps
+``medusa.load`` runs; cache.py: the one cache file, plan.json). The probes: the target's pass
+cost (timing), the dtype rule (dtype), linear kernels, exact rows and the heads' dtype (device),
+tree sizes (sizing) and offline tree calibration (trees)."""

@@ -1,54 +1,35 @@
-"""The dtype per device, chosen by measurement (never by CPU or GPU name) and cached.
+"""Probes of what this device's kernels do, each a plain function the planner
+(medusa/autotune/planner.py) calls and caches:
 
-bfloat16 halves the bytes a pass reads, but only some devices compute it fast: GPUs and CPUs
-with AMX run bf16 matmuls natively; an AVX2-only CPU emulates them and runs float32 faster.
-So the pick times the target's pass over 1 and 16 new tokens (``measure_cost``, the numbers
-tree calibration uses) in float32 and in bfloat16 *with exact attention* (the bf16 mode that
-keeps the promise, medusa/runtime/exact.py), and keeps bfloat16 only when its 16-token
-pass (what speculation verifies) is clearly faster **and** exact here: exact attention makes
-attention batch-invariant, but whether the linear layers are depends on the device's kernels
-(bit-identical up to 32 rows on one AMX Xeon, not above; on an AMD EPYC Zen 5 a one-row bf16
-product differed from the same row in 2+ rows), so :func:`invariant_rows` finds the largest exact pass on the model itself and on
-its linear layers' shapes with inputs that expose any change of summation order (a changed
-order shows on real activations only where a rounding happens to flip), and the engine
-verifies at most that many rows per pass.
-The result is cached in ``cache_root()/dtype.json`` under a key of the device (CPU flags or
-GPU name), the torch version and the model's shape, so it is measured once.
-
-The linear kernels of a model on a CPU are picked the same way (:func:`pick_kernels`, cached
-in ``kernels.json``): torch's default (MKL for float32; oneDNN with the weight in its plain
-layout for bfloat16) or packed oneDNN weights (medusa/runtime/kernels.py), whichever times
-faster. A half-precision model keeps packed kernels only if they are exact too: the invariance
-probe runs again with them (:func:`exact_rows`), and the engine's pass cap comes from that run.
-
-The heads' dtype is picked apart from the target's (:func:`pick_draft_dtype`, cached in
-``draft_dtype.json``): drafting only proposes and the target verifies every token in its own
-dtype, so heads may draft in bfloat16 beside a float32 target without touching a single output
-token. Their main cost is scoring a few features over the draft vocabulary (a memory-bound
-``[S, H]`` matmul); bfloat16 halves the bytes, and is kept where it times faster.
+- :func:`linear_invariant_rows` / :func:`invariant_rows`: the largest pass whose rows are
+  bitwise their one-row results (in half precision the engine verifies at most that many rows
+  per pass; kernels may change blocking with the row count: bf16 linears invariant up to 32
+  rows on one AMX Xeon, not above; on an AMD EPYC Zen 5 a one-row bf16 product differed from
+  the same row in 2+ rows).
+- :func:`linear_seconds`: the model's linear-layer shapes timed with synthetic inputs in a
+  dtype (the dtype rule's speed gap, medusa/autotune/dtype.py: no copy of the model).
+- :func:`measure_kernels` / :func:`decide_kernels`: torch's default linear kernels (MKL for
+  float32; oneDNN with the weight in its plain layout for bfloat16) against packed oneDNN
+  weights (medusa/runtime/kernels.py), on the model's own pass; in half precision packed
+  kernels must also pass the invariance probe.
+- :func:`measure_draft_scoring` / :func:`decide_draft_dtype`: the heads' dtype. Drafting only
+  proposes and the target verifies every token in its own dtype, so heads may draft in
+  bfloat16 beside a float32 target without touching an output token; their main cost is scoring
+  a few features over the draft vocabulary (a memory-bound ``[S, H]`` matmul).
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import platform
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-from medusa.autotune.timing import measure_cost, measure_costs
-from medusa.errors import MedusaError
+from medusa.autotune.timing import measure_costs
 from medusa.runtime.exact import is_exact, set_exact
-from medusa.runtime.files import atomic_file, drop_cache_entry, read_json
 from medusa.runtime.kernels import (
     PackedLinears,
-    kernels_key,
     linear_layers,
     onednn_available,
     pack,
@@ -57,71 +38,11 @@ from medusa.runtime.kernels import (
 )
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
-MARGIN = 0.9  # bf16's 16-row pass must cost under 90% of fp32's: timings on a shared machine are noisy
+MARGIN = 0.9  # packed kernels (bf16 heads) must cost under 90% of the default's: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (medusa/runtime/exact.py)
-KERNEL_KEY_VERSION = "k3"  # k2: packed weights in the blocked layout (kernels.PACKING_VERSION 2); k3: stacked siblings (3)
-DRAFT_KEY_VERSION = "d1"
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
 DRAFT_ROWS = 4  # features a drafting step scores at once (a dynamic tree level, a few Medusa heads)
-BUSY_SHARE = 0.25  # other processes used this much of the CPUs while a pick was timed: time it again
-KEY_VERSION = "v6"  # v3: the pick records the largest exact pass; v4: decided on the 16-row pass; v5: linear probe;
-# v6: exact attention through the CPU flash kernel
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
-
-
-@dataclass(frozen=True)
-class DtypeChoice:
-    dtype: str  # "float32" or "bfloat16"
-    reason: str  # one line for the chat banner and the bench
-    cost_ms: dict[str, dict[int, float]]  # dtype -> {new tokens: ms per pass}
-    invariant_rows: int | None = None  # bfloat16 passes of up to this many rows are exact (None: not probed)
-
-
-def device_key(device: torch.device) -> str:
-    """What decides the fast dtype: the GPU's name and capability, or the CPU's vector and
-    matrix extensions; plus the torch version (kernels change between releases)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-    else:
-        flags: set[str] = set()
-        cpuinfo = Path("/proc/cpuinfo")
-        if cpuinfo.exists():
-            line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
-            flags = set(line.split(":", 1)[-1].split())
-        found = [f for f in _CPU_FLAGS if f in flags] or [platform.machine()]
-        name = f"cpu {torch.backends.cpu.get_cpu_capability()} {'+'.join(found)}"
-    return f"{name} | torch {torch.__version__}"
-
-
-def model_key(model: PreTrainedModel) -> str:
-    config = model.config.get_text_config()
-    return f"{config.model_type} h{config.hidden_size} l{config.num_hidden_layers} v{config.vocab_size}"
-
-
-def decide(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = PROBE_ROWS) -> tuple[str, str]:
-    """``(dtype, reason)`` from measured pass costs: bfloat16 only if its 16-row pass (a
-    calibrated tree with a lookup chain: what the engine's default mode verifies each step)
-    costs under ``MARGIN`` of float32's, and passes of at least
-    ``MIN_ROWS`` rows give every row bitwise its one-token logits (``invariant_rows``, from
-    :func:`invariant_rows`; None: not probed, as when bfloat16 is not faster anyway). The
-    engine then verifies at most ``invariant_rows`` rows per pass."""
-    if "bfloat16" not in cost_ms:
-        return "float32", "float32: this device has no bfloat16 support"
-    # not T(1): speculation runs trees; on one AMX Xeon bfloat16 (exact) cost 1.26x float32 for
-    # one token but 0.79x for 16, and its eagle-hybrid ran 1.23x its float32 self
-    # (docs/benchmarks/amx-xeon-stock-kernels.md)
-    fp32, bf16 = cost_ms["float32"][16], cost_ms["bfloat16"][16]
-    detail = " vs ".join(f"{d} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for d, c in cost_ms.items())
-    if bf16 >= MARGIN * fp32:
-        return "float32", f"float32: bfloat16 is not faster here by measurement, {detail}"
-    if invariant_rows is None or invariant_rows < MIN_ROWS:
-        return "float32", (f"float32: bfloat16 is faster here ({detail}) but not exact: a pass of "
-                           f"{(invariant_rows or 1) + 1} rows gives some row other logits than its one-token pass "
-                           "(this device's kernels depend on the row count), so speculation could change outputs")
-    return "bfloat16", (f"bfloat16 (exact attention, passes of at most {invariant_rows} rows): faster here by "
-                        f"measurement and batch-invariant, {detail}")
 
 
 def _order_sensitive(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -147,16 +68,17 @@ def _linear_of_ones(out_features: int, in_features: int, dtype: torch.dtype, dev
 
 
 @torch.inference_mode()
-def linear_invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, kernels: str = "default") -> int:
+def linear_invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, kernels: str = "default",
+                          dtype: torch.dtype | None = None) -> int:
     """The largest ``r <= limit`` such that every linear layer shape of ``model``, run by these
-    ``kernels`` in the model's dtype, gives each row of an ``n``-row product (``n`` in ``2..r``)
+    ``kernels`` in the model's dtype (or ``dtype``: weights of ones need no copy of it), gives each row of an ``n``-row product (``n`` in ``2..r``)
     bitwise its one-row result, on :func:`_order_sensitive` inputs (weights of ones), on each
     layer's own device (the inputs are drawn on the CPU and moved there)."""
     gen = torch.Generator().manual_seed(0)
     layers = linear_layers([model])
-    shapes = {(tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device) for layer in layers}
+    shapes = {(tuple(layer.weight.shape), dtype or layer.weight.dtype, layer.weight.device) for layer in layers}
     if kernels == "onednn":  # and the stacked products of sibling layers (kernels._Siblings)
-        shapes |= {((sum(layer.out_features for layer in group), group[0].in_features), group[0].weight.dtype,
+        shapes |= {((sum(layer.out_features for layer in group), group[0].in_features), dtype or group[0].weight.dtype,
                     group[0].weight.device) for group in sibling_groups([model], layers)}
     rows = limit
     for (out_features, in_features), dtype, device in sorted(shapes, key=str):
@@ -213,115 +135,42 @@ def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int 
     return limit
 
 
-def _bf16_supported(device: torch.device) -> bool:
+def bf16_supported(device: torch.device) -> bool:
+    """Whether torch runs bfloat16 on ``device`` at all (every CPU does, some by emulation)."""
     return device.type != "cuda" or torch.cuda.is_bf16_supported()
 
 
-def measure_dtypes(model: PreTrainedModel, prefix: int = 128, reps: int = 5,
-                   ) -> tuple[dict[str, dict[int, float]], int | None]:
-    """Pass cost by new-token count for ``model`` (float32) and a bfloat16 copy of it with
-    exact attention, and the copy's :func:`invariant_rows` when bfloat16 is the faster (else
-    None). ``model`` is left as it was."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def linear_seconds(model: PreTrainedModel, dtypes: tuple[torch.dtype, ...], rows: int = 16, reps: int = 15,
+                   ) -> dict[str, float]:
+    """Seconds of one pass through every linear layer of ``model`` (``rows`` input rows: a tree
+    speculation verifies), per dtype, on synthetic weights and inputs of the layers' shapes (no
+    copy of the model: one weight per distinct shape, counted as often as the shape occurs).
+    Dtypes and shapes alternate each round, and each shape keeps its *fastest* round: other
+    processes only ever add time, so the minimum is what the kernels cost."""
     device = model.get_output_embeddings().weight.device
-    if not _bf16_supported(device):
-        return {"float32": measure_cost(model, list(SIZES), prefix=prefix, reps=reps)}, None
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    set_exact(half, True)
-    costs = measure_costs({"float32": (model, nullcontext()), "bfloat16": (half, nullcontext())}, list(SIZES),
-                          prefix=prefix, reps=reps)  # round-robin: a slow spell falls on both
-    rows = invariant_rows(half) if costs["bfloat16"][16] < MARGIN * costs["float32"][16] else None
-    del half
-    return costs, rows
-
-
-def _cpu_seconds() -> tuple[float, float] | None:
-    """(busy, total) CPU seconds of the whole machine since boot, all CPUs summed (Linux's
-    ``/proc/stat``: steal counts as busy, idle and iowait as idle); None where it cannot be read."""
-    try:
-        ticks = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks) - sum(ticks[3:5])) / hz, sum(ticks) / hz
-
-
-@contextmanager
-def others_load(share: list[float]):
-    """Append to ``share`` the fraction of the machine's CPU time that *other* processes used
-    while the block ran (this process's own threads excluded; nothing where /proc/stat is absent)."""
-    before, own = _cpu_seconds(), time.process_time()
-    yield
-    after = _cpu_seconds()
-    if before is not None and after is not None and after[1] > before[1]:
-        others = (after[0] - before[0]) - (time.process_time() - own)
-        share.append(max(0.0, others) / (after[1] - before[1]))
-
-
-def _busy_now(seconds: float = 0.25) -> bool:
-    share: list[float] = []
-    with others_load(share):
-        time.sleep(seconds)
-    return bool(share) and share[0] >= BUSY_SHARE
-
-
-def _cached(cache_file: Path, key: str, measure, timed: bool = True) -> tuple[dict, bool]:
-    """The entry for ``key`` in the JSON table ``cache_file``, else ``measure()``'s (a dict),
-    stored atomically: two processes never leave half a file. Returns (entry, was cached).
-    A timing taken while other processes used a good part of the CPUs is off (seen: both
-    kernels at 115-117 ms for one token under load, 93 and 135 ms idle, so the pick flipped):
-    such an entry is marked and measured again by the first call that finds the machine idle
-    (``timed=False``: ``measure`` is not a timing, e.g. an exactness probe)."""
-    table = _read_table(cache_file)
-    if key in table and ("busy_share" not in table[key] or _busy_now()):
-        return table[key], True
-    share: list[float] = []
-    with others_load(share):
-        entry = measure()
-    if timed and share and share[0] >= BUSY_SHARE:
-        note = f"timed while other processes used {share[0]:.0%} of the CPUs: timed again once the machine is idle"
-        entry = {**entry, "busy_share": round(share[0], 3)}
-        if "reason" in entry:
-            entry["reason"] = f"{entry['reason']}; {note}"
-    table = _read_table(cache_file)  # another process may have written
-    table[key] = entry
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(cache_file) as tmp:
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-    return entry, False
-
-
-def _read_table(cache_file: Path) -> dict:
-    """The measurement table in ``cache_file`` ({} if absent). A damaged one (cut off, garbage,
-    not an object of entries) is dropped with one warning line and measured again."""
-    if not cache_file.exists():
-        return {}
-    try:
-        table = read_json(cache_file, "")
-    except MedusaError:
-        table = None
-    if isinstance(table, dict) and all(isinstance(v, dict) for v in table.values()):
-        return table
-    drop_cache_entry(cache_file, "damaged (not a JSON table of entries)")
-    return {}
-
-
-def _costs(entry: dict) -> dict[str, dict[int, float]]:
-    return {d: {int(n): ms for n, ms in c.items()} for d, c in entry["cost_ms"].items()}
-
-
-def pick_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice:
-    """The dtype to run ``model`` (loaded in float32) in on its device: cached, else measured."""
-    device = model.get_output_embeddings().weight.device
-    key = f"{device_key(device)} | {model_key(model)} | {KEY_VERSION}"
-
-    def measure() -> dict:
-        costs, rows = measure_dtypes(model)
-        dtype, reason = decide(costs, rows)
-        return asdict(DtypeChoice(dtype, reason, costs, rows))
-
-    entry, cached = _cached(cache_file, key, measure)
-    return DtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
-                       entry.get("invariant_rows"))
+    counts: dict[tuple[int, int], int] = {}
+    for layer in linear_layers([model]):
+        counts[tuple(layer.weight.shape)] = counts.get(tuple(layer.weight.shape), 0) + 1
+    gen = torch.Generator().manual_seed(0)
+    operands = {(shape, dtype): (torch.randn(rows, shape[1], generator=gen).to(device, dtype),
+                                 torch.randn(*shape, generator=gen).to(device, dtype))
+                for shape in counts for dtype in dtypes}
+    best = dict.fromkeys(operands, float("inf"))
+    for i in range(reps + 1):
+        for (shape, dtype), (x, w) in operands.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            _sync(device)
+            if i:  # the first round warms the kernels up
+                best[shape, dtype] = min(best[shape, dtype], time.perf_counter() - t0)
+    return {str(d).removeprefix("torch."): sum(best[s, d] * n for s, n in counts.items()) for d in dtypes}
 
 
 @contextmanager
@@ -333,40 +182,6 @@ def _exact(model: PreTrainedModel):
         yield model
     finally:
         set_exact(model, was)
-
-
-def exact_rows(model: PreTrainedModel, cache_file: Path, kernels: str = "default") -> int:
-    """For a half-precision model: the largest exact pass on this device with these linear
-    ``kernels``, probed once with exact attention (:func:`invariant_rows`) and cached."""
-    device = model.get_output_embeddings().weight.device
-    key = f"rows | {device_key(device)} | {model_key(model)} | {model.dtype} | {kernels_key(kernels)} | {KEY_VERSION}"
-
-    def measure() -> dict:
-        with _exact(model), (PackedLinears(model) if kernels == "onednn" else nullcontext()):
-            return {"invariant_rows": invariant_rows(model, kernels=kernels)}
-
-    return int(_cached(cache_file, key, measure, timed=False)[0]["invariant_rows"])
-
-
-def adopt_picked_dtype(model: PreTrainedModel, cache_file: Path) -> DtypeChoice | None:
-    """For a model loaded in float32 with no dtype asked for: convert it to the picked dtype
-    (in place) and record the choice as ``model.dtype_choice`` for banners. Models loaded in
-    another dtype (a bf16 checkpoint on a GPU) are left alone: None."""
-    if model.dtype != torch.float32:
-        return None
-    choice = pick_dtype(model, cache_file)
-    if choice.dtype == "bfloat16":
-        model.to(torch.bfloat16)
-    model.dtype_choice = choice
-    return choice
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    kernels: str  # "default" or "onednn" (medusa/runtime/kernels.py)
-    reason: str  # one line for the chat banner and the bench
-    cost_ms: dict[str, dict[int, float]]  # kernels -> {new tokens: ms per pass}
-    invariant_rows: int | None = None  # half precision, packed: exact passes up to this many rows
 
 
 def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = None,
@@ -398,48 +213,13 @@ def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7) ->
         return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
 
 
-def pick_kernels(model: PreTrainedModel, cache_file: Path, rows_file: Path | None = None) -> KernelChoice:
-    """The linear kernels for ``model`` (in its dtype) on its device: cached, else measured.
-    A half-precision model's packed kernels are probed for exactness (:func:`exact_rows`,
-    cached in ``rows_file``, default ``cache_file``). Not a CPU: the default kernels, unmeasured."""
-    device = model.get_output_embeddings().weight.device
-    if not onednn_available(device, model.dtype):
-        where = f"this CPU and torch build in {model.dtype}" if device.type == "cpu" else f"{device}"
-        return KernelChoice("default", f"default linear kernels: no packed oneDNN linears on {where}", {})
-    key = f"{device_key(device)} | {model_key(model)} | {model.dtype} | {KERNEL_KEY_VERSION}"
-    half = model.dtype != torch.float32
-
-    def measure() -> dict:
-        costs = measure_kernels(model)
-        rows = None
-        if half and decide_kernels(costs, MIN_ROWS, half)[0] == "onednn":  # faster: is it exact?
-            rows = exact_rows(model, rows_file or cache_file, "onednn")
-        return asdict(KernelChoice(*decide_kernels(costs, rows, half), costs, rows))
-
-    entry, cached = _cached(cache_file, key, measure)
-    return KernelChoice(entry["kernels"], entry["reason"] + (" (cached)" if cached else ""), _costs(entry),
-                        entry.get("invariant_rows"))
-
-
-@dataclass(frozen=True)
-class DraftDtypeChoice:
-    dtype: str  # the heads' dtype: "float32" or "bfloat16" (or "int8" weights, asked for: EagleHeads.to_int8)
-    reason: str  # one line for the chat banner and the bench
-    cost_ms: dict[str, float]  # dtype -> ms to score DRAFT_ROWS features over the draft vocabulary
-
-
 def measure_draft_scoring(hidden: int, rows: int, device: torch.device, reps: int = 20) -> dict[str, float]:
     """Median ms to score ``DRAFT_ROWS`` features against ``rows`` vocabulary rows of width
     ``hidden`` (the heads' dominant drafting cost), in float32 and in bfloat16 (where supported).
     Random weights: only the shapes and the kernels matter."""
-    import time
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     costs = {}
-    dtypes = (torch.float32, torch.bfloat16) if _bf16_supported(device) else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if bf16_supported(device) else (torch.float32,)
     for dtype in dtypes:
         gen = torch.Generator(device="cpu").manual_seed(0)
         w = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
@@ -447,10 +227,10 @@ def measure_draft_scoring(hidden: int, rows: int, device: torch.device, reps: in
         times = []
         with torch.inference_mode():
             for i in range(reps + 3):
-                sync()
+                _sync(device)
                 t0 = time.perf_counter()
                 _ = x @ w.T
-                sync()
+                _sync(device)
                 if i >= 3:  # warm-up calls excluded
                     times.append((time.perf_counter() - t0) * 1e3)
         costs[str(dtype).removeprefix("torch.")] = sorted(times)[len(times) // 2]
@@ -465,46 +245,3 @@ def decide_draft_dtype(cost_ms: dict[str, float]) -> tuple[str, str]:
     if cost_ms["bfloat16"] >= MARGIN * cost_ms["float32"]:
         return "float32", f"float32 heads: bfloat16 is not faster here by measurement, {detail}"
     return "bfloat16", f"bfloat16 heads (drafts only; the target verifies in float32): faster here, {detail}"
-
-
-def pick_draft_dtype(model: PreTrainedModel, heads, cache_file: Path) -> DraftDtypeChoice:
-    """The dtype for ``heads`` drafting beside ``model``: the target's own unless the target is
-    float32, then bfloat16 where it scores the draft vocabulary faster (cached, else measured)."""
-    device = model.get_output_embeddings().weight.device
-    if model.dtype != torch.float32:
-        return DraftDtypeChoice(str(model.dtype).removeprefix("torch."), "the target's dtype", {})
-    vocab, hidden = model.get_output_embeddings().weight.shape
-    rows = len(heads.draft_vocab) if heads.draft_vocab is not None else vocab
-    key = f"{device_key(device)} | h{hidden} rows{rows} | {DRAFT_KEY_VERSION}"
-
-    def measure() -> dict:
-        costs = measure_draft_scoring(hidden, rows, device)
-        return asdict(DraftDtypeChoice(*decide_draft_dtype(costs), costs))
-
-    entry, cached = _cached(cache_file, key, measure)
-    return DraftDtypeChoice(entry["dtype"], entry["reason"] + (" (cached)" if cached else ""), entry["cost_ms"])
-
-
-def adopt_draft_dtype(heads, model: PreTrainedModel, cache_file: Path, dtype: torch.dtype | str | None = None,
-                      ) -> DraftDtypeChoice:
-    """Convert ``heads`` (in place) to ``dtype``, or to the picked draft dtype when None, and
-    return the choice. Do it before an engine packs the heads' kernels."""
-    if dtype is None:
-        choice = pick_draft_dtype(model, heads, cache_file)
-    else:
-        name = str(dtype).removeprefix("torch.")
-        if name not in ("float32", "bfloat16", "float16", "int8"):
-            from medusa.errors import MedusaError
-
-            raise MedusaError(f"draft_dtype must be float32, bfloat16, float16 or int8, got {dtype!r}")
-        choice = DraftDtypeChoice(name, "asked for", {})
-    if choice.dtype == "int8":
-        if heads.config.kind != "eagle":
-            from medusa.errors import MedusaError
-
-            raise MedusaError("draft_dtype int8 is for eagle heads (their linears and draft vocabulary run on int8 "
-                              "weights): use bfloat16 for Medusa heads")
-        heads.to_int8()
-    else:
-        heads.to(getattr(torch, choice.dtype))
-    return choice

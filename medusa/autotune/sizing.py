@@ -6,11 +6,11 @@ own answers: a property of the heads and the model, not of the machine; with the
 chain's statistics for mode hybrid), and the size that was best on the machine it ran on.
 The best size follows the pass-cost curve, and that curve differs between machines of one
 device type (a 16-token pass cost 1.27x a one-token one on one AMX Xeon in bfloat16 and 2.1x
-on another in float32), so the engine sizes its trees here: :func:`size_here` times the
+on another in float32), so the engine sizes its trees here: the planner (:func:`measure_sizes`) times the
 engine's own pass (its dtype, linear kernels and exact attention) for 1 to 32 new tokens and
 the head's work per step for each shape (drafting and update, after a target pass as in
-decoding: :func:`drafting_ms`), once per machine (cached in ``sizing.json`` under
-``MEDUSA_CACHE``, timed again where other processes were busy), and picks the size with the
+decoding: :func:`drafting_ms`), once per machine (cached in the plan's cache,
+medusa/autotune/cache.py), and picks the size with the
 most expected tokens per second for mode eagle and, chain length included, for mode hybrid
 (:func:`medusa.autotune.trees.choose_dynamic`). A CPU engine with compiled passes runs a
 proposal of n rows padded to its pass bucket (``passes.pass_bucket``), so it is sized with
@@ -23,11 +23,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from medusa.autotune.device import _cached, device_key, model_key
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
@@ -36,7 +34,6 @@ from medusa.decoding.passes import pass_bucket
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
 from medusa.runtime import hf as kv
-from medusa.runtime.kernels import kernels_key
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
@@ -44,8 +41,6 @@ PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an a
 # VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
 # (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
 REPS = 13
-KEY_VERSION = "s4"  # s2: exact attention through the CPU flash kernel; s3: drafting timed after a target pass, update included;
-# s4: the shared head in one flash call (medusa/runtime/exact.py)
 
 
 @dataclass(frozen=True)
@@ -106,47 +101,49 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
     return out
 
 
-def _measure(engine, shapes: list[tuple[int, int]]) -> dict:
-    sizes = [n for n in SIZES if n <= (engine.max_rows or SIZES[-1])]
-    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels)
-        cost = measure_cost(engine.model, sizes, prefix=PREFIX, reps=REPS)
-        draft = drafting_ms(engine.heads, engine.model, shapes)
+def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[int, int]]) -> dict:
+    """The timings sizing needs: the target's pass for each of ``SIZES`` (up to ``max_rows``)
+    and the head's work per draft shape, inside ``scope`` (the engine's linear kernels)."""
+    sizes = [n for n in SIZES if n <= (max_rows or SIZES[-1])]
+    with scope:
+        cost = measure_cost(model, sizes, prefix=PREFIX, reps=REPS)
+        draft = drafting_ms(heads, model, shapes)
     return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft}
 
 
-def size_here(engine, cache_file: Path) -> SizeChoice | None:
-    """Mode eagle's and mode hybrid's tree sizes for ``engine`` on this machine (see the
-    module docstring); None where the heads are not eagle heads, carry no acceptance curves,
-    or the engine compiles its passes off the CPU (then the calibrated sizes apply). A CPU
-    engine with compiled passes is sized from the eager passes' costs at its padded sizes
-    (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX Xeon
-    (docs/compile.md#compiled-exact-passes), a curve of the same shape, so one timing serves both."""
-    heads = engine.heads
-    if heads is None or heads.config.kind != "eagle" or (engine.passes.compiled and engine.device.type != "cpu"):
-        return None
-    curves = measured_curves(heads, engine.device, engine.model.dtype)
-    if not curves:
-        return None
+def heads_fingerprint(heads) -> str:
+    """What of the heads the sizing's timings depend on (part of the cache key)."""
     vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
-    fingerprint = f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
-    key = " | ".join([device_key(engine.device), model_key(engine.model), str(engine.model.dtype),
-                      kernels_key(engine.kernels),
-                      f"rows {engine.max_rows}", fingerprint, f"threads {torch.get_num_threads()}", KEY_VERSION])
-    entry, _ = _cached(cache_file, key, lambda: _measure(engine, sorted(curves)))
+    return f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
+
+
+def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tuple[int, int], Acceptance]:
+    """The acceptance curves to size ``heads``' trees from; empty where the heads are not eagle
+    heads, carry no curves, or their passes compile off the CPU (then the calibrated sizes
+    apply). A CPU engine with compiled passes is sized from the eager passes' costs at its padded
+    sizes (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX
+    Xeon (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
+    if heads is None or heads.config.kind != "eagle" or (compile and compile != "auto" and device.type != "cpu"):
+        return {}
+    return measured_curves(heads, device, dtype)
+
+
+def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows: int | None,
+               compiled: bool, device_type: str = "cpu") -> SizeChoice:
+    """Mode eagle's and mode hybrid's trees from the timings ``entry`` (:func:`measure_sizes`)."""
     cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
-    compiled = engine.passes.compiled
     if compiled:
         cost = bucketed(cost)
     draft = entry["draft_ms"]
     here = {shape: replace(acc, draft_ms=draft.get(f"{shape[0]}x{shape[1]}", acc.draft_ms))
             for shape, acc in curves.items()}
-    eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=engine.max_rows)
-    hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=engine.max_rows)
+    eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=max_rows)
+    hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=max_rows)
     reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
               f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
               f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms"
               + ("; compiled passes padded to their buckets" if compiled else ""))
-    lookahead = size_lookahead(cost, engine.device.type, engine.max_rows)
+    lookahead = size_lookahead(cost, device_type, max_rows)
     return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead)
 
 

@@ -26,6 +26,7 @@ from medusa.decoding.passes import (
     pass_rows,
     use_exact,
 )
+from medusa.decoding.plan import Plan, check_plan, default_mode
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
@@ -49,8 +50,8 @@ def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
     """``tree`` if it shapes something: a tree passed for eagle heads' modes, whose tree grows
     per step (sized for the device), would be silently ignored, so it is an error."""
     if tree is not None and heads is not None and heads.config.kind == "eagle" and mode in ("eagle", "hybrid"):
-        raise MedusaError("a tree shapes the static tree of Medusa heads, but these are eagle heads, whose tree grows "
-                          "per step (sized for the device): drop the tree, or load Medusa heads")
+        raise MedusaError("a tree (--tree) shapes the static tree of Medusa heads, but these are eagle heads, whose "
+                          "tree grows per step (sized for the device): drop the tree, or use Medusa heads (mode medusa)")
     return tree
 
 
@@ -86,13 +87,14 @@ class Engine:
         static_cache: bool = False,
         compile: bool | str = False,
         proposer_config: ProposerConfig | None = None,
-        exact: bool | None = None,
-        kernels: str = "default",
-        max_rows: int | None = None,
+        plan: Plan | None = None,
     ) -> None:
         kv.check_target(model)  # refuses models a tree cannot verify, or whose logits we cannot reproduce
-        self.exact = exact = use_exact(model, exact, compile != AUTO and compile)
-        self.max_rows = pass_rows(exact, max_rows)
+        # what the machine measured (medusa.load), else the defaults: nothing is patched on later
+        self.plan = plan = plan if plan is not None else Plan.default(model)
+        check_plan(model, plan)
+        self.exact = exact = use_exact(model, plan.exact, compile != AUTO and compile)
+        self.max_rows = pass_rows(exact, plan.max_rows)
         self.model = model
         self.tokenizer = tokenizer
         self.heads = heads
@@ -106,14 +108,20 @@ class Engine:
         # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
         # linears (medusa/runtime/kernels.py), compiled ones too; model.generate and training
         # never do.
-        self._kernels = kernel_scope(model, kernels, draft, heads)
-        self.kernels = kernels
-        self.passes: PassStrategy = make_passes(model, compile, static_cache, kernels, exact)
-        self.kernel_choice = None  # medusa.load sets it: the KernelChoice (which kernels, and why)
-        self.draft_dtype_choice = None  # medusa.load sets it: the heads' DraftDtypeChoice
-        # medusa.load sets it: eagle trees sized for this machine (medusa/autotune/sizing.py);
-        # None: the sizes calibrated for the device type (calibration.json)
-        self.tree_sizes = None
+        self._kernels = kernel_scope(model, plan.kernels, draft, heads)
+        self.kernels = plan.kernels
+        self.passes: PassStrategy = make_passes(model, compile, static_cache, plan.kernels, exact)
+
+    @property
+    def default_mode(self) -> str:
+        """The mode used when none is named (:func:`~medusa.decoding.plan.default_mode`)."""
+        return default_mode(self.heads, self.draft)
+
+    def describe(self) -> list[str]:
+        """What this engine runs with and why: one line per decision of its plan (what was
+        picked, why, and what measuring it cost here), its passes and its default mode."""
+        return [*self.plan.describe(), f"passes      {self.passes.name}: {self.passes.reason}",
+                f"mode        {self.default_mode} when none is named"]
 
     def kernel_scope(self):
         """A context in which the target (and draft, heads) run the engine's linear kernels:
@@ -129,7 +137,7 @@ class Engine:
         self,
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = MAX_NEW_TOKENS,
-        mode: str | Proposer = "medusa",
+        mode: str | Proposer | None = None,
         temperature: float | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         state: DecodeState | None = None,
@@ -171,19 +179,20 @@ class Engine:
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
 
     def proposer(self, mode: str | Proposer, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
-        """The proposer for a mode name; a Proposer object passed as ``mode`` is used as is."""
+        """The proposer for a mode name (None: :attr:`default_mode`); a Proposer object passed as
+        ``mode`` is used as is."""
+        mode = self.default_mode if mode is None else mode
         if not isinstance(mode, str):
             return mode
         no_tree_for_eagle(tree, self.heads, mode)
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
-        sized = self.tree_sizes
-        size = None if sized is None else {"eagle": sized.eagle, "hybrid": sized.hybrid,
-                                           "lookahead": sized.lookahead}.get(mode)
+        plan = self.plan  # sizes measured here (None: calibrated for the device type)
+        size = {"eagle": plan.eagle, "hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows)
 
-    def precompile(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
+    def precompile(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:
         """Compile the verification pass for every size ``mode``'s proposals can take, now,
         instead of inside the first answers (compiled passes only; otherwise a no-op). ``rows``:
@@ -198,7 +207,7 @@ class Engine:
             return []
         return self.compile_sizes(self.pass_sizes(mode, tree, rows), progress)
 
-    def pass_sizes(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
+    def pass_sizes(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None) -> list[int]:
         """The compiled pass buckets ``mode``'s proposals use (see :meth:`precompile`)."""
         # rows given with a mode's name: every size up to it (the mode may need what is absent)
@@ -218,7 +227,7 @@ class Engine:
         with self._kernels:
             return self.passes.warm(buckets, progress)
 
-    def unsaved_passes(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None) -> list[int]:
+    def unsaved_passes(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None) -> list[int]:
         """The pass buckets ``mode`` uses that this machine has not saved yet: with
         ``compile="auto"`` they run eagerly until saved (:meth:`build_passes`), with
         ``compile=True`` on a CPU they compile at first use. Empty for passes that save nothing."""
@@ -226,7 +235,7 @@ class Engine:
             return []
         return self.passes.missing(self.pass_sizes(mode, tree))
 
-    def build_passes(self, mode: str | Proposer = "medusa", tree: str | Sequence[Sequence[int]] | None = None,
+    def build_passes(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                      source: str | None = None, trust_remote_code: bool = False) -> PassBuild:
         """Load the compiled pass sizes ``mode`` uses that this machine has saved, and start
         building the others in a background process at low priority (the chat does this with
