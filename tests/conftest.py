@@ -20,7 +20,7 @@ atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 def _private_medusa_cache() -> str:
     """A medusa cache for this test session: the measured picks the tests make on tiny models
-    (dtype.json, kernels.json, draft_dtype.json) land there, not in the user's cache; the heavy
+    (plan.json) land there, not in the user's cache; the heavy
     entries of the user's cache (the materialised embedded model, the vLLM venv) are linked in."""
     from pathlib import Path
 

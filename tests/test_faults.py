@@ -75,7 +75,7 @@ def load(model: Path, heads: Path | None = None, draft: Path | None = None):
     """``medusa.load`` without any measurement (asked-for dtype, kernels and draft dtype)."""
     return medusa.load(model=str(model), heads=None if heads is None else str(heads),
                        draft=None if draft is None else str(draft), device="cpu", dtype="float32",
-                       kernels="default", draft_dtype="float32", size_trees=False)
+                       kernels="default", draft_dtype="float32", autotune=False)
 
 
 # -- user files: one line -------------------------------------------------------------------------
@@ -223,33 +223,35 @@ def _cache_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "medusa.cache" and r.levelno == logging.WARNING]
 
 
-@pytest.mark.parametrize("name", ["dtype.json", "kernels.json", "draft_dtype.json", "sizing.json"])
 @pytest.mark.parametrize("fault", ["truncated", "zero", "random", "schema"])
-def test_a_damaged_measurement_cache_is_measured_again_with_one_warning(tmp_path, caplog, name, fault):
+def test_a_damaged_measurement_cache_is_measured_again_with_one_warning(tmp_path, caplog, fault):
     # Every measurement load() caches (the dtype, kernel and heads' dtype picks, the sizing curves)
-    # goes through one table reader: half a JSON object, as a crash during a write leaves it,
-    # garbage, or a table of non-entries is dropped and measured again, never a crash.
-    from medusa.autotune.device import _cached
+    # lives in plan.json: half a JSON object, as a crash during a write leaves it, garbage, or
+    # another schema is dropped and measured again, never a crash.
+    from medusa.autotune.cache import FILE, PlanCache
+    from medusa.autotune.planner import Planner
 
-    cache = tmp_path / name
+    cache = PlanCache(tmp_path)
     calls = []
 
     def measure():
         calls.append(1)
         return {"dtype": "float32", "reason": "measured"}
 
-    _cached(cache, "other | key", lambda: {"kept": 1}, timed=False)
-    _cached(cache, "this | key", measure, timed=False)
+    planner = Planner(True, cache)
+    planner.entry("other | key", (), lambda: {"kept": 1}, timed=False)
+    planner.entry("this | key", ("dtype",), measure, timed=False)
     if fault == "schema":
-        cache.write_text(json.dumps({"this | key": [1, 2]}))
+        cache.path.write_text(json.dumps({"schema": -1, "entries": {"this | key": [1, 2]}}))
     else:
-        inject(cache, fault)
+        inject(cache.path, fault)
     with caplog.at_level(logging.WARNING, logger="medusa.cache"):
-        entry, was_cached = _cached(cache, "this | key", measure, timed=False)
-    assert (entry, was_cached, len(calls)) == ({"dtype": "float32", "reason": "measured"}, False, 2)
-    assert len(_cache_warnings(caplog)) == 1 and name in _cache_warnings(caplog)[0]
-    assert json.loads(cache.read_text()) == {"this | key": entry}  # healed: valid again, the new entry in it
-    assert _cached(cache, "this | key", measure, timed=False) == (entry, True) and len(calls) == 2
+        entry, was_cached = Planner(True, PlanCache(tmp_path)).entry("this | key", ("dtype",), measure, timed=False)
+    assert (entry["reason"], was_cached, len(calls)) == ("measured", False, 2)
+    assert len(_cache_warnings(caplog)) == 1 and FILE in _cache_warnings(caplog)[0]
+    healed = json.loads(cache.path.read_text())["entries"]
+    assert list(healed) == ["this | key"]  # healed: valid again, the new entry in it
+    assert Planner(True, PlanCache(tmp_path)).entry("this | key", ("dtype",), measure, timed=False)[1] and len(calls) == 2
 
 
 @pytest.mark.parametrize("fault", ["truncated", "zero", "random"])

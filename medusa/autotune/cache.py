@@ -10,7 +10,8 @@ Writes are atomic (a temporary file, then ``os.replace``) and merge under an exc
 ``fcntl`` lock on ``plan.json.lock``: each writer re-reads the file inside the lock and adds its
 entry, so two processes filling the cache at once leave a valid file with both entries. A file
 or entry that cannot be read (garbage, half written by a tool that did not write atomically,
-another schema) is dropped with one warning and measured again; it never stops a load.
+another schema) is dropped with one warning line (the ``medusa.cache`` logger, as every damaged cache) and
+measured again; it never stops a load.
 
 Timings taken while other processes used a good part of the CPUs are off (a pick flipped that
 way once), so a timed entry records the share of the machine others used (the load probe,
@@ -26,14 +27,13 @@ import json
 import os
 import platform
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
 
-from medusa.runtime.files import cache_root
+from medusa.runtime.files import cache_root, log
 
 SCHEMA = 1  # the one version of the file and its keys: bump it when an entry's meaning changes
 FILE = "plan.json"
@@ -117,7 +117,7 @@ class PlanCache:
 
     def _warn(self, what: str) -> None:
         if not self._warned:  # one line per load, however much of the file is bad
-            warnings.warn(f"{self.path}: {what}; dropped, measured again", stacklevel=4)
+            log.warning("medusa: the cached %s is %s; dropped, measured again", self.path, what)
             self._warned = True
 
     def entries(self) -> dict[str, dict]:
