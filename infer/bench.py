@@ -574,9 +574,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
                          "or bfloat16 beside a float32 target where it measures faster here; int8: eagle heads on "
                          "int8 weights, CPU")
-    ap.add_argument("--autotune", choices=tuple(AUTOTUNE), default="on",
-                    help="the machine plan (medusa.load's autotune): on measures what is not cached, cached uses "
-                         "only what is, off takes the defaults (EAGLE trees as calibrated for the device type)")
+    ap.add_argument("--autotune", choices=tuple(AUTOTUNE), default="on", help="the machine plan (medusa.load's "
+                    "autotune): on measures what is not cached, cached uses only what is, off the defaults")
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
     return ap.parse_args(argv)
