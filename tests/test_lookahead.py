@@ -15,6 +15,7 @@ from medusa.decoding.lookahead import (
     size_lookahead,
     window_layout,
 )
+from medusa.decoding.plan import Plan
 from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
@@ -148,7 +149,7 @@ def test_static_cache_and_row_cap_stay_exact():
     model = tiny_model("llama")
     ref = hf_greedy(model, PROMPT, 32)
     assert Engine(model, static_cache=True).generate(PROMPT, max_new_tokens=32, mode="lookahead").tokens == ref
-    capped = Engine(model, max_rows=4)  # the window does not fit: passes verify candidates only
+    capped = Engine(model, plan=Plan(max_rows=4))  # the window does not fit: passes verify candidates only
     assert capped.generate(PROMPT, max_new_tokens=32, mode="lookahead").tokens == ref
 
 
