@@ -51,7 +51,7 @@ from tqdm import tqdm
 from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
-from infer import bench_vllm
+from infer import bench_llamacpp, bench_vllm
 from medusa.config import count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
@@ -420,6 +420,8 @@ def run_prompt_lookup(engine: Engine, ids: list[int], bench: Bench) -> Run:
 
 # vLLM as a peer: vllm, vllm-ngram, vllm-heads and vllm-eagle, each a long-lived worker in vLLM's own venv.
 bench_vllm.register(mode, Run)
+# llama.cpp as a peer: llamacpp and llamacpp-lookup, a long-lived llama-cpp-python worker on an F32 GGUF.
+bench_llamacpp.register(mode, Run)
 
 
 # -- report --------------------------------------------------------------------------------

@@ -21,13 +21,13 @@ atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 def _private_medusa_cache() -> str:
     """A medusa cache for this test session: the measured picks the tests make on tiny models
     (plan.json) land there, not in the user's cache; the heavy
-    entries of the user's cache (the materialised embedded model, the vLLM venv) are linked in."""
+    entries of the user's cache (the materialised embedded model, the vLLM and llama.cpp venvs) are linked in."""
     from pathlib import Path
 
     user = Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
     private = Path(tempfile.mkdtemp(prefix="medusa-tests-cache-"))
     user.mkdir(parents=True, exist_ok=True)
-    for name in ("models", "vllm-venv"):
+    for name in ("models", "vllm-venv", "llamacpp-venv"):
         (user / name).mkdir(exist_ok=True)
         (private / name).symlink_to(user / name, target_is_directory=True)
     atexit.register(shutil.rmtree, str(private), True)
