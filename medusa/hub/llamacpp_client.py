@@ -86,7 +86,7 @@ def ensure_venv(venv: str | Path | None = None) -> Path:
     venv.mkdir(parents=True)
     log = venv / _LOG
     print(f"creating the llama.cpp venv in {venv}: {LLAMACPP_PACKAGE} compiles llama.cpp (about 7 minutes "
-          f"on 2 cores, once); log: {log}", file=sys.stderr)
+          f"on 2 idle cores, once; seconds where pip kept the wheel it built before); log: {log}", file=sys.stderr)
     _build([sys.executable, "-m", "venv", str(venv)], "python -m venv", log)
     _build([str(python), "-m", "pip", "install", "-v", LLAMACPP_PACKAGE], f"pip install {LLAMACPP_PACKAGE}", log)
     with atomic_file(venv / _STAMP) as stamp:  # written last: a venv without it is built again
