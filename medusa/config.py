@@ -175,29 +175,51 @@ def _check_allowed(f: dataclasses.Field, value: Any, source: str) -> None:
         raise MedusaError(f"{source}: {f.name}={value!r} must be {want}")
 
 
-def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with ``--config`` and one ``--field`` flag per dataclass field."""
-    parser = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip().splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML file with the fields that differ from the defaults")
+class HelpFormatter(argparse.HelpFormatter):
+    """Every tool's help: a flag's default is shown unless its help already says it (or
+    there is none to show: an unset value, an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text and "%(default)" not in text
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: ``max_new_tokens`` -> ``--max-new-tokens``."""
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(cls: type, description: str | None = None, prog: str | None = None,
+                 epilog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with ``--config`` and one ``--field-name`` flag per dataclass field.
+
+    YAML keys keep the field names (``max_new_tokens``); flags spell them with dashes. The
+    underscore spelling and a renamed field's old name still parse as hidden aliases."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip().splitlines()[0],
+                                     epilog=epilog, formatter_class=HelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML file with the fields that differ from the defaults "
+                        "(keys are the field names, underscores: max_steps for --max-steps)")
     types_ = _field_types(cls)
+    old_names = {new: old for old, new in RENAMED.items()}
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        base, _ = _unwrap_optional(types_[f.name])
-        help_text = f.metadata.get("help", "")
-        if base is bool:
-            # `--flag` alone means true; `--flag false` also works.
-            parser.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS,
-                                help=f"{help_text} (default: {default})")
-        else:
-            parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
+        # `--flag` alone means true for a bool; `--flag false` also works.
+        kw = dict(nargs="?", const="true") if _unwrap_optional(types_[f.name])[0] is bool else {}
+        text = f.metadata.get("help", "")
+        parser.add_argument(flag(f.name), dest=f.name, default=argparse.SUPPRESS, **kw,
+                            help=text if "default" in text else f"{text} (default: {default})")
+        hidden = {f"--{f.name}"} | ({flag(old_names[f.name]), f"--{old_names[f.name]}"} if f.name in old_names else set())
+        for alias in sorted(hidden - {flag(f.name)}):
+            parser.add_argument(alias, dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
     return parser
 
 
-def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
-    """``--config FILE`` + ``--field value`` overrides -> a checked ``cls`` instance."""
-    parser = build_parser(cls, description)
-    ns = vars(parser.parse_args(argv))
+def parse_config(cls: type[T], argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> T:
+    """``--config FILE`` + ``--field-name value`` overrides -> a checked ``cls`` instance."""
+    ns = vars((parser or build_parser(cls)).parse_args(argv))
     path = ns.pop("config", None)
     data = load_yaml(path) if path else {}
     data.update(ns)  # flags win over the YAML file
@@ -253,7 +275,7 @@ def override(group: type, name: str, default: Any) -> Any:
 
 
 # Old field names still read from YAML files, with a warning naming the new one.
-RENAMED = {"cache_topk": "teacher_topk"}
+RENAMED = {"cache_topk": "teacher_topk", "output_dir": "output", "hub_model_id": "repo_id"}
 # Old fields that are refused with the reason.
 REMOVED = {"pack": "packed sequences let attention cross conversations, so heads trained on features they never "
                    "see at inference; every sequence is now its own row"}
@@ -325,7 +347,7 @@ class EvalFields:
 class RunFields:
     save_every: int = arg(500, "checkpoint every N steps (0: never)", bounds=(0, None))
     keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)", bounds=(1, None))
-    resume: bool = arg(False, "continue from the latest checkpoint in output_dir/checkpoints")
+    resume: bool = arg(False, "continue from the latest checkpoint in the output folder's checkpoints/")
     max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
                                   "what there is (0: no limit)", bounds=(0, None))
     wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "
@@ -336,7 +358,7 @@ class RunFields:
 
 @dataclasses.dataclass
 class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, TargetFields):
-    """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) on a Hugging Face causal LM."""
+    """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) or EAGLE heads (kind: eagle) on a Hugging Face causal LM."""
 
     # -- heads --
     kind: str = arg("medusa", "heads kind: medusa (independent heads) or eagle (one autoregressive decoder layer "
@@ -370,17 +392,17 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     # -- feature cache (Medusa-1) --
     positions_per_batch: int = arg(1024, "with a cache: token positions per micro-batch per process", bounds=(1, None))
     # -- output (checkpoints, logging: RunFields) --
-    output_dir: str = arg("out/heads", "where the trained heads folder is written")
+    output: str = arg("out/heads", "where the trained heads folder is written")
     push_to_hub: bool = arg(False, "upload the heads to the Hugging Face Hub when training ends "
                                    "(token: `hf auth login` or HF_TOKEN, checked before training starts)")
-    hub_model_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
+    repo_id: str | None = arg(None, "Hub repository USER/NAME that push_to_hub uploads to")
 
     def output_path(self) -> Path:
-        return Path(self.output_dir)
+        return Path(self.output)
 
     def __post_init__(self) -> None:
-        if self.push_to_hub and not self.hub_model_id:
-            raise MedusaError("push_to_hub needs hub_model_id: set it to the Hub repository USER/NAME")
+        if self.push_to_hub and not self.repo_id:
+            raise MedusaError("push_to_hub needs repo_id (--repo-id): set it to the Hub repository USER/NAME")
         if self.lora and self.cache_dir:
             raise MedusaError("a feature cache needs a frozen target, but lora trains it: drop cache_dir or lora")
         if self.cache_kernels not in ("default", "onednn"):

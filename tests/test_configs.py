@@ -121,7 +121,7 @@ def test_heads_and_draft_share_one_schema_for_common_settings(tmp_path, caplog):
 
     shared = {f.name for f in fields(TrainConfig)} & {f.name for f in fields(DraftTrainConfig)}
     assert {"model", "data", "max_length", "cache_dir", "teacher_topk", "train_vocab", "lr", "eval_every"} <= shared
-    shared.discard("output_dir")  # a heads folder vs a draft model folder: the one field that means two things
+    shared.discard("output")  # a heads folder vs a draft model folder: the one field that means two things
     helps = [{f.name: f.metadata["help"] for f in fields(cls) if f.name in shared} for cls in (TrainConfig, DraftTrainConfig)]
     assert helps[0] == helps[1]  # one help text per setting
     # The draft's old name of the teacher's top-k still reads from YAML, with a message naming the new one.

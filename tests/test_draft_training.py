@@ -26,9 +26,9 @@ def test_distilled_draft_is_closer_to_the_target_and_loads(tmp_path):
     target_dir = tiny_target(tmp_path / "target")
     data = write_counting_data(tmp_path / "data.jsonl", 80)
     out = tmp_path / "draft"
-    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "40",
-                 "--batch_size", "8", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
-                 "--eval_every", "20", "--output_dir", str(out)]) == 0
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft-layers", "1", "--max-steps", "40",
+                 "--batch-size", "8", "--lr", "0.01", "--warmup-steps", "2", "--eval-fraction", "0.1",
+                 "--eval-every", "20", "--output", str(out)]) == 0
     record = json.loads((out / RECORD).read_text())
     assert record["steps"] == 40 and [h["step"] for h in record["eval_history"]] == [20, 40]
     assert record["eval_after"]["kl"] < 0.7 * record["eval_before"]["kl"]
@@ -47,8 +47,8 @@ def test_time_limit_stops_early_and_still_saves(tmp_path):
     target_dir = tiny_target(tmp_path / "target")
     data = write_counting_data(tmp_path / "data.jsonl", 20)
     out = tmp_path / "draft"
-    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "100000",
-                 "--max_minutes", "0.002", "--eval_fraction", "0.1", "--output_dir", str(out)]) == 0
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft-layers", "1", "--max-steps", "100000",
+                 "--max-minutes", "0.002", "--eval-fraction", "0.1", "--output", str(out)]) == 0
     record = json.loads((out / RECORD).read_text())
     assert 0 < record["steps"] < 100000 and record["planned_steps"] == 100000
 
@@ -86,15 +86,15 @@ def test_cached_distillation_builds_then_reuses_the_feature_cache(tmp_path):
     target_dir = tiny_target(tmp_path / "target")
     data = write_counting_data(tmp_path / "data.jsonl", 60)
     cache = tmp_path / "cache"
-    args = ["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "30",
-            "--batch_size", "8", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
-            "--eval_every", "0", "--cache_dir", str(cache), "--train_vocab", "16"]
-    assert main(args + ["--output_dir", str(tmp_path / "a")]) == 0
+    args = ["--model", str(target_dir), "--data", str(data), "--draft-layers", "1", "--max-steps", "30",
+            "--batch-size", "8", "--lr", "0.01", "--warmup-steps", "2", "--eval-fraction", "0.1",
+            "--eval-every", "0", "--cache-dir", str(cache), "--train-vocab", "16"]
+    assert main(args + ["--output", str(tmp_path / "a")]) == 0
     record = json.loads((tmp_path / "a" / RECORD).read_text())
     # (the softmax covers 16 of the ~24 ids: the held-out KL over all of them falls less)
     assert record["eval_after"]["kl"] < 0.85 * record["eval_before"]["kl"]
     built = (cache / "train" / "hidden.npy").stat().st_mtime_ns
-    assert main(args + ["--output_dir", str(tmp_path / "b")]) == 0
+    assert main(args + ["--output", str(tmp_path / "b")]) == 0
     assert (cache / "train" / "hidden.npy").stat().st_mtime_ns == built  # read, not rebuilt
     again = json.loads((tmp_path / "b" / RECORD).read_text())
     assert again["eval_after"]["kl"] == pytest.approx(record["eval_after"]["kl"], rel=1e-4)  # same run, same result
@@ -116,11 +116,11 @@ def test_draft_training_resumes_to_the_uninterrupted_result(tmp_path):
 
     target_dir = tiny_target(tmp_path / "target")
     data = write_counting_data(tmp_path / "data.jsonl", 40)
-    args = ["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "6",
-            "--batch_size", "2", "--grad_accum", "2", "--lr", "0.01", "--warmup_steps", "2", "--eval_fraction", "0.1",
-            "--eval_every", "0", "--save_every", "3", "--keep_checkpoints", "1", "--log_every", "1"]
+    args = ["--model", str(target_dir), "--data", str(data), "--draft-layers", "1", "--max-steps", "6",
+            "--batch-size", "2", "--grad-accum", "2", "--lr", "0.01", "--warmup-steps", "2", "--eval-fraction", "0.1",
+            "--eval-every", "0", "--save-every", "3", "--keep-checkpoints", "1", "--log-every", "1"]
     full = tmp_path / "full"
-    assert main(args + ["--output_dir", str(full)]) == 0
+    assert main(args + ["--output", str(full)]) == 0
     ckpt = latest_checkpoint(full)
     assert ckpt is not None and ckpt.name == "step-0000003"  # kept next to the draft written over it
     saved = load_file(ckpt / "model.safetensors")
@@ -130,7 +130,7 @@ def test_draft_training_resumes_to_the_uninterrupted_result(tmp_path):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
     (resumed / "checkpoints" / "latest").write_text(ckpt.name)
-    assert main(args + ["--output_dir", str(resumed), "--resume"]) == 0
+    assert main(args + ["--output", str(resumed), "--resume"]) == 0
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     for key in a:
@@ -151,8 +151,8 @@ def test_draft_logs_to_wandb_offline_and_keeps_the_log(tmp_path, monkeypatch):
     target_dir = tiny_target(tmp_path / "target")
     data = write_counting_data(tmp_path / "data.jsonl", 20)
     out = tmp_path / "draft"
-    assert main(["--model", str(target_dir), "--data", str(data), "--draft_layers", "1", "--max_steps", "2",
-                 "--eval_fraction", "0.1", "--wandb", "true", "--output_dir", str(out)]) == 0
+    assert main(["--model", str(target_dir), "--data", str(data), "--draft-layers", "1", "--max-steps", "2",
+                 "--eval-fraction", "0.1", "--wandb", "true", "--output", str(out)]) == 0
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))  # kept when the draft folder was swapped in
     assert (out / "model.safetensors").is_file() and (out / "metrics.jsonl").is_file()

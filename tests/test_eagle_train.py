@@ -46,7 +46,7 @@ def test_eagle_training_loss_falls_accuracy_rises_and_the_heads_decode(setup, tm
     out = tmp_path / "eagle"
     cfg = TrainConfig(model=setup["model"], data=[setup["data"]], kind="eagle", num_heads=3, cache_dir=str(tmp_path / "c"),
                       max_length=48, eval_fraction=0.1, batch_size=4, lr=3e-3, warmup_steps=2, max_steps=40,
-                      eval_every=40, eval_batches=0, log_every=1, save_every=0, output_dir=str(out), wandb=False,
+                      eval_every=40, eval_batches=0, log_every=1, save_every=0, output=str(out), wandb=False,
                       distill=1.0, seed=3)
     train(cfg)
     rows = history(out)

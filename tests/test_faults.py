@@ -287,7 +287,7 @@ def run_config(setup: dict, out: Path, **kw) -> TrainConfig:
 
     base = dict(model=setup["model"], data=[setup["data"]], max_length=48, eval_fraction=0.1, num_heads=2,
                 batch_size=4, lr=1e-2, warmup_steps=1, max_steps=4, eval_every=0, eval_batches=0, log_every=1,
-                save_every=1, keep_checkpoints=3, output_dir=str(out), wandb=False, distill=1.0, seed=3,
+                save_every=1, keep_checkpoints=3, output=str(out), wandb=False, distill=1.0, seed=3,
                 positions_per_batch=32, cache_dir=str(out.parent / "features"))
     base.update(kw)
     return LoopConfig(**base)
@@ -496,7 +496,7 @@ def test_train_heads_with_a_damaged_config_or_data_says_one_line(trained, tmp_pa
     data = tmp_path / "data.jsonl"
     data.write_bytes(b"")
     proc = run_python([str(REPO / "train" / "train_heads.py"), "--model", setup["model"], "--data", str(data),
-                       "--output_dir", str(tmp_path / "out"), "--wandb", "false"], CLI_ENV)
+                       "--output", str(tmp_path / "out"), "--wandb", "false"], CLI_ENV)
     assert_one_line(proc, "data.jsonl")
 
 

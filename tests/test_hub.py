@@ -32,7 +32,7 @@ from medusa.training.loop import TrainConfig
 
 # What train/train_heads.py records in the heads config (medusa/training/heads_task.py: finish).
 TRAINING_ARGS = to_dict(TrainConfig(num_heads=3, max_steps=500, lr=0.002, data=["sharegpt", "tester/chats"],
-                                    output_dir="/home/someone/runs/heads"))
+                                    output="/home/someone/runs/heads"))
 EXTRA = {"training_args": TRAINING_ARGS, "accuracy_reference": "target argmax", "steps": 500, "train_seconds": 5400.0,
          "eval_accuracy": {"head1": {"top1": 0.6123, "top5": 0.81}, "head2": {"top1": 0.4211, "top5": 0.66},
                            "head3": {"top1": 0.2502, "top5": float("nan")}}}
@@ -94,7 +94,7 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     original = heads.config.to_dict()
     assert {k: v for k, v in config.items() if k != "extra"} == {k: v for k, v in original.items() if k != "extra"}
     # The run record is published without local folders and with strict JSON (NaN -> null).
-    assert config["extra"]["training_args"] == {**TRAINING_ARGS, "output_dir": "heads"}
+    assert config["extra"]["training_args"] == {**TRAINING_ARGS, "output": "heads"}
     assert config["extra"]["eval_accuracy"]["head3"] == {"top1": 0.2502, "top5": None}
     state = load_file(out / "model.safetensors")
     assert state.keys() == heads.state_dict().keys()
@@ -117,7 +117,7 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     assert "against the target argmax" in card and "Optimizer steps: 500 (1.5 h)" in card
     assert "2.41" in card and "1.73x" in card and "17.3" in card
     command = next(line for line in card.splitlines() if line.startswith("accelerate launch train/train_heads.py"))
-    assert set(command.split()[3:]) == {"--num_heads", "3", "--max_steps", "500", "--lr", "0.002", "--data",
+    assert set(command.split()[3:]) == {"--num-heads", "3", "--max-steps", "500", "--lr", "0.002", "--data",
                                         "sharegpt,tester/chats"}  # non-default fields only, no local folders
     assert meta["datasets"] == ["tester/chats"] and "/home/someone" not in card
     assert 'medusa.load(model="tester/tiny-llama", heads="tester/tiny-heads")' in card
@@ -288,17 +288,17 @@ def test_upload_errors_never_show_the_token(target, tmp_path):
 
 
 def test_push_to_hub_needs_a_repository_id():
-    with pytest.raises(MedusaError, match="hub_model_id"):
+    with pytest.raises(MedusaError, match="repo_id"):
         TrainConfig(push_to_hub=True)
 
 
 def train_argv(tmp_path: Path, out: Path) -> list[str]:
     model = tiny_target(tmp_path / "model")
     data = write_counting_data(tmp_path / "count.jsonl", 24)
-    return [str(REPO / "train" / "train_heads.py"), "--model", str(model), "--data", str(data), "--max_length", "48",
-            "--num_heads", "3", "--batch_size", "4", "--max_steps", "2", "--warmup_steps", "1", "--eval_every", "0",
-            "--eval_batches", "1", "--eval_fraction", "0.1", "--save_every", "0", "--wandb", "false", "--distill", "0",
-            "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "tester/pushed"]
+    return [str(REPO / "train" / "train_heads.py"), "--model", str(model), "--data", str(data), "--max-length", "48",
+            "--num-heads", "3", "--batch-size", "4", "--max-steps", "2", "--warmup-steps", "1", "--eval-every", "0",
+            "--eval-batches", "1", "--eval-fraction", "0.1", "--save-every", "0", "--wandb", "false", "--distill", "0",
+            "--output", str(out), "--push-to-hub", "true", "--repo-id", "tester/pushed"]
 
 
 NO_TOKEN = {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None, "HF_OIDC_RESOURCE": None}

@@ -69,9 +69,9 @@ def run_launch(cmd: list[str]) -> subprocess.CompletedProcess:
 def launch(setup, out, *launch_args, extra=()):
     cmd = [ACCELERATE, "launch", *launch_args, "--num_processes", "2", "--num_cpu_threads_per_process", "1",
            "--main_process_port", str(free_port()), str(ROOT / "train" / "train_heads.py"),
-           "--model", setup["model"], "--data", setup["data"], "--max_length", "40", "--num_heads", "2",
-           "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.1", "--eval_every", "0",
-           "--save_every", "2", "--output_dir", str(out), "--wandb", "false", "--distill", "0.5", *extra]
+           "--model", setup["model"], "--data", setup["data"], "--max-length", "40", "--num-heads", "2",
+           "--batch-size", "2", "--max-steps", "3", "--eval-fraction", "0.1", "--eval-every", "0",
+           "--save-every", "2", "--output", str(out), "--wandb", "false", "--distill", "0.5", *extra]
     return run_launch(cmd)
 
 
@@ -128,7 +128,7 @@ def test_deepspeed_zero3_resume_reaches_the_uninterrupted_result(setup, tmp_path
     """ZeRO-3 with every parameter partitioned, Medusa-2 (LoRA on the target): the resumed run
     saves the same heads and the same merged target."""
     config = ("--config_file", str(zero3_config(tmp_path)))
-    lora = ("--lora", "true", "--lora_r", "4", "--lora_lr", "1e-2", "--lora_target_modules", "q_proj,v_proj")
+    lora = ("--lora", "true", "--lora-r", "4", "--lora-lr", "1e-2", "--lora-target-modules", "q_proj,v_proj")
     assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config, extra=lora)
 
 
@@ -183,8 +183,8 @@ def test_deepspeed_zero3_medusa1_partitioned(setup, tmp_path):
 def test_deepspeed_zero3_medusa2_lora_partitioned(setup, tmp_path):
     out = tmp_path / "z3m2"
     proc = launch(setup, out, "--config_file", str(zero3_config(tmp_path)),
-                  extra=("--distill", "0", "--lora", "true", "--lora_r", "4", "--lora_lr", "1e-2",
-                         "--lora_target_modules", "q_proj,v_proj"))
+                  extra=("--distill", "0", "--lora", "true", "--lora-r", "4", "--lora-lr", "1e-2",
+                         "--lora-target-modules", "q_proj,v_proj"))
     assert "2 process(es), DEEPSPEED" in proc.stderr
     check_heads(setup, out)
     tuned, original = load_file(out / "target" / "model.safetensors"), load_file(setup["model"] + "/model.safetensors")
@@ -196,8 +196,8 @@ def launch_draft(setup, out, *extra):
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"), "--num_processes",
            "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()),
            str(ROOT / "train" / "train_draft.py"), "--model", setup["model"], "--data", setup["data"],
-           "--max_length", "40", "--draft_layers", "1", "--batch_size", "2", "--max_steps", "3", "--eval_fraction", "0.2",
-           "--eval_every", "0", "--save_every", "2", "--lr", "0.01", "--output_dir", str(out), "--wandb", "false", *extra]
+           "--max-length", "40", "--draft-layers", "1", "--batch-size", "2", "--max-steps", "3", "--eval-fraction", "0.2",
+           "--eval-every", "0", "--save-every", "2", "--lr", "0.01", "--output", str(out), "--wandb", "false", *extra]
     return run_launch(cmd)
 
 
@@ -235,8 +235,8 @@ def test_one_process_cpu_launch_left_on_one_thread_says_how_to_use_every_core(se
     def run(*threads):
         cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "single.yaml"), *threads,
                str(ROOT / "train" / "train_heads.py"), "--model", setup["model"], "--data", setup["data"],
-               "--max_length", "40", "--num_heads", "1", "--batch_size", "2", "--max_steps", "1", "--eval_fraction",
-               "0.1", "--eval_every", "0", "--save_every", "0", "--output_dir", str(tmp_path / f"out{len(threads)}"),
+               "--max-length", "40", "--num-heads", "1", "--batch-size", "2", "--max-steps", "1", "--eval-fraction",
+               "0.1", "--eval-every", "0", "--save-every", "0", "--output", str(tmp_path / f"out{len(threads)}"),
                "--wandb", "false"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

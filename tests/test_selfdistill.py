@@ -15,9 +15,9 @@ def test_generates_resumes_and_feeds_training(tmp_path):
     model = tiny_target(tmp_path / "model")
     data = write_counting_data(tmp_path / "count.jsonl", 5)
     out = tmp_path / "sd.jsonl"
-    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max_new_tokens", "6",
-            "--batch_size", "2", "--device", "cpu"]
-    assert main(args + ["--max_samples", "3"]) == 0
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max-new-tokens", "6",
+            "--batch-size", "2", "--device", "cpu"]
+    assert main(args + ["--max-samples", "3"]) == 0
     first = [json.loads(line) for line in out.read_text().splitlines()]
     assert 1 <= len(first) <= 3
     for rec in first:
@@ -40,8 +40,8 @@ def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
                                                                   {"role": "assistant", "content": "1 2"}]}) + "\n"
                             for i, p in enumerate(prompts)))
     out = tmp_path / "sd.jsonl"
-    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max_new_tokens", "4",
-            "--batch_size", "2", "--device", "cpu"]
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--device", "cpu"]
     assert main(args) == 0
     assert "duplicate_prompt=2" in capsys.readouterr().err
     assert main(args) == 0  # resumed: duplicates of answered prompts stay skipped too
@@ -50,9 +50,9 @@ def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value, match", [
-    ("--max_samples", "0", "max_samples=0 must be at least 1"),  # ran every prompt
-    ("--batch_size", "0", "batch_size=0 must be at least 1"),  # a ValueError from range()
-    ("--max_new_tokens", "0", "max_new_tokens=0 must be at least 1"),  # a transformers traceback per batch
+    ("--max-samples", "0", "max_samples=0 must be at least 1"),  # ran every prompt
+    ("--batch-size", "0", "batch_size=0 must be at least 1"),  # a ValueError from range()
+    ("--max-new-tokens", "0", "max_new_tokens=0 must be at least 1"),  # a transformers traceback per batch
     ("--temperature", "-1", "temperature=-1.0 must be at least 0"),  # generated greedily, silently
     ("--kernels", "mkl", "kernels='mkl' is not one of default, onednn"),
 ])

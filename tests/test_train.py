@@ -32,7 +32,7 @@ def fresh_accelerate_state():
 def config(setup, out, **kw) -> TrainConfig:
     base = dict(model=setup["model"], data=[setup["data"]], max_length=48, eval_fraction=0.1, num_heads=3,
                 batch_size=4, lr=1e-2, warmup_steps=2, max_steps=8, eval_every=0, eval_batches=0, log_every=1,
-                save_every=0, output_dir=str(out), wandb=False, distill=0.0, seed=3)
+                save_every=0, output=str(out), wandb=False, distill=0.0, seed=3)
     base.update(kw)
     return TrainConfig(**base)
 

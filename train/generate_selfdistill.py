@@ -6,12 +6,13 @@ first user turn of each conversation, generates the target's answer in batches a
 one JSON line per answer (OpenAI ``messages`` form, readable by train/train_heads.py).
 Interrupted runs resume: prompts already answered in the output file are skipped.
 
-    python train/generate_selfdistill.py --data sharegpt --max_samples 2000 \\
-        --output data/selfdistill/smollm2.jsonl --max_new_tokens 256 --batch_size 16
+    python train/generate_selfdistill.py --data sharegpt --max-samples 2000 \\
+        --output data/selfdistill/smollm2.jsonl --max-new-tokens 256 --batch-size 16
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medusa.config import arg, parse_config, run_main
+from medusa.config import arg, build_parser, parse_config, run_main
 from medusa.errors import MedusaError, require_extra
 from medusa.models.target import eos_token_ids, load_target
 from medusa.runtime.kernels import KERNELS, PackedLinears
@@ -131,9 +132,15 @@ def answer_batch(model, tok, batch, gen_kwargs: dict, eos: set[int]) -> list[dic
     return records
 
 
+def parser() -> argparse.ArgumentParser:
+    return build_parser(SelfDistillConfig, prog="train/generate_selfdistill.py", epilog=(
+        "The answers train Medusa or EAGLE heads with train/train_heads.py (--data FILE, --kind medusa or "
+        "eagle). Recipes: docs/training.md."))
+
+
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
-    cfg = parse_config(SelfDistillConfig, argv)
+    cfg = parse_config(SelfDistillConfig, argv, parser())
     out = Path(cfg.output)
     probe_output(out)
     torch.manual_seed(cfg.seed)

@@ -14,7 +14,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from medusa.config import TrainConfig
+from medusa.config import TrainConfig, flag
 from medusa.models.heads_config import WEIGHTS_NAME, HeadsConfig
 from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 from medusa.runtime.files import cache_root
@@ -119,18 +119,18 @@ def _flag_value(value: Any) -> str:
 def training_command(extra: dict[str, Any]) -> str | None:
     """The ``train/train_heads.py`` command that reproduces the run recorded in ``extra``:
     its ``training_args`` as flags, for the fields that differ from the defaults (folders
-    that only matter on the machine that trained, like output_dir, are left out)."""
+    that only matter on the machine that trained, like output, are left out)."""
     args = extra.get("training_args")
     if not isinstance(args, dict):
         return None
 
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
                 for f in dataclasses.fields(TrainConfig)}
-    local_only = {"output_dir", "cache_dir", "resume", "wandb", "wandb_project", "run_name", "push_to_hub", "hub_model_id"}
+    local_only = {"output", "cache_dir", "resume", "wandb", "wandb_project", "run_name", "push_to_hub", "repo_id"}
     parts = ["accelerate", "launch", "train/train_heads.py"]
     for name, value in args.items():
         if name in defaults and name not in local_only and value != defaults[name]:
-            parts += [f"--{name}", _flag_value(value)]
+            parts += [flag(name), _flag_value(value)]
     return shlex.join(parts)
 
 

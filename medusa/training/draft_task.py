@@ -82,8 +82,8 @@ class DraftTrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFiel
     assistant_only: bool = arg(False, "distil only on assistant tokens (default: every token of the conversation)")
     temperature: float = arg(1.0, "softmax temperature of both distributions in the KL")
     # -- output --
-    output_dir: str | None = arg(None, "where the draft folder is written (empty: for the embedded target, the cache "
-                                       "folder medusa.load(draft='default') reads; otherwise out/draft)")
+    output: str | None = arg(None, "where the draft folder is written (empty: for the embedded target, the cache "
+                                   "folder medusa.load(draft='default') reads; otherwise out/draft)")
 
     def __post_init__(self) -> None:
         if self.max_steps <= 0 and self.num_epochs <= 0:
@@ -95,8 +95,8 @@ class DraftTrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFiel
                               "drop cache_dir or train_embeddings")
 
     def output_path(self) -> Path:
-        if self.output_dir:
-            return Path(self.output_dir)
+        if self.output:
+            return Path(self.output)
         return default_draft_dir() if self.model is None else Path("out/draft")
 
 

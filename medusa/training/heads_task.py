@@ -222,7 +222,7 @@ def attach_lora(target: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 def finish(accelerator: Any, module: nn.Module, tokenizer: Any, cfg: TrainConfig, out: Path, step: int,
            eval_metrics: dict[str, float], seconds: float) -> Path:
-    """Write the heads (and a Medusa-2 target) into ``output_dir``."""
+    """Write the heads (and a Medusa-2 target) into the ``output`` folder."""
     accelerator.wait_for_everyone()
     unwrapped: HeadsTrainer = accelerator.unwrap_model(module)
     heads, target = unwrapped.heads, unwrapped._target()

@@ -308,7 +308,7 @@ def evaluate(run: Run) -> dict[str, float]:
 # -- logging ----------------------------------------------------------------------------------------
 
 def record(run: Run, kind: str, values: dict[str, Any]) -> None:
-    """One line per log/eval in output_dir/metrics.jsonl (and wandb)."""
+    """One line per log/eval in the output folder's metrics.jsonl (and wandb)."""
     line = {"kind": kind, "step": run.step,
             **{k: round(v, 5) if isinstance(v, float) else v for k, v in values.items()}}
     log.info(json.dumps(line))
