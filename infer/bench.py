@@ -52,7 +52,7 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
 from infer import bench_llamacpp, bench_vllm
-from medusa.config import count, writable_folder
+from medusa.config import HelpFormatter, count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import MODES as ENGINE_MODES
@@ -521,8 +521,9 @@ def table(summary: dict, reference: str | None) -> str:
 
 
 # -- main ----------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
     for kind in HEAD_KINDS:
@@ -546,29 +547,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
-    ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts")
-    ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category")
-    ap.add_argument("--max-new-tokens", type=count(), default=MAX_NEW_TOKENS)
+    ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts (default: all)")
+    ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category (default: all)")
+    ap.add_argument("--max-new-tokens", type=count(), default=MAX_NEW_TOKENS, help="longest answer in tokens")
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated, from: {', '.join(MODES)}, {', '.join(ENGINE_MODES)} (an engine mode may "
                          f"carry @medusa or @eagle: the heads kind, and {COMPILED}); default: hf, baseline and the "
                          "engine's default mode (hybrid with heads)")
     ap.add_argument("--tree", default=None, help="Medusa heads' tree (modes medusa, hybrid): a name in medusa/assets/trees "
                     "or a JSON file of paths (default: calibrated per device)")
+    machine_flags(ap)
+    ap.add_argument("--json", default=None, help="write aggregate and per-prompt results to this JSON file (default: none)")
+    ap.add_argument("--output", default=None, help="folder for results.json, table.md and plots, e.g. bench_out/NAME "
+                    "(default: none)")
+    ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def machine_flags(ap: argparse.ArgumentParser) -> None:
+    """Sampling, device, dtype, kernels, compile: how every mode runs."""
     d = SamplingConfig()  # the one place sampling defaults live
     ap.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default: {d.temperature:g})")
     ap.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {d.top_p:g} = off)")
     ap.add_argument("--top-k", type=int, default=None, help=f"sample from the k likeliest tokens (default: {d.top_k} = off)")
-    ap.add_argument("--seed", type=int, default=None, help="seed for sampled runs: the same seed, the same outputs")
+    ap.add_argument("--seed", type=int, default=None, help="seed for sampled runs: the same seed, the same outputs "
+                    "(default: none)")
     ap.add_argument("--acceptance", choices=ACCEPTANCE, default=None,
                     help=f"verification when sampling: lossless, or the lossy typical (default: {d.acceptance})")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     ap.add_argument("--static-cache", action="store_true", help="engine modes keep the KV cache in fixed tensors")
     ap.add_argument("--compile", action="store_true",
                     help="engine modes: static cache and a torch.compile'd verification pass (CUDA graphs on CUDA); "
                          "every pass size is compiled before the timing (the seconds are reported). A mode named "
                          "MODE+compile (e.g. hybrid@eagle+compile) runs compiled beside the eager MODE in one run")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the faster exact one on "
+                    "this device, measured once and cached)")
     ap.add_argument("--kernels", choices=KERNELS, default=None,
                     help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
                          "(default: the faster here, measured once); hf modes always run stock transformers")
@@ -578,9 +595,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "int8 weights, CPU")
     ap.add_argument("--autotune", choices=tuple(AUTOTUNE), default="on", help="the machine plan (medusa.load's "
                     "autotune): on measures what is not cached, cached uses only what is, off the defaults")
-    ap.add_argument("--json", default=None, help="write aggregate and per-prompt results here")
-    ap.add_argument("--out", default=None, help="folder for results.json, table.md and plots (e.g. bench_out/NAME)")
-    return ap.parse_args(argv)
 
 
 AUTOTUNE = {"on": True, "cached": "cached", "off": False}  # --autotune -> medusa.load(autotune=...)
@@ -600,9 +614,9 @@ def parse_modes(text: str | None, engine: Engine | None = None) -> list[str]:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Before the run: the report's plots need matplotlib, and the outputs must be writable."""
-    if args.out:
+    if args.output:
         require_extra("bench")
-    for flag, folder in (("--json", args.json and Path(args.json).parent), ("--out", args.out and Path(args.out))):
+    for flag, folder in (("--json", args.json and Path(args.json).parent), ("--output", args.output and Path(args.output))):
         if folder:
             writable_folder(folder, flag)  # before the run: a long bench never ends in a traceback
 
@@ -693,10 +707,10 @@ def write_results(args: argparse.Namespace, meta: dict, summary: dict, reference
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"meta": meta, "modes": summary}, indent=1))
-    if args.out:
+    if args.output:
         from infer.report import write_report
 
-        folder = write_report(Path(args.out), meta, summary, reference,
+        folder = write_report(Path(args.output), meta, summary, reference,
                               "\n\n".join([table(summary, reference), *profile_lines(summary)]), heads)
         print(f"report written to {folder}", file=sys.stderr)
 

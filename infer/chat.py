@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
     from medusa.decoding.engine import Engine, Generation, GenerationResult
     from medusa.decoding.sampling import SamplingConfig
 
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
 
@@ -346,33 +346,36 @@ def sampling_label(sampling: SamplingConfig) -> str:
     return ", ".join(parts)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="medusa-chat" if Path(sys.argv[0]).name == "medusa-chat" else "python -m infer.chat",
         description="Chat with a model through Medusa heads, a draft model, prompt lookup or plain decoding.",
         epilog="Exit codes: 0 done, 1 a problem to fix (bad path, mismatched heads, message too long), "
-               "2 bad usage, 3 out of memory, 130 interrupted.",
+               "2 bad usage, 3 out of memory, 130 interrupted.", formatter_class=HelpFormatter,
     )
     p.add_argument("--model", help="Hub id, model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the embedded model's shipped "
                                    "EAGLE heads; its shipped Medusa heads with --mode medusa)")
-    p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default'")
+    p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default' "
+                                   "(default: none)")
     p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
                                   "lookahead (greedy only) or baseline "
                                   "(default: hybrid when heads are loaded, "
                                   "draft when --draft is given, else baseline)")
     p.add_argument("--temperature", type=float, help="0 is greedy (the default); above 0 samples")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
-    p.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same answer")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability "
+                                               "(default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default: 0 = off)")
+    p.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same answer (default: none)")
     p.add_argument("--acceptance", help="with sampling: lossless (exactly the target's distribution, default) "
                                         "or typical (Medusa's, accepts more, lossy)")
-    p.add_argument("--max-new-tokens", type=count(1), default=MAX_NEW_TOKENS, help=f"longest answer in tokens (default {MAX_NEW_TOKENS})")
+    p.add_argument("--max-new-tokens", type=count(1), default=MAX_NEW_TOKENS, help="longest answer in tokens")
     p.add_argument("--max-context", type=count(1), default=None,
                    help="keep the conversation within this many tokens (default: the model's context window); "
                         "the oldest turns are dropped")
     p.add_argument("--system", help="system prompt (default: the chat template's)")
-    p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths")
+    p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths "
+                                  "(default: calibrated per device)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the faster exact one on this device, measured once and cached)")
     p.add_argument("--compile", nargs="?", const="on", choices=("auto", "on", "off"),
@@ -392,7 +395,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "heads on int8 weights, CPU)")
     p.add_argument("--show-accepted", action="store_true",
                    help="colour the tokens drafted by the heads/draft that the target accepted")
-    p.add_argument("--prompt", help="answer this one message and exit")
+    p.add_argument("--prompt", help="answer this one message and exit (default: an interactive chat)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")

@@ -27,17 +27,19 @@ import argparse
 import os
 import sys
 
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.precompile", description="Compile the verification passes "
-                                "this machine decodes with and save them, so later processes load them in seconds.")
+                                "this machine decodes with and save them, so later processes load them in seconds.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help="model folder, Hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", help="heads folder or Hub id, which set the sizes of --mode (default: the embedded "
                                    "model's shipped heads)")
     p.add_argument("--mode", help="compile the pass sizes of this mode (default: hybrid with heads, else baseline)")
-    p.add_argument("--sizes", help="comma-separated pass sizes to compile instead of a mode's (e.g. 8,12,16)")
+    p.add_argument("--sizes", help="comma-separated pass sizes to compile instead of a mode's, e.g. 8,12,16 "
+                                   "(default: the mode's)")
     p.add_argument("--kernels", choices=("default", "onednn"),
                    help="linear kernels, as the decoding process runs them (default: the pick measured on this machine)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -45,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=count(1), help="torch threads, as the decoding process runs (default: torch's)")
     p.add_argument("--nice", type=int, default=0, help="lower this process's priority by this much")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.sizes is not None:
         try:  # checked here, before torch is imported

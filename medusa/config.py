@@ -182,7 +182,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (action.option_strings and "default" not in text and "%(default)" not in text
-                and action.default not in (None, False, argparse.SUPPRESS)):
+                and not any(action.default is unset for unset in (None, False, argparse.SUPPRESS))):
             text += " (default: %(default)s)"
         return text
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.models.heads_config import read_heads_config
 from medusa.models.target import load_tokenizer
@@ -30,8 +30,9 @@ from medusa.training.sources import DataStats, load_conversations
 DEFAULT_DATA = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python scripts/build_ngrams.py", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/build_ngrams.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--heads", required=True, help="heads folder to write ngrams.safetensors into")
     ap.add_argument("--data", nargs="+", default=DEFAULT_DATA,
                     help="the target's answers: .jsonl(.gz) files with messages (default: data/selfdistill/*.jsonl.gz)")
@@ -40,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-n", type=count(1), default=4, help="longest context, in tokens")
     ap.add_argument("--min-n", type=count(1), default=2, help="shortest context, in tokens")
     ap.add_argument("--min-count", type=count(1), default=2, help="times a continuation must have been seen")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not 1 <= args.min_n <= args.max_n:
         ap.error("need 1 <= --min-n <= --max-n")

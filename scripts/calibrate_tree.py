@@ -30,7 +30,7 @@ from tqdm import tqdm
 import medusa
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import acceptance_by_size, candidate_ranks, choose_dynamic, choose_tree, path_counts
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.decoding.eagle_draft import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
@@ -138,8 +138,9 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     return 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/calibrate_tree.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--heads", required=True, help="heads folder to calibrate (calibration.json is written into it)")
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
     ap.add_argument("--prompts", default="sharegpt", help="conversation source for held-out prompts (sharegpt, .json/.jsonl, Hub id)")
@@ -149,8 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="answer files (.jsonl or .jsonl.gz with id and messages) whose prompts are not held-out "
                          "prompts (default: data/selfdistill/*.jsonl.gz, the heads' training data)")
     ap.add_argument("--samples", type=count(1), default=48, help="how many prompts the target answers")
-    ap.add_argument("--max-new-tokens", type=count(1), default=128)
-    ap.add_argument("--max-prompt-tokens", type=count(1), default=256)
+    ap.add_argument("--max-new-tokens", type=count(1), default=128, help="longest answer in tokens")
+    ap.add_argument("--max-prompt-tokens", type=count(1), default=256, help="longer prompts are skipped")
     ap.add_argument("--vocab-size", type=count(0), default=8192, help="draft vocabulary size (0: score the full vocabulary)")
     ap.add_argument("--reference-answers", type=count(0), default=2000, help="reference answers counted for the draft vocabulary")
     ap.add_argument("--max-nodes", type=count(1), default=64, help="largest tree considered (candidates, root excluded)")
@@ -159,21 +160,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "many tokens are tried)")
     ap.add_argument("--max-rank", type=count(1), default=10, help="deepest rank of a head's top-k considered")
     ap.add_argument("--cost", default=None,
-                    help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...' (e.g. measured earlier on an idle machine)")
+                    help="use this pass-cost curve instead of measuring it, as 'n:ms,n:ms,...', e.g. measured earlier on an idle "
+                         "machine (default: measured now)")
     ap.add_argument("--compile", action="store_true",
                     help="measure the pass cost as an engine with compile=True runs it (static cache, torch.compile)")
     ap.add_argument("--for-device", default=None,
                     help="store the tree for this device type (e.g. cuda) instead of this machine's: head accuracy is "
-                         "measured here, the cost curve must come from --cost measured on that device")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None)
+                         "measured here, the cost curve must come from --cost measured on that device (default: "
+                         "this machine's)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as medusa.load picks on this device)")
     ap.add_argument("--kernels", choices=("default", "onednn"), default=None,
                     help="the engine's linear kernels (default: the faster on this device, as medusa.load picks)")
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype while drafting (default: as medusa.load picks on this device; "
                          "int8: eagle heads on int8 weights, CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def held_out_prompts(args: argparse.Namespace, tok) -> tuple[list[list[int]], list]:

@@ -1,6 +1,6 @@
 """Export heads for serving: vLLM's Medusa or EAGLE-1 layout, or FasterDecoding's Medusa-1 layout.
 
-    python scripts/export_heads.py HEADS --to vllm --out medusa-vllm [--model TARGET]
+    python scripts/export_heads.py HEADS --to vllm --output medusa-vllm [--model TARGET]
     vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
 
 HEADS is a heads folder or a Hub id USER/NAME. Heads that share the target's lm_head
@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa.config import writable_folder
+from medusa.config import HelpFormatter, writable_folder
 from medusa.errors import MedusaError
 from medusa.hub.export import (
     LAYOUTS,
@@ -35,17 +35,27 @@ from medusa.models.target import parse_dtype
 from medusa.runtime.files import read_json
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python scripts/export_heads.py", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/export_heads.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("heads", help="heads folder (ours or FasterDecoding's) or Hub id USER/NAME")
     ap.add_argument("--to", required=True, choices=LAYOUTS, help="target layout")
-    ap.add_argument("--out", required=True, help="output folder (new, empty, or an earlier export)")
+    ap.add_argument("--output", help="folder to write: new, empty, or an earlier export (required)")
+    ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
     ap.add_argument("--model", default=None,
                     help="target model for shared-projection heads: Hub id, folder or .gguf (default: the heads' base model)")
     ap.add_argument("--dtype", default=None, help="cast weights to float32, bfloat16 or float16 (default: as stored)")
     ap.add_argument("--draft-vocab", action="store_true",
                     help="vllm: draft from the calibrated draft vocabulary of the heads (calibration.json) only")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.output is None:  # not required=True: the old spelling --out also sets it
+        ap.error("the following arguments are required: --output")
+    return args
 
 
 def read_draft_vocab(folder: Path) -> list[int]:
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype) if args.dtype else None
-        writable_folder(Path(args.out).parent, "--out")
+        writable_folder(Path(args.output).parent, "--output")
         folder = resolve_heads_folder(args.heads)
         config, state = read_heads(folder)
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             copies = "once, for all heads" if args.to == "vllm" else f"into each of {config.num_heads} heads"
             print(f"copying lm_head of {target or 'the embedded default model'} {copies}", file=sys.stderr)
             lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
-        out = export_heads(config, state, args.out, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab,
+        out = export_heads(config, state, args.output, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab,
                            target_config=target_config)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)

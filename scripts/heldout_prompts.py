@@ -1,6 +1,6 @@
 """Prompts the shipped heads never trained on, for a benchmark outside MT-Bench.
 
-    python scripts/heldout_prompts.py --out runs/prompts/sharegpt-heldout.json --n 40
+    python scripts/heldout_prompts.py --output runs/prompts/sharegpt-heldout.json --samples 40
     python -m infer.bench --prompts runs/prompts/sharegpt-heldout.json --modes hf,lookup,hybrid@eagle
 
 Reads a conversation source (default: ShareGPT, the source of the self-distilled training
@@ -18,27 +18,35 @@ import os
 import sys
 from pathlib import Path
 
-from medusa.config import count, writable_folder
+from medusa.config import HelpFormatter, count, writable_folder
 from medusa.errors import MedusaError
 from medusa.training.sources import SHAREGPT, DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python scripts/heldout_prompts.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="ShareGPT-format JSON file to write")
-    ap.add_argument("--n", type=count(1), default=40, help="how many prompts")
-    ap.add_argument("--source", default=SHAREGPT, help="conversation source: 'sharegpt', a .json/.jsonl file or a Hub id")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/heldout_prompts.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--output", help="ShareGPT-format JSON file to write (required)")
+    ap.add_argument("--samples", type=count(1), default=40, help="how many prompts")
+    ap.add_argument("--prompts", default=SHAREGPT, help="conversation source: 'sharegpt', a .json/.jsonl file or a Hub id")
+    for old, new in (("--out", "output"), ("--n", "samples"), ("--source", "prompts")):  # the old spellings
+        ap.add_argument(old, dest=new, type=count(1) if new == "samples" else None, help=argparse.SUPPRESS)
     ap.add_argument("--exclude", nargs="*", default=DEFAULT_EXCLUDE,
                     help="training files (.jsonl or .jsonl.gz with id and messages) whose prompts are left out "
                          "(default: data/selfdistill/*.jsonl.gz)")
     ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the prompts")
     ap.add_argument("--min-chars", type=count(0), default=16, help="shortest first turn kept")
     ap.add_argument("--max-chars", type=count(0), default=1500, help="longest first turn kept")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.n < 1:
-        ap.error("--n must be at least 1")
+    if args.output is None:  # not required=True: the old spelling --out also sets it
+        ap.error("the following arguments are required: --output")
     if not 0 <= args.min_chars <= args.max_chars:
         ap.error("need 0 <= --min-chars <= --max-chars")
     return args
@@ -65,9 +73,9 @@ def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    out = Path(args.out)
-    writable_folder(out.parent, "--out")
-    prompts = pick(args.source, args.exclude, args.n, args.seed, args.min_chars, args.max_chars)
+    out = Path(args.output)
+    writable_folder(out.parent, "--output")
+    prompts = pick(args.prompts, args.exclude, args.samples, args.seed, args.min_chars, args.max_chars)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(prompts, ensure_ascii=False, indent=1))
     os.replace(tmp, out)

@@ -23,7 +23,7 @@ import torch._inductor.config as inductor_config
 from transformers import AttentionInterface, StaticCache
 
 import medusa
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.runtime.opaque import OpaqueRMSNorm
 
 
@@ -102,19 +102,25 @@ def decode_steps(model, prefix: int, steps: int) -> tuple[int, float, float]:
     return differing, statistics.median(eager_s) * 1e3, statistics.median(compiled_s) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/probe_compiled.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="a Llama-family target (default: the embedded one)")
     ap.add_argument("--opaque", action="store_true", help="the norm's reduction and attention by eager's kernels")
-    ap.add_argument("--prompt", type=count(1), default=40)
-    ap.add_argument("--prefix", type=count(1), default=200)
-    ap.add_argument("--steps", type=count(2), default=29)
-    args = ap.parse_args()
+    ap.add_argument("--prompt-tokens", type=count(1), default=40, help="tokens of the compared prompt pass")
+    ap.add_argument("--prompt", dest="prompt_tokens", type=count(1), help=argparse.SUPPRESS)  # the old spelling
+    ap.add_argument("--prefix", type=count(1), default=200, help="tokens in the cache before the decoding steps")
+    ap.add_argument("--steps", type=count(2), default=29, help="decoding steps compared")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     inductor_config.emulate_precision_casts = True
     model = medusa.load(model=args.model, dtype="bfloat16", kernels="default").model
     model.config._attn_implementation = "sdpa"
     with opaque(model) if args.opaque else contextlib.nullcontext():
-        print(f"prompt pass ({args.prompt} tokens): {prompt_pass(model, args.prompt)} differing logits")
+        print(f"prompt pass ({args.prompt_tokens} tokens): {prompt_pass(model, args.prompt_tokens)} differing logits")
         differing, eager_ms, compiled_ms = decode_steps(model, args.prefix, args.steps)
     print(f"{args.steps} decoding steps after {args.prefix} tokens: {differing} differing logits; "
           f"eager {eager_ms:.1f} ms, compiled {compiled_ms:.1f} ms a step (medians, interleaved)")

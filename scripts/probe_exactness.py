@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from medusa.config import HelpFormatter
 from medusa.runtime.exact import exact_attention
 
 HIDDEN, HEADS, KV_HEADS, DIM, PAST, ROWS = 576, 9, 3, 64, 256, 16
@@ -66,11 +67,16 @@ def probe(dtype: torch.dtype) -> None:
     report(f"SiLU gate, {ROWS} rows vs 1", F.silu(gate) * gate, torch.cat([F.silu(g[None]) * g[None] for g in gate]))
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/probe_exactness.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--device", default="cpu", help="where the ops run (cpu, cuda, ...)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
-    args = ap.parse_args()
+    return ap
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
     torch.set_default_device(args.device)  # every tensor and module below is made there
     torch.manual_seed(0)
     print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))

@@ -15,7 +15,7 @@ import time
 import torch
 
 import medusa
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.decoding.tree import compile_tree
 from medusa.decoding.verify import verify_greedy
 from medusa.runtime import hf as kv
@@ -37,16 +37,22 @@ def sync() -> None:
         torch.cuda.synchronize()  # device work is asynchronous: time it to completion
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--heads", default="init")
-    ap.add_argument("--tree", default=None)
-    ap.add_argument("--prefix", type=count(1), default=200)
-    ap.add_argument("--reps", type=count(1), default=20)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/profile_step.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: the embedded model)")
+    ap.add_argument("--heads", default="init", help="heads folder, Hub id, or 'init' for untrained heads")
+    ap.add_argument("--tree", default=None, help="a name in medusa/assets/trees or a JSON file of paths "
+                    "(default: calibrated per device)")
+    ap.add_argument("--prefix", type=count(1), default=200, help="tokens in the cache before the profiled step")
+    ap.add_argument("--reps", type=count(1), default=20, help="repetitions of each profiled step")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: picked per device)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     eng = medusa.load(model=args.model, heads=args.heads, tree=args.tree, device=args.device, dtype=args.dtype)
     model, heads = eng.model, eng.heads
     tree = compile_tree(eng.tree_paths(args.tree)).to(eng.device)

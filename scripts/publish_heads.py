@@ -13,18 +13,28 @@ import argparse
 import sys
 from pathlib import Path
 
+from medusa.config import HelpFormatter
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python scripts/publish_heads.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("heads_dir", help="heads folder written by train/train_heads.py (or a FasterDecoding Medusa-1 folder)")
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/publish_heads.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("heads", help="heads folder written by train/train_heads.py (or a FasterDecoding Medusa-1 folder)")
     ap.add_argument("--repo-id", required=True, help="Hub repository USER/NAME (created if missing)")
     ap.add_argument("--dry-run", action="store_true", help="build the folder and list what would be uploaded; no token needed")
     ap.add_argument("--private", action="store_true", help="create the repository as private")
-    ap.add_argument("--bench-json", default=None, help="results of `python -m infer.bench --json FILE` for the card's tau and speedup")
+    ap.add_argument("--bench-json", default=None, help="results of `python -m infer.bench --json FILE` for the card's "
+                    "tau and speedup (default: none)")
     ap.add_argument("--base-model", default=None, help="Hub id of the base model for the card (default: from the heads config)")
-    ap.add_argument("--license", default=None, help="license id for the card's metadata, e.g. apache-2.0")
-    ap.add_argument("--out", default=None, help="where to build the folder (default: out/publish/NAME; a temporary folder when uploading)")
-    return ap.parse_args(argv)
+    ap.add_argument("--license", default=None, help="license id for the card's metadata, e.g. apache-2.0 (default: none)")
+    ap.add_argument("--output", default=None, help="where to build the folder (default: out/publish/NAME; a temporary "
+                    "folder when uploading)")
+    ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
         name = args.repo_id.split("/")[-1]
         with tempfile.TemporaryDirectory(prefix="medusa-publish-") as tmp:
-            out = Path(args.out) if args.out else (Path("out") / "publish" / name if args.dry_run else Path(tmp) / name)
-            folder = build_publish_folder(args.heads_dir, out, args.repo_id, bench_json=args.bench_json,
+            out = Path(args.output) if args.output else (Path("out") / "publish" / name if args.dry_run else Path(tmp) / name)
+            folder = build_publish_folder(args.heads, out, args.repo_id, bench_json=args.bench_json,
                                           base_model=args.base_model, license=args.license)
             files = folder_listing(folder)
             verb = "would upload" if args.dry_run else "uploading"

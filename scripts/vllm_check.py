@@ -24,7 +24,7 @@ from pathlib import Path
 
 import medusa
 from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
-from medusa.config import count
+from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.hub.vllm_client import VLLMWorker, export_for_vllm
 from medusa.models.target import default_model_dir
@@ -37,19 +37,24 @@ PROMPTS = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python scripts/vllm_check.py", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/vllm_check.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--heads", action="append", default=None,
                     help="heads folder or Hub id, Medusa or eagle1 eagle heads (repeatable; default: the shipped "
                          "Medusa heads and the shipped EAGLE heads)")
     ap.add_argument("--model", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in ones)")
-    ap.add_argument("--max-new-tokens", type=count(1), default=32)
+    ap.add_argument("--max-new-tokens", type=count(1), default=32, help="longest answer in tokens")
     ap.add_argument("--python", default=None, help="python of an existing vLLM install (default: the dedicated venv)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow startup; default: eager)")
     ap.add_argument("--export-dir", default=None, help="keep the exports here, one subfolder per heads (default: a temporary folder)")
-    ap.add_argument("--json", default=None, help="write the per-heads, per-prompt report here")
-    return ap.parse_args(argv)
+    ap.add_argument("--json", default=None, help="write the per-heads, per-prompt report to this JSON file (default: none)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def engine_chain(engine, ids: list[int], max_new_tokens: int, spec: dict):

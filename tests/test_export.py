@@ -236,7 +236,7 @@ def test_export_script_copies_the_target_lm_head(target, tmp_path, capsys):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "vllm"
-    rc = script.main([str(heads_folder), "--to", "vllm", "--out", str(out), "--model", str(folder_target),
+    rc = script.main([str(heads_folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target),
                       "--dtype", "float16"])
     assert rc == 0
     tensors = load_file(out / "model.safetensors")
@@ -256,7 +256,7 @@ def test_vllm_export_with_a_draft_vocabulary(target, tmp_path, capsys):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "vllm"
-    assert script.main([str(folder), "--to", "vllm", "--out", str(out), "--draft-vocab"]) == 0
+    assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--draft-vocab"]) == 0
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["truncated_vocab_size"] == len(vocab) and cfg["vocab_size"] == model.config.vocab_size
@@ -272,7 +272,7 @@ def test_vllm_export_with_a_draft_vocabulary(target, tmp_path, capsys):
     with pytest.raises(MedusaError, match="only be exported to the vllm layout"):
         config, state = read_heads(folder)
         export_heads(config, state, tmp_path / "fd", "fasterdecoding", draft_vocab=vocab)
-    assert script.main([str(heads.save(tmp_path / "uncalibrated")), "--to", "vllm", "--out", str(tmp_path / "x"),
+    assert script.main([str(heads.save(tmp_path / "uncalibrated")), "--to", "vllm", "--output", str(tmp_path / "x"),
                         "--draft-vocab"]) == 1
     assert "no calibrated draft vocabulary" in capsys.readouterr().err
 
@@ -360,7 +360,7 @@ def test_eagle1_export_is_vllm_s_eagle1_drafter_computing_the_head_s_function(ta
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "vllm"
-    assert script.main([str(folder), "--to", "vllm", "--out", str(out), "--model", str(folder_target)]) == 0
+    assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target)]) == 0
     printed = capsys.readouterr().out
     assert '"method": "eagle"' in printed and '"num_speculative_tokens": 2' in printed
 
@@ -419,7 +419,7 @@ def test_eagle_heads_in_the_norms_layout_are_refused_in_one_line(target, tmp_pat
     spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main([str(folder), "--to", "vllm", "--out", str(tmp_path / "x"), "--model", str(folder_target)]) == 1
+    assert script.main([str(folder), "--to", "vllm", "--output", str(tmp_path / "x"), "--model", str(folder_target)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "eagle_layout: eagle1" in lines[0]
     # FasterDecoding's layout has no eagle heads of any layout

@@ -504,6 +504,6 @@ def test_train_heads_with_a_damaged_config_or_data_says_one_line(trained, tmp_pa
 def test_export_heads_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
     heads = shutil.copytree(files["heads"], tmp_path / "heads")
     inject(heads / "config.json", "random")
-    proc = run_python([str(REPO / "scripts" / "export_heads.py"), str(heads), "--to", "vllm", "--out",
+    proc = run_python([str(REPO / "scripts" / "export_heads.py"), str(heads), "--to", "vllm", "--output",
                        str(tmp_path / "out")], CLI_ENV)
     assert_one_line(proc, "config.json")

@@ -47,22 +47,22 @@ def files(tmp_path):
 def test_picks_only_prompts_outside_the_training_files(files, tmp_path):
     source, train, questions = files
     out = tmp_path / "out" / "heldout.json"
-    _script().main(["--source", str(source), "--exclude", str(train), "--n", "8", "--out", str(out)])
+    _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "8", "--output", str(out)])
     prompts = read_prompts(out)
     texts = [p.text for p in prompts]
     assert len(texts) == 8 and len(set(texts)) == 8
     assert set(texts) <= set(questions[4:])  # 0-2 excluded by id, 3 by text (and its respaced copy), "hi" too short
     again = tmp_path / "again.json"
-    _script().main(["--source", str(source), "--exclude", str(train), "--n", "8", "--out", str(again)])
+    _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "8", "--output", str(again)])
     assert again.read_text() == out.read_text()  # the seed fixes the pick
     other = tmp_path / "other.json"
-    _script().main(["--source", str(source), "--exclude", str(train), "--n", "8", "--seed", "7", "--out", str(other)])
+    _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "8", "--seed", "7", "--output", str(other)])
     assert [p.text for p in read_prompts(other)] != texts
 
 
 def test_too_few_prompts_is_one_clear_error(files, tmp_path):
     source, train, _ = files
-    with pytest.raises(MedusaError, match="only 8 prompts.*lower --n"):
-        _script().main(["--source", str(source), "--exclude", str(train), "--n", "20", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(MedusaError, match="only 8 prompts.*lower --samples"):
+        _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "20", "--output", str(tmp_path / "x.json")])
     with pytest.raises(MedusaError, match="--exclude file not found"):
-        _script().main(["--source", str(source), "--exclude", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x.json")])
+        _script().main(["--prompts", str(source), "--exclude", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "x.json")])

@@ -82,7 +82,7 @@ def test_dry_run_builds_card_config_and_weights_only(target, tmp_path, capsys, m
     out = tmp_path / "publish"
     monkeypatch.delenv("HF_TOKEN", raising=False)  # a dry run needs no token
     rc = load_script("publish_heads").main([str(folder), "--repo-id", "tester/tiny-heads", "--dry-run",
-                                            "--bench-json", str(bench), "--out", str(out), "--license", "apache-2.0"])
+                                            "--bench-json", str(bench), "--output", str(out), "--license", "apache-2.0"])
     printed = capsys.readouterr().out
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "calibration.json", "config.json", "model.safetensors"]
@@ -233,7 +233,7 @@ def test_heads_for_another_model_are_refused(target, tmp_path):
 def test_no_token_fails_before_any_work(tmp_path):
     out = tmp_path / "publish"
     proc = run_python([str(REPO / "scripts" / "publish_heads.py"), str(tmp_path / "heads"), "--repo-id", "tester/x",
-                       "--out", str(out)],
+                       "--output", str(out)],
                       env={"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None, "HF_OIDC_RESOURCE": None,
                            "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN_PATH": str(tmp_path / "hf-home" / "token"),
                            "HF_HUB_OFFLINE": "1"})

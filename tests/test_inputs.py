@@ -47,7 +47,7 @@ def test_bench_counts_below_one_are_a_one_line_error(flag, capsys):
 
 @pytest.mark.parametrize("script, flag", [("scripts/calibrate_tree.py", "--max-nodes"),  # computed 30 min, then failed
                                           ("scripts/calibrate_tree.py", "--samples"),
-                                          ("scripts/heldout_prompts.py", "--n"),
+                                          ("scripts/heldout_prompts.py", "--samples"),
                                           ("scripts/vllm_check.py", "--max-new-tokens"),
                                           ("infer/chat.py", "--max-new-tokens"),
                                           ("infer/chat.py", "--max-context")])
@@ -57,7 +57,7 @@ def test_cli_counts_below_one_are_usage_errors(script, flag):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    extra = ["--heads", "unused"] if "calibrate" in script else ["--out", "unused.json"] if "heldout" in script else []
+    extra = ["--heads", "unused"] if "calibrate" in script else ["--output", "unused.json"] if "heldout" in script else []
     module = ["-m", script.removesuffix(".py").replace("/", ".")] if script.startswith("infer") else [script]
     done = subprocess.run([sys.executable, *module, *extra, flag, "0"], cwd=root, capture_output=True, text=True,
                           timeout=120)
@@ -78,7 +78,7 @@ def test_a_device_torch_cannot_use_is_a_one_line_error(device, message):
     assert resolve_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("flag", ["--json", "--out"])
+@pytest.mark.parametrize("flag", ["--json", "--output"])
 def test_bench_output_that_cannot_be_written_fails_before_the_run(flag, tmp_path, capsys):
     # it used to end in a FileNotFoundError traceback after the whole run, its results lost
     from infer import bench
@@ -101,8 +101,8 @@ def test_script_output_that_cannot_be_written_is_a_one_line_error(script, tmp_pa
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     args = ["medusa/assets/heads/smollm2-135m-instruct", "--to", "vllm"] if "export" in script else []
-    done = subprocess.run([sys.executable, script, *args, "--out", str(blocker / "sub" / "out")], cwd=root,
+    done = subprocess.run([sys.executable, script, *args, "--output", str(blocker / "sub" / "out")], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-800:]
-    assert done.stderr.strip().splitlines()[-1] == (f"error: --out: cannot create {blocker / 'sub'}: Not a directory; "
+    assert done.stderr.strip().splitlines()[-1] == (f"error: --output: cannot create {blocker / 'sub'}: Not a directory; "
                                                    "pass a writable path")

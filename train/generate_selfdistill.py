@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medusa.config import arg, build_parser, parse_config, run_main
+from medusa import config
+from medusa.config import arg, parse_config, run_main
 from medusa.errors import MedusaError, require_extra
 from medusa.models.target import eos_token_ids, load_target
 from medusa.runtime.kernels import KERNELS, PackedLinears
@@ -132,15 +133,15 @@ def answer_batch(model, tok, batch, gen_kwargs: dict, eos: set[int]) -> list[dic
     return records
 
 
-def parser() -> argparse.ArgumentParser:
-    return build_parser(SelfDistillConfig, prog="train/generate_selfdistill.py", epilog=(
+def build_parser() -> argparse.ArgumentParser:
+    return config.build_parser(SelfDistillConfig, prog="train/generate_selfdistill.py", epilog=(
         "The answers train Medusa or EAGLE heads with train/train_heads.py (--data FILE, --kind medusa or "
         "eagle). Recipes: docs/training.md."))
 
 
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
-    cfg = parse_config(SelfDistillConfig, argv, parser())
+    cfg = parse_config(SelfDistillConfig, argv, build_parser())
     out = Path(cfg.output)
     probe_output(out)
     torch.manual_seed(cfg.seed)

@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from medusa.config import build_parser, log_above_progress_bars, parse_config, run_main
+from medusa import config
+from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.errors import require_extra
 from medusa.training.draft_task import DraftTrainConfig
 from medusa.training.loop import train
 
 
-def parser() -> argparse.ArgumentParser:
-    return build_parser(DraftTrainConfig, prog="train/train_draft.py", epilog=(
+def build_parser() -> argparse.ArgumentParser:
+    return config.build_parser(DraftTrainConfig, prog="train/train_draft.py", epilog=(
         "This trains a draft model (mode draft); Medusa and EAGLE heads train with train/train_heads.py "
         "(--kind medusa or eagle). Recipes: docs/training.md. YAML keys are the field names with "
         "underscores (max_steps for --max-steps)."))
@@ -32,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     require_extra("train")  # first, so that even --help names the extra to install
     with log_above_progress_bars():
-        cfg = parse_config(DraftTrainConfig, argv, parser())
+        cfg = parse_config(DraftTrainConfig, argv, build_parser())
         folder = train(cfg)
     logging.getLogger("medusa.training.draft_task").info("draft written to %s", folder)
     return 0

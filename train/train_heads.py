@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from medusa.config import build_parser, log_above_progress_bars, parse_config, run_main
+from medusa import config
+from medusa.config import log_above_progress_bars, parse_config, run_main
 from medusa.errors import MedusaError, require_extra
 from medusa.hub.hub import push_heads, require_token
 from medusa.training.loop import TrainConfig, train
 
 
-def parser() -> argparse.ArgumentParser:
-    return build_parser(TrainConfig, prog="train/train_heads.py", epilog=(
+def build_parser() -> argparse.ArgumentParser:
+    return config.build_parser(TrainConfig, prog="train/train_heads.py", epilog=(
         "Both head kinds train here: --kind medusa (independent heads; Medusa-2 with --lora) or --kind eagle "
         "(one decoder layer over the target's features; needs --cache-dir). Recipes, data and configs: "
         "docs/training.md. YAML keys are the field names with underscores (max_steps for --max-steps)."))
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     with log_above_progress_bars():
-        cfg = parse_config(TrainConfig, argv, parser())
+        cfg = parse_config(TrainConfig, argv, build_parser())
         if cfg.push_to_hub:
             require_token()  # a missing token shows now, not after the training run
         folder = train(cfg)

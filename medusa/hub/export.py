@@ -369,7 +369,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], name: str, cfg: dict[str, Any]) -> Path:
-    refuse_foreign(out, _EXPORT_FILES, "--out folder")  # replace an earlier export, nothing else
+    refuse_foreign(out, _EXPORT_FILES, "--output folder")  # replace an earlier export, nothing else
     with atomic_folder(out) as tmp:
         save_file(tensors, tmp / name, metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
