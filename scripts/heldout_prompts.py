@@ -67,7 +67,7 @@ def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max
             break
     if len(picked) < n:
         raise MedusaError(f"only {len(picked)} prompts of {source} are outside the training files and "
-                          f"{min_chars}-{max_chars} characters long: lower --n or widen the limits")
+                          f"{min_chars}-{max_chars} characters long: lower --samples or widen the limits")
     return picked
 
 
