@@ -182,3 +182,12 @@ def test_the_length_check_sees_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
     assert long_functions(tmp_path / "m.py") == [f"long ({MAX_FUNCTION_LINES + 1})"]
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_library_modules_stay_small():
+    """No module of the library outgrows one job: at most MAX_MODULE_LINES lines each."""
+    found = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not found, f"modules over {MAX_MODULE_LINES} lines: {found}"
