@@ -16,7 +16,7 @@ from medusa.hub.hub import load_heads_from
 from medusa.models.draft import load_draft
 from medusa.models.heads import MedusaHeads
 from medusa.models.loader import init_heads_for, load_heads
-from medusa.models.target import DEFAULT_MODEL_NAME, load_target
+from medusa.models.target import DEFAULT_MODEL_NAME, embedded_folder, load_target
 
 # Medusa heads shipped with the repo for the embedded default model (heads="medusa").
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
@@ -68,6 +68,13 @@ def resolve_heads(heads: str | torch.nn.Module | None, model_arg: str | None, mo
     if heads == "init":
         return init_heads_for(model)
     return load_heads_from(heads, model)
+
+
+def _target_name(lm) -> str | None:
+    """A reused target's name for :func:`default_heads`: None when it is the embedded default
+    (loaded from its folder), so the shipped heads apply to it."""
+    here = getattr(lm, "name_or_path", None)
+    return None if here and Path(here) == embedded_folder() else "the given target"
 
 
 def _reuse(target: Engine | torch.nn.Module, dtype, trust_remote_code: bool):
@@ -134,7 +141,7 @@ def load(
         base = make_plan(lm, None, dtype_asked=dtype is not None, kernels=kernels, compile=compile, planner=planner)
     if target is not None:  # a given target keeps its own heads (none for a bare model) unless others are named
         heads = heads if heads is not None else getattr(target, "heads", None) if isinstance(target, Engine) else None
-    heads = resolve_heads(heads, model or ("the given target" if target is not None else None), lm)
+    heads = resolve_heads(heads, model if target is None else _target_name(lm), lm)
     plan = make_plan(lm, heads, kernels=kernels, draft_dtype=draft_dtype, compile=compile, base=base, planner=planner)
     return Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm, static_cache=static_cache, compile=compile,
                   proposer_config=config, plan=plan)

@@ -182,3 +182,14 @@ def test_load_reuses_a_target_for_other_heads(cache, target):
     second = medusa.load(target=first, heads="init", autotune=False)
     assert second.model is first.model and second.heads is not first.heads
     assert second.plan.decision("dtype") == first.plan.decision("dtype")
+
+
+def test_a_reused_embedded_target_takes_the_shipped_heads_of_a_named_kind(target):
+    from medusa.errors import MedusaError
+
+    embedded = medusa.load(autotune=False)  # the embedded default with its default heads
+    medusa_kind = medusa.load(target=embedded, heads="medusa", autotune=False)
+    assert medusa_kind.model is embedded.model and medusa_kind.heads.config.kind == "medusa"
+    other = medusa.load(model=target, heads="init", autotune=False)
+    with pytest.raises(MedusaError, match="for the embedded default model"):
+        medusa.load(target=other, heads="medusa", autotune=False)

@@ -86,14 +86,18 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def embedded_folder(cache_dir: str | Path | None = None) -> Path:
+    """Where :func:`default_model_dir` keeps the embedded default (converted or not yet)."""
+    return (Path(cache_dir) if cache_dir is not None else cache_root()) / "models" / DEFAULT_MODEL_NAME
+
+
 def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     """The embedded default as a safetensors folder, dequantised from GGUF on first use.
 
     The folder is written to a temporary sibling and renamed into place, so concurrent
     first uses (e.g. two training processes) never see a half-written model.
     """
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    folder = root / "models" / DEFAULT_MODEL_NAME
+    folder = embedded_folder(cache_dir)
     if not _cached_model_ok(folder):
         _dequantise(embedded_gguf_path(), folder, DEFAULT_MODEL_ID)
     return folder
