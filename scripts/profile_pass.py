@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=count(3), default=30, help="timed passes per size")
     ap.add_argument("--new-tokens", type=count(8), default=64, help="tokens per generation for the engine rows")
     ap.add_argument("--compiled", action="store_true", help="also time plain decoding with compiled passes")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, help="also write the results as JSON here (default: printed only)")
     return ap
 
 

@@ -111,15 +111,21 @@ def test_two_processes_filling_the_cache_at_once_leave_both_entries(tmp_path):
     assert {f"{n} {i}" for n in "ab" for i in range(40)} == set(entries)
 
 
-def test_a_busy_timing_is_marked_and_timed_again_when_idle(tmp_path):
-    share = [0.9]
-
+def busy_probe(share: list[float]):
+    """An injected load probe: the rest of the machine was ``share[0]`` busy."""
     @__import__("contextlib").contextmanager
-    def probe(out):  # the injected load probe: how busy the rest of the machine was
+    def probe(out):
         yield
         out.append(share[0])
+    return probe
 
-    planner = Planner(True, PlanCache(tmp_path, load_probe=probe))
+
+def test_a_busy_timing_is_marked_and_timed_again_when_idle(tmp_path, monkeypatch):
+    from medusa.autotune import cache as plan_cache
+
+    monkeypatch.setattr(plan_cache, "JUDGED_S", 0.0)  # the timing below is instant
+    share = [0.9]
+    planner = Planner(True, PlanCache(tmp_path, load_probe=busy_probe(share)))
     calls = []
     entry, cached = planner.entry("k", ("reason",), lambda: calls.append(1) or {"reason": "r"})
     assert not cached and entry["busy_share"] == 0.9
@@ -127,6 +133,13 @@ def test_a_busy_timing_is_marked_and_timed_again_when_idle(tmp_path):
     share[0] = 0.0
     entry, cached = planner.entry("k", ("reason",), lambda: calls.append(1) or {"reason": "r"})
     assert not cached and "busy_share" not in entry and len(calls) == 2
+
+
+def test_a_timing_too_short_to_judge_is_never_marked_busy(tmp_path):
+    planner = Planner(True, PlanCache(tmp_path, load_probe=busy_probe([0.9])))
+    entry, cached = planner.entry("k", ("reason",), lambda: {"reason": "r"})  # far under JUDGED_S
+    assert not cached and "busy_share" not in entry
+    assert planner.entry("k", ("reason",), lambda: pytest.fail("measured again"))[1]
 
 
 @pytest.mark.parametrize("native, rows, ratio, want", [

@@ -268,7 +268,7 @@ def test_engine_medusa_sampling_matches_the_target(target, kind, sampling):
     eng = Engine(target, heads=heads, tree=ENGINE_TREE)
     samples, first_step_hits, m = [], 0, 400 if kind == "good" else 300
     for seed in range(m):
-        res = eng.generate(PROMPT, max_new_tokens=K, sampling=sampling.override(seed=seed))
+        res = eng.generate(PROMPT, max_new_tokens=K, sampling=sampling.override(seed=seed), mode="medusa")
         samples.append(tuple(res.tokens))
         first_step_hits += bool(res.stats.accepted) and res.stats.accepted[0] > 1
     assert chi_square_pvalue(samples, target_law(target, sampling, eng.eos)) > ALPHA

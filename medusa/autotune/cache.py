@@ -38,6 +38,9 @@ from medusa.runtime.files import cache_root, log
 SCHEMA = 1  # the one version of the file and its keys: bump it when an entry's meaning changes
 FILE = "plan.json"
 BUSY_SHARE = 0.25  # other processes used this much of the CPUs while an entry was timed: time it again
+# /proc/stat counts in 10 ms ticks: over a window shorter than this, one tick of a kernel thread
+# reads as a busy machine, so a shorter timing is never marked busy (its picks have wide margins)
+JUDGED_S = 1.0
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 
@@ -159,7 +162,7 @@ class PlanCache:
         with self.load_probe(share) if timed else contextlib.nullcontext():
             entry = measure()
         entry = {**entry, "seconds": round(time.perf_counter() - t0, 3)}
-        if timed and share and share[0] >= BUSY_SHARE:
+        if timed and share and share[0] >= BUSY_SHARE and entry["seconds"] >= JUDGED_S:
             entry["busy_share"] = round(share[0], 3)
         self.put(name, entry)
         return entry
