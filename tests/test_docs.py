@@ -90,3 +90,32 @@ def test_the_checks_see_a_broken_link_and_anchor(tmp_path):
     assert anchors(tmp_path / "a.md") == {"title-with-punctuation", "same", "same-1"}
     assert broken_links(tmp_path / "b.md") == ["a.md#not-a-heading (no such anchor)", "c.md (no such file)",
                                                "a.md#nope (no such anchor)"]
+
+
+SOURCE_PATH = re.compile(r"\b((?:medusa|infer|train|scripts|tests)/[\w/]+\.(?:py|sh))\b")
+
+
+def missing_sources(page: Path) -> list[str]:
+    """The repository files (``medusa/...py`` and the like) a page names that do not exist."""
+    return sorted({p for p in SOURCE_PATH.findall(page.read_text()) if not (ROOT / p).is_file()})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_source_files_exist(page):
+    """A page that names a module names one that is there (modules move; the docs follow)."""
+    assert not missing_sources(page), f"{page.relative_to(ROOT)} names files that do not exist: {missing_sources(page)}"
+
+
+def test_the_module_map_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"`(medusa/[\w/]+\.py)`", text))
+    for row in re.findall(r"^\| `(medusa/[\w/]+)/[\w]+\.py`, (.+?) \|", text, flags=re.M):  # `a/b.py`, `c.py` rows
+        listed |= {f"{row[0]}/{name}" for name in re.findall(r"`(\w+\.py)`", row[1])}
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "medusa").rglob("*.py") if p.name != "__init__.py"}
+    assert not modules - listed, f"docs/architecture.md's module map lacks {sorted(modules - listed)}"
+
+
+def test_the_source_check_sees_a_moved_module(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("The loop is `medusa/decoding/engine.py`; the mask was in `medusa/decoding/hf.py`.")
+    assert missing_sources(page) == ["medusa/decoding/hf.py"]
