@@ -729,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:  # the peers' workers belong to this run (their model and settings are this run's)
+        bench_vllm.close_all()
+        bench_llamacpp.close_all()
     reference = "hf" if "hf" in modes else None
     summary = summarise(prompts, runs, reference, sampled=not bench.sampling.greedy)
     print(table(summary, reference))

