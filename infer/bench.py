@@ -59,6 +59,7 @@ from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
+from medusa.models.heads_config import EAGLE_KINDS
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import KERNELS
 
@@ -212,7 +213,7 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     tree's budget of eagle heads."""
     if engine.heads is None:
         return None
-    if engine.heads.config.kind == "eagle":
+    if engine.heads.config.kind in EAGLE_KINDS:
         from medusa.decoding.eagle_draft import DynamicTree
 
         if engine.plan.eagle is not None:
@@ -223,7 +224,7 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
 
 def _sizes_reason(engine: Engine) -> str | None:
     """How the eagle heads' trees were sized (None: no eagle heads)."""
-    if engine.heads is None or engine.heads.config.kind != "eagle":
+    if engine.heads is None or engine.heads.config.kind not in EAGLE_KINDS:
         return None
     trees = engine.plan.decision("trees")
     return trees.reason if trees is not None else "calibrated for the device type"
@@ -318,8 +319,8 @@ def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
 
 
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
-HEAD_KINDS = ("medusa", "eagle")  # mode suffix @KIND: the engine mode on heads of that kind
-_SPEC = re.compile(rf"^(?P<base>[a-z]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<compiled>\{COMPILED})?$")
+HEAD_KINDS = ("medusa", "eagle", "eagle3")  # mode suffix @KIND: the engine mode on heads of that kind
+_SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<compiled>\{COMPILED})?$")
 
 
 @dataclass(frozen=True)
@@ -654,8 +655,8 @@ def prepare(bench: Bench, modes: list[str]) -> None:
 def eagle_engine(bench: Bench) -> Engine | None:
     """The engine the eagle modes ran on (loaded for them, else the main one with eagle heads)."""
     eager = [(kind, e) for (kind, compiled), e in bench.engines.items() if not compiled]
-    found = [e for kind, e in eager if kind == "eagle"] + [e for _, e in eager if e.heads is not None
-                                                          and e.heads.config.kind == "eagle"]
+    found = [e for kind, e in eager if kind in EAGLE_KINDS] + [e for _, e in eager if e.heads is not None
+                                                               and e.heads.config.kind in EAGLE_KINDS]
     return found[0] if found else None
 
 
@@ -666,7 +667,7 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, modes: "
           f"{', '.join(modes)}", file=sys.stderr)
     for engine in {id(e): e for e in bench.engines.values()}.values():
-        if engine.heads is not None and engine.heads.config.kind == "eagle":
+        if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
             print(f"eagle trees{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
     if "lookahead" in modes:
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
 from medusa.config import HelpFormatter, count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
+from medusa.models.heads_config import EAGLE_KINDS
 
 # 2 (bad usage) comes from argparse itself.
 EXIT_OK, EXIT_USER_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -496,7 +497,7 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
              f"· context {window} tokens")]
     # what the machine plan picked and why (dtype, kernels, rows, heads' dtype, trees)
     lines += [line for line in engine.describe() if not line.startswith(("passes", "mode"))]
-    if engine.heads is not None and engine.heads.config.kind == "eagle":
+    if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
         from medusa.decoding.proposers import Hybrid
         from medusa.decoding.tree import tree_key
 

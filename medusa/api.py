@@ -20,27 +20,32 @@ from medusa.models.target import DEFAULT_MODEL_NAME, embedded_folder, load_targe
 
 # Medusa heads shipped with the repo for the embedded default model (heads="medusa").
 SHIPPED_HEADS = Path(__file__).resolve().parent / "assets" / "heads" / "smollm2-135m-instruct"
-# EAGLE heads shipped for the same model (heads="eagle"): the default heads of medusa.load() on a
-# CPU, since their hybrid mode measured fastest there (docs/benchmarks/README.md).
+# EAGLE heads shipped for the same model (heads="eagle"), vLLM's EAGLE-1 layout.
 SHIPPED_EAGLE_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle")
+# EAGLE-3 heads for the same model (heads="eagle3"): three target layers fused, 7 steps unrolled;
+# the default heads of medusa.load() on a CPU, since their hybrid mode measured fastest there
+# (docs/benchmarks/2026-11-28-epyc-zen4-eagle3.md).
+SHIPPED_EAGLE3_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle3")
 
 
 def shipped_heads_for(device: torch.device) -> Path | None:
-    """The shipped heads that measured fastest on ``device``'s type, else the other kind where
-    only that one is present. On a CPU the EAGLE heads; on CUDA the Medusa heads, whose hybrid
-    mode ran 1.19x the EAGLE heads' on an H200 (eagerly; docs/benchmarks/2026-11-26-h200.md#eager-passes): a pass is launch-bound
-    there and costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps
-    cost more than their extra accepted tokens save."""
-    order = (SHIPPED_HEADS, SHIPPED_EAGLE_HEADS) if device.type == "cuda" else (SHIPPED_EAGLE_HEADS, SHIPPED_HEADS)
+    """The shipped heads that measured fastest on ``device``'s type, else the next present. On a
+    CPU the EAGLE-3 heads (their hybrid mode 1.07x the EAGLE heads' on held-out prompts, AMD EPYC
+    Zen 4); on CUDA the Medusa heads, whose hybrid mode ran 1.19x the EAGLE heads' on an H200
+    (eagerly; docs/benchmarks/2026-11-26-h200.md#eager-passes): a pass is launch-bound there and
+    costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps cost more
+    than their extra accepted tokens save (the EAGLE-3 heads are not measured on a GPU yet)."""
+    order = ((SHIPPED_HEADS, SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS) if device.type == "cuda"
+             else (SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS))
     return next((f for f in order if (f / "config.json").is_file()), None)
 
 
-SHIPPED = {"medusa": SHIPPED_HEADS, "eagle": SHIPPED_EAGLE_HEADS}  # heads="medusa" / "eagle"
+SHIPPED = {"medusa": SHIPPED_HEADS, "eagle": SHIPPED_EAGLE_HEADS, "eagle3": SHIPPED_EAGLE3_HEADS}  # heads="medusa" / ...
 
 
 def default_heads(model_arg: str | None, device: torch.device, kind: str | None = None) -> Path | None:
     """The one place the default heads are chosen: for the embedded default target, the shipped
-    heads of ``kind`` ("medusa" or "eagle"), or with no kind the kind that measured fastest on
+    heads of ``kind`` ("medusa", "eagle" or "eagle3"), or with no kind the kind that measured fastest on
     this device type (:func:`shipped_heads_for`); for any other target none."""
     if kind is not None and kind not in SHIPPED:
         raise MedusaError(f"unknown heads kind {kind!r}: use one of {', '.join(SHIPPED)}, a folder or a Hub id")
@@ -53,7 +58,7 @@ def default_heads(model_arg: str | None, device: torch.device, kind: str | None 
 
 def resolve_heads(heads: str | torch.nn.Module | None, model_arg: str | None, model: torch.nn.Module) -> MedusaHeads | None:
     """``None``: :func:`default_heads` (the shipped heads when the target is the embedded
-    default, else no heads); ``"medusa"``/``"eagle"``: the shipped heads of that kind;
+    default, else no heads); ``"medusa"``/``"eagle"``/``"eagle3"``: the shipped heads of that kind;
     ``"init"``: fresh, untrained heads for this target; a folder (ours or FasterDecoding's
     Medusa-1 layout) or a Hub id ``USER/NAME``: heads saved there (see :mod:`medusa.hub.hub`)."""
     if isinstance(heads, torch.nn.Module):  # heads already loaded (Medusa or EAGLE)

@@ -361,8 +361,10 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA) or EAGLE heads (kind: eagle) on a Hugging Face causal LM."""
 
     # -- heads --
-    kind: str = arg("medusa", "heads kind: medusa (independent heads) or eagle (one autoregressive decoder layer "
-                              "over the target's features; needs cache_dir)", choices=("medusa", "eagle"))
+    kind: str = arg("medusa", "heads kind: medusa (independent heads), eagle (one autoregressive decoder layer "
+                              "over the target's last features; needs cache_dir) or eagle3 (one layer over several "
+                              "target layers fused, its own draft vocabulary of train_vocab tokens; the target runs "
+                              "each step)", choices=("medusa", "eagle", "eagle3"))
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
                             "unrolled in training (training-time test)", bounds=(1, None))
     num_layers: int = arg(1, "residual blocks per head", bounds=(1, None))
@@ -372,6 +374,8 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     eagle_layout: str = arg("norms", "eagle: norms (the layer's input norm and the target's final norm) or eagle1 "
                                      "(neither: vLLM's EAGLE-1 drafter, exportable with scripts/export_heads.py --to vllm)",
                             choices=("norms", "eagle1"))
+    feature_layers: list[int] | None = arg(None, "eagle3: the target layers whose inputs are fused (default: vLLM's "
+                                                 "2, the middle one and the third from last)")
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
                           choices=("shared", "per_head"))
     init_heads: str | None = arg(None, "start from the heads in this folder (fine-tuning) instead of fresh ones; "
@@ -409,6 +413,8 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
             raise MedusaError(f"unknown cache_kernels {self.cache_kernels!r}: use default or onednn")
         if not 0 <= self.distill <= 1:
             raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
+        if self.kind == "eagle3" and (self.lora or self.cache_dir):
+            raise MedusaError("eagle3 heads read the frozen target's layers at every step: drop cache_dir and lora")
         if self.kind == "eagle" and (self.lora or not self.cache_dir):
             raise MedusaError("eagle heads train on the feature cache of a frozen target: set cache_dir and drop lora")
         if self.max_steps <= 0 and self.num_epochs <= 0:

@@ -34,7 +34,7 @@ from medusa.config import HelpFormatter, count
 from medusa.decoding.eagle_draft import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
-from medusa.models.heads_config import CALIBRATION_NAME
+from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, reference = held_out_prompts(args, engine.tokenizer)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(args, engine, answers, reference)
-        if heads.config.kind == "eagle":
+        if heads.config.kind in EAGLE_KINDS:
             return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
         ranks = head_ranks(args, engine, prompts, answers)
         counts_paths = path_counts(ranks)

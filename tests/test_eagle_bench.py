@@ -26,6 +26,23 @@ def test_bench_runs_medusa_and_eagle_heads_in_one_run(tmp_path, capsys):
         assert modes[name]["identical"] == 2 and [p["tokens"] for p in modes[name]["per_prompt"]] == ref, name
 
 
+def test_bench_runs_eagle3_heads_beside_eagle_heads(tmp_path):
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    eagle = save_heads(init_eagle_for(model), tmp_path / "eagle")
+    eagle3 = save_heads(init_eagle3_for(model, 4, vocab=list(range(0, model.config.vocab_size, 2))), tmp_path / "eagle3")
+    out = tmp_path / "bench.json"
+    args = ["--model", str(folder), "--eagle-heads", str(eagle), "--eagle3-heads", str(eagle3), "--limit", "2",
+            "--max-new-tokens", "10", "--modes", "hf,eagle,eagle3,hybrid@eagle3", "--json", str(out)]
+    assert bench.main(args) == 0
+    modes = json.loads(out.read_text())["modes"]
+    ref = [p["tokens"] for p in modes["hf"]["per_prompt"]]
+    for name in ("eagle", "eagle3", "hybrid@eagle3"):
+        assert modes[name]["identical"] == 2 and [p["tokens"] for p in modes[name]["per_prompt"]] == ref, name
+
+
 def test_bench_eagle_modes_refuse_medusa_heads_as_eagle_heads(tmp_path, capsys):
     folder = tiny_target(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(folder)

@@ -440,3 +440,47 @@ def test_eagle1_export_needs_a_llama_target_of_the_heads_size(target, tmp_path):
         export_heads(config, state, tmp_path / "a", "vllm", target_config={**model.config.to_dict(), "model_type": "qwen2"})
     with pytest.raises(MedusaError, match="hidden size"):
         export_heads(config, state, tmp_path / "b", "vllm", target_config={**model.config.to_dict(), "hidden_size": 32})
+
+
+def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    folder_target, model = target
+    torch.manual_seed(2)
+    heads = init_eagle3_for(model, 7, vocab=torch.arange(3, model.config.vocab_size, 2))
+    folder = save_heads(heads, tmp_path / "heads")
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "vllm"
+    assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target)]) == 0
+    printed = capsys.readouterr().out
+    assert '"method": "eagle3"' in printed and '"num_speculative_tokens": 7' in printed
+    cfg = json.loads((out / "config.json").read_text())
+    h, v, s = model.config.hidden_size, model.config.vocab_size, heads.config.draft_vocab_size
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], cfg["draft_vocab_size"]) == (1, h, v, s)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(heads.feature_layers)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(heads.feature_layers)
+    assert cfg["head_dim"] * cfg["num_attention_heads"] == heads.layers[0].self_attn.q_proj.out_features
+    tensors = load_file(out / "model.safetensors")
+    # vLLM's names are the heads' own; no embed_tokens (vLLM shares the target's)
+    assert set(tensors) == set(heads.state_dict())
+    assert tensors["fc.weight"].shape == (h, len(heads.feature_layers) * h)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h  # attention reads [embed ; feature]
+    assert tensors["lm_head.weight"].shape == (s, h)
+    # draft id i is target token i + d2t[i]
+    assert torch.equal(torch.arange(s) + tensors["d2t"], torch.arange(3, v, 2)[:s])
+    for name, tensor in heads.state_dict().items():
+        assert torch.equal(tensors[name], tensor), name
+    # over the full vocabulary there is no map to write
+    full = init_eagle3_for(model, 7)
+    config, state = read_heads(save_heads(full, tmp_path / "full"))
+    export_heads(config, state, tmp_path / "full-vllm", "vllm", target_config=model.config.to_dict())
+    assert "d2t" not in load_file(tmp_path / "full-vllm" / "model.safetensors")
+    with pytest.raises(MedusaError, match="no fasterdecoding export"):
+        export_heads(config, state, tmp_path / "fd", "fasterdecoding", target_config=model.config.to_dict())
+    with pytest.raises(MedusaError, match="own draft vocabulary"):
+        export_heads(config, state, tmp_path / "dv", "vllm", draft_vocab=[1, 2], target_config=model.config.to_dict())
+    with pytest.raises(MedusaError, match="hidden size"):
+        export_heads(config, state, tmp_path / "hs", "vllm", target_config={**model.config.to_dict(), "hidden_size": 32})

@@ -1,8 +1,9 @@
 """Real vLLM with the shipped heads exported: the same greedy output as the engine.
 
 Runs ``scripts/vllm_check.py`` on the embedded SmolLM2-135M (float32, batch 1, 3 prompts x
-32 tokens) for both kinds of shipped heads: the Medusa heads (vLLM's ``"method": "medusa"``)
-and the EAGLE heads in the eagle1 layout (vLLM's EAGLE-1 drafter, ``"method": "eagle"``).
+32 tokens) for the three kinds of shipped heads: the Medusa heads (vLLM's ``"method": "medusa"``),
+the EAGLE heads in the eagle1 layout (vLLM's EAGLE-1 drafter, ``"method": "eagle"``) and the
+EAGLE-3 heads with their draft vocabulary (vLLM's EAGLE-3 Llama drafter, ``"method": "eagle3"``).
 vLLM lives in its own venv (``~/.cache/medusa/vllm-venv``, created on first use: about 4-5
 minutes here, then reused); where it cannot be installed the test fails and says so.
 """
@@ -38,8 +39,9 @@ def test_vllm_with_exported_medusa_and_eagle_heads_decodes_like_the_engine(tmp_p
     rc = load_script().main(["--max-new-tokens", "32", "--json", str(out)])
     report = json.loads(out.read_text())
     checks = {c["spec"]["method"]: c for c in report["checks"]}
-    assert sorted(checks) == ["eagle", "medusa"]
+    assert sorted(checks) == ["eagle", "eagle3", "medusa"]
     assert checks["medusa"]["spec"]["num_speculative_tokens"] == 4 and checks["eagle"]["spec"]["num_speculative_tokens"] == 3
+    assert checks["eagle3"]["spec"]["num_speculative_tokens"] == 7
     for method, check in checks.items():
         rows = check["prompts"]
         assert len(rows) == 3

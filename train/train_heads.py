@@ -2,7 +2,7 @@
 
     accelerate launch train/train_heads.py --config configs/train/smollm2-135m.yaml [--field-name value ...]
 
-``kind`` (``--kind medusa``, the default, or ``--kind eagle``) picks the heads; docs/training.md
+``kind`` (``--kind medusa``, the default, ``--kind eagle`` or ``--kind eagle3``) picks the heads; docs/training.md
 has the recipes. Every field, its default and its meaning: ``python train/train_heads.py --help``.
 The loop lives in ``medusa/training/loop.py``; this file only parses the config and reports errors.
 """
@@ -22,7 +22,8 @@ from medusa.training.loop import TrainConfig, train
 def build_parser() -> argparse.ArgumentParser:
     return config.build_parser(TrainConfig, prog="train/train_heads.py", epilog=(
         "Both head kinds train here: --kind medusa (independent heads; Medusa-2 with --lora) or --kind eagle "
-        "(one decoder layer over the target's features; needs --cache-dir). Recipes, data and configs: "
+        "(one decoder layer over the target's features; needs --cache-dir) or --kind eagle3 (one layer over three target layers, "
+        "its own draft vocabulary; the target runs each step). Recipes, data and configs: "
         "docs/training.md. YAML keys are the field names with underscores (max_steps for --max-steps)."))
 
 

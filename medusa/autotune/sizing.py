@@ -33,6 +33,7 @@ from medusa.decoding.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.passes import pass_bucket
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
+from medusa.models.heads_config import EAGLE_KINDS
 from medusa.runtime import hf as kv
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
@@ -80,7 +81,7 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
     ids = (torch.arange(PREFIX, device=device) * 7919 + 13) % (model.config.vocab_size - 1) + 1
     cache = kv.new_cache()
     _, hidden = kv.forward(model, ids[None], torch.arange(PREFIX, device=device)[None], cache, None,
-                           logits_rows=slice(-1, None))
+                           logits_rows=slice(-1, None), layers=getattr(heads, "feature_layers", None))
     root = torch.tensor([[PREFIX - 1]], device=device)
     accepted = StepOutcome(nodes=[0, 1], tokens=ids[-2:].tolist(), hidden=hidden[-2:], start=PREFIX - 1)
     state = DecodeState(cache=None, tokens=ids.tolist(), length=PREFIX - 1, root=ids[-1], hidden=hidden[-2],
@@ -113,8 +114,11 @@ def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[
 
 def heads_fingerprint(heads) -> str:
     """What of the heads the sizing's timings depend on (part of the cache key)."""
-    vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
-    return f"eagle h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
+    if heads.config.kind == "eagle3":  # its own lm_head: the draft vocabulary it always scores
+        vocab = heads.config.draft_vocab_size
+    else:
+        vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
+    return f"{heads.config.kind} h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
 
 
 def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tuple[int, int], Acceptance]:
@@ -123,7 +127,7 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
     apply). A CPU engine with compiled passes is sized from the eager passes' costs at its padded
     sizes (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX
     Xeon (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
-    if heads is None or heads.config.kind != "eagle" or (compile and compile != "auto" and device.type != "cpu"):
+    if heads is None or heads.config.kind not in EAGLE_KINDS or (compile and compile != "auto" and device.type != "cpu"):
         return {}
     return measured_curves(heads, device, dtype)
 

@@ -28,6 +28,7 @@ from medusa.decoding.proposers import PromptLookup
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import spelled
 from medusa.models.eagle_heads import EagleHeads
+from medusa.runtime import hf as kv
 from medusa.models.heads import MedusaHeads
 
 Path_ = tuple[int, ...]
@@ -219,7 +220,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     for prompt, answer in sequences:
         ids = prompt + answer
         seq = torch.tensor(ids, device=device)
-        hidden = model.get_decoder()(input_ids=seq[None]).last_hidden_state[0]  # [T, H]
+        hidden = kv.features(model, seq, getattr(heads, "feature_layers", None))  # [T, H] (eagle3: [T, L*H])
         p = len(prompt)
         state = DecodeState(cache=None, tokens=ids[: p + 1], length=p, root=seq[p], hidden=hidden[p - 1],
                             logits=None, prefill_hidden=hidden[:p])

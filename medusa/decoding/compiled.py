@@ -48,6 +48,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from medusa.errors import MedusaError
 from medusa.runtime import exact, opaque
 from medusa.runtime import hf as kv
 from medusa.runtime import kernels as packed
@@ -122,10 +123,12 @@ class SavedPasses:
         self.fallback: str | None = None
         self._traced_fn = None
         self._looked: dict[Path, float] = {}  # build=False: when a missing file was last looked for
+        self.layers: tuple[int, ...] | None = None  # the passes return these layers' inputs (PassStrategy.use_features)
 
     def path(self, rows: int) -> Path:
         # inductor's CPU kernels bake in the thread count (and the graph guards on it)
-        return self.folder / f"pass-{self.key}-t{torch.get_num_threads()}-{rows}.bin"
+        layers = "" if self.layers is None else "-L" + "_".join(map(str, self.layers))
+        return self.folder / f"pass-{self.key}{layers}-t{torch.get_num_threads()}-{rows}.bin"
 
     def missing(self, sizes: list[int]) -> list[int]:
         """The pass ``sizes`` neither loaded here nor saved for this machine and thread count."""
@@ -135,22 +138,25 @@ class SavedPasses:
         """The file a background build of these passes holds while it runs (:func:`build_lock`)."""
         return self.folder / f"build-{self.key}-t{torch.get_num_threads()}.lock"
 
-    def __call__(self, model, input_ids, position_ids, cache, mask, logits_rows=None, cache_arg=None):
+    def __call__(self, model, input_ids, position_ids, cache, mask, logits_rows=None, cache_arg=None, layers=None):
+        if layers != self.layers:
+            raise MedusaError(f"saved passes return layers {self.layers}, asked for {layers}: set them with use_features")
         if self.fallback is None:
             graph = self.graph(model, input_ids.shape[1], cache_arg)
             if graph is not None:
                 try:
                     return graph(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows,
-                                 cache_arg=cache_arg)
+                                 cache_arg=cache_arg, layers=layers)
                 except RuntimeError as e:  # only a guard's refusal: anything else is the pass's own error
                     if "GuardManager check failed" not in str(e):
                         raise
                     self._fall_back(f"a saved pass graph refused this pass's inputs ({_guard_reason(e)})")
         if not self.build:  # never compiled here: a size not saved (yet) runs eagerly
-            return kv.forward(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows, cache_arg=cache_arg)
+            return kv.forward(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows, cache_arg=cache_arg,
+                              layers=layers)
         kv.mark_capacity_dynamic(cache, mask)  # per-process tracing: one graph per size, any capacity
         return self._traced()(model, input_ids, position_ids, cache, mask, logits_rows=logits_rows,
-                              cache_arg=cache_arg)
+                              cache_arg=cache_arg, layers=layers)
 
     def graph(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
         """The graph for passes of ``rows`` new tokens: already here, loaded, or compiled and
@@ -196,7 +202,7 @@ class SavedPasses:
     def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
         compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe, **self.options})
-        return compiler.aot_compile((example_pass(model, rows, cache_arg), {"cache_arg": cache_arg}))
+        return compiler.aot_compile((example_pass(model, rows, cache_arg), {"cache_arg": cache_arg, "layers": self.layers}))
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason

@@ -34,6 +34,7 @@ from medusa.decoding.tree import compile_tree, load_tree, tree_key
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
 
@@ -49,7 +50,7 @@ def truncate(proposal: Proposal, rows: int) -> Proposal:
 def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
     """``tree`` if it shapes something: a tree passed for eagle heads' modes, whose tree grows
     per step (sized for the device), would be silently ignored, so it is an error."""
-    if tree is not None and heads is not None and heads.config.kind == "eagle" and mode in ("eagle", "hybrid"):
+    if tree is not None and heads is not None and heads.config.kind in EAGLE_KINDS and mode in (*EAGLE_KINDS, "hybrid"):
         raise MedusaError("a tree (--tree) shapes the static tree of Medusa heads, but these are eagle heads, whose "
                           "tree grows per step (sized for the device): drop the tree, or use Medusa heads (mode medusa)")
     return tree
@@ -111,6 +112,8 @@ class Engine:
         self._kernels = kernel_scope(model, plan.kernels, draft, heads)
         self.kernels = plan.kernels
         self.passes: PassStrategy = make_passes(model, compile, static_cache, plan.kernels, exact)
+        # EAGLE-3 heads read several of the target's layers: every pass returns those
+        self.passes.use_features(getattr(heads, "feature_layers", None))
 
     @property
     def default_mode(self) -> str:
@@ -188,7 +191,7 @@ class Engine:
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
         plan = self.plan  # sizes measured here (None: calibrated for the device type)
-        size = {"eagle": plan.eagle, "hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode)
+        size = {"eagle": plan.eagle, "eagle3": plan.eagle, "hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows)
 

@@ -143,6 +143,12 @@ class PassStrategy:
 
     name, static, compiled = "eager", False, False
     saved: SavedPasses | None = None
+    features: tuple[int, ...] | None = None  # passes return these layers' inputs, not the final hidden state
+
+    def use_features(self, layers: tuple[int, ...] | None) -> None:
+        """Return the residual stream entering ``layers`` as every pass's hidden states (EAGLE-3
+        heads read several of the target's layers; :func:`medusa.runtime.hf.forward`)."""
+        self.features = None if layers is None else tuple(int(i) for i in layers)
 
     def __init__(self, model: PreTrainedModel, reason: str = "compile=False", kernels: str = "default") -> None:
         self.model, self.reason, self.kernels = model, reason, kernels
@@ -161,7 +167,7 @@ class PassStrategy:
     def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
         """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs."""
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        return kv.forward(self.model, ids, positions, cache, None, logits_rows=slice(-1, None))
+        return kv.forward(self.model, ids, positions, cache, None, logits_rows=slice(-1, None), layers=self.features)
 
     def verify(self, cache, start: int, proposal: Proposal, min_rows: int = 1) -> Verified:
         """The target's outputs for ``proposal``'s ``n`` candidate rows after ``start`` cached
@@ -171,7 +177,7 @@ class PassStrategy:
         chain = proposal.is_chain and proposal.side is None
         mask = None if chain else kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
         logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
-                                      cache_arg=self.cache_arg)
+                                      cache_arg=self.cache_arg, layers=self.features)
         return _split(proposal, logits, hidden)
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
@@ -203,7 +209,7 @@ class StaticPasses(PassStrategy):
         kv.reserve(cache, min(room, self.max_positions) if self.max_positions else room, self.slot_step)
         mask = kv.causal_mask(self.model, start, ids.shape[1], self.model.dtype, self.device, kv.capacity(cache))
         positions = torch.arange(start, total, device=self.device)[None]
-        return kv.forward(self.model, ids, positions, cache, mask, logits_rows=slice(-1, None))
+        return kv.forward(self.model, ids, positions, cache, mask, logits_rows=slice(-1, None), layers=self.features)
 
     def verify(self, cache, start: int, proposal: Proposal, min_rows: int = 1) -> Verified:
         tokens, depth, ancestor = _rows(proposal)
@@ -215,7 +221,7 @@ class StaticPasses(PassStrategy):
         mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype, kv.capacity(cache))
         self._before(cache, mask)
         logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
-                                      cache_arg=self.cache_arg)
+                                      cache_arg=self.cache_arg, layers=self.features)
         return self._after(*_split(proposal, logits, hidden))  # padding rows are never verified
 
     def _before(self, cache, mask) -> None:
@@ -242,10 +248,14 @@ class SavedGraphPasses(StaticPasses):
             t0 = time.perf_counter()
             # a saved size is loaded (or compiled and saved); build=False leaves a missing one eager
             if self.saved.graph(self.model, b, self.cache_arg) is None and self.saved.build:
-                self.saved(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg)
+                self.saved(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg, layers=self.features)
             if progress is not None:
                 progress(b, time.perf_counter() - t0)
         return list(sizes)
+
+    def use_features(self, layers: tuple[int, ...] | None) -> None:
+        super().use_features(layers)
+        self.saved.layers = self.features  # graphs returning these layers are saved apart
 
     def missing(self, sizes: Sequence[int]) -> list[int]:
         return self.saved.missing(list(sizes))
@@ -269,7 +279,7 @@ class TracedPasses(StaticPasses):
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
         for b in sizes:
             t0 = time.perf_counter()
-            self.forward(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg)
+            self.forward(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg, layers=self.features)
             if progress is not None:
                 progress(b, time.perf_counter() - t0)
         return list(sizes)
@@ -292,6 +302,11 @@ class AutoPasses(PassStrategy):
     def __init__(self, model: PreTrainedModel, graphs: SavedGraphPasses, reason: str, kernels: str = "default") -> None:
         super().__init__(model, reason, kernels)
         self.graphs, self.eager, self.saved = graphs, PassStrategy(model, reason, kernels), graphs.saved
+
+    def use_features(self, layers: tuple[int, ...] | None) -> None:
+        super().use_features(layers)
+        self.graphs.use_features(layers)
+        self.eager.use_features(layers)
 
     def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
         try:

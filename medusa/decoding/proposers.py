@@ -30,6 +30,7 @@ from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, chain, compile_tree, spelled
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
+from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import context_window
 from medusa.runtime import hf as kv
 from medusa.runtime.ngrams import NgramTable
@@ -346,7 +347,7 @@ class Hybrid:
         self.lookup.update(state, outcome)
 
 
-MODES = ("baseline", "medusa", "eagle", "draft", "lookup", "hybrid", "lookahead")
+MODES = ("baseline", "medusa", "eagle", "eagle3", "draft", "lookup", "hybrid", "lookahead")
 LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
 
 
@@ -398,7 +399,7 @@ def make_proposer(
         return Autoregressive(device)
     if mode == "lookahead":
         return _lookahead(device, config, size, max_rows)
-    if mode in ("medusa", "eagle", "hybrid"):
+    if mode in ("medusa", *EAGLE_KINDS, "hybrid"):
         if heads is None:
             raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
         kind = heads.config.kind
@@ -406,7 +407,7 @@ def make_proposer(
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {kind} heads: "
                               f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
         chain = config.chain()
-        if kind == "eagle":
+        if kind in EAGLE_KINDS:
             size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=mode == "hybrid")
             guessed: Proposer = EagleProposer(heads, device, size=size, dtype=dtype)
             chain = config.chain(size.chain)

@@ -321,6 +321,49 @@ def vllm_eagle_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> dic
     return out
 
 
+def vllm_eagle3_config(config: HeadsConfig, target_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of vLLM's EAGLE-3 Llama drafter (``LlamaForCausalLMEagle3``) for
+    ``eagle3`` heads: the one-layer Llama config the heads were built from
+    (:func:`medusa.models.eagle3_heads.drafter_config`), their draft vocabulary size and the
+    target layers vLLM hands them (``eagle_aux_hidden_state_layer_ids``: the input of layer
+    ``i``, as :func:`medusa.runtime.hf.forward` reads it)."""
+    if (target_config.get("hidden_size"), target_config.get("vocab_size")) != (config.hidden_size, config.vocab_size):
+        raise MedusaError(f"the target has hidden size {target_config.get('hidden_size')} and vocab "
+                          f"{target_config.get('vocab_size')} but the heads need {config.hidden_size} and "
+                          f"{config.vocab_size}: pass the model the heads were trained for (--model)")
+    from transformers import AutoConfig
+
+    from medusa.models.eagle3_heads import drafter_config
+
+    class _Target:  # drafter_config reads a model's config.get_text_config()
+        config = AutoConfig.for_model(**target_config)
+
+    llama = drafter_config(_Target, config.draft_vocab_size).to_dict()
+    rope = llama.get("rope_parameters") or {}
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters")
+    out = {k: llama[k] for k in keep if k in llama}
+    layers = list(config.feature_layers)
+    out.update(model_type="llama", architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+               rope_theta=rope.get("rope_theta", 10000.0), rope_scaling=None, tie_word_embeddings=False,
+               draft_vocab_size=config.draft_vocab_size, target_hidden_size=config.hidden_size,
+               eagle_aux_hidden_state_layer_ids=layers,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True},
+               dtype=str(dtype).removeprefix("torch."))
+    if config.base_model:
+        out["base_model_name_or_path"] = config.base_model
+    return out
+
+
+def vllm_eagle3_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The heads' tensors under vLLM's EAGLE-3 names, which are theirs; ``d2t`` only where the
+    draft vocabulary is smaller than the target's (vLLM then maps draft ids through it)."""
+    out = dict(state)
+    if config.draft_vocab_size == config.vocab_size and not bool(out["d2t"].any()):
+        del out["d2t"]
+    return out
+
+
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
                  lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  draft_vocab: list[int] | torch.Tensor | None = None,
@@ -336,6 +379,16 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if config.kind == "eagle3":
+        if layout != "vllm":
+            raise MedusaError(f"eagle3 heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")
+        if draft_vocab is not None:
+            raise MedusaError("eagle3 heads carry their own draft vocabulary (d2t): drop --draft-vocab")
+        if target_config is None:
+            raise MedusaError("eagle3 heads export with their target's config: pass the target model (--model)")
+        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+                   for k, v in vllm_eagle3_state(config, state).items()}
+        return _write(Path(out), tensors, WEIGHTS_NAME, vllm_eagle3_config(config, target_config, tensors["fc.weight"].dtype))
     if config.kind == "eagle":
         check_eagle_exportable(config, layout)
         if draft_vocab is not None:

@@ -112,18 +112,22 @@ class VLLMWorker(JsonWorker):
 def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> dict[str, Any]:
     """Export ``heads`` for vLLM in float32 over the full vocabulary; returns vLLM's
     ``speculative_config`` for them: ``"method": "medusa"`` for Medusa heads, ``"eagle"`` for
-    eagle heads (``eagle_layout: eagle1`` only), ``num_speculative_tokens`` the number of heads
-    (eagle: the draft steps they were trained to unroll). No draft vocabulary: vLLM 0.32 refuses
-    a Medusa checkpoint with a ``token_map`` ("Following weights were not initialized from
-    checkpoint: {'token_map'}") and its EAGLE-1 drafter has none, so the engine compares with
+    eagle heads (``eagle_layout: eagle1`` only), ``"eagle3"`` for eagle3 heads (their own draft
+    vocabulary goes with them as ``d2t``), ``num_speculative_tokens`` the number of heads
+    (eagle, eagle3: the draft steps they were trained to unroll). No other draft vocabulary: vLLM
+    0.32 refuses a Medusa checkpoint with a ``token_map`` ("Following weights were not initialized
+    from checkpoint: {'token_map'}") and its EAGLE-1 drafter has none, so the engine compares with
     its draft vocabulary off."""
     config, state = read_heads(resolve_heads_folder(heads))
     lm_head, target_config = None, None
     if config.kind == "eagle":
         check_eagle_exportable(config, "vllm")
         target_config = target_text_config(config, model)
+    elif config.kind == "eagle3":
+        target_config = target_text_config(config, model)
     elif config.projection == "shared":
         lm_head = target_lm_head(config, model, dtype=torch.float32)
     folder = export_heads(config, state, out, "vllm", lm_head=lm_head, dtype=torch.float32, target_config=target_config)
-    return {"method": "eagle" if config.kind == "eagle" else "medusa", "model": str(folder),
+    method = config.kind if config.kind in ("eagle", "eagle3") else "medusa"
+    return {"method": method, "model": str(folder),
             "num_speculative_tokens": config.num_heads}

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.models.eagle3_heads import Eagle3Heads
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
@@ -59,10 +60,10 @@ def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model:
                 f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
                 "use heads trained for this model"
             )
-    if config.kind == "eagle":
+    if config.kind in ("eagle", "eagle3"):
         if model is None:
-            raise MedusaError(f"{where} holds eagle heads, which are built on their target: pass the target model")
-        heads: nn.Module = EagleHeads(config, model)
+            raise MedusaError(f"{where} holds {config.kind} heads, which are built on their target: pass the target model")
+        heads: nn.Module = (EagleHeads if config.kind == "eagle" else Eagle3Heads)(config, model)
         check_state(config, heads.state_dict(), state, where)
     else:
         with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections

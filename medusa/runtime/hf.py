@@ -351,6 +351,7 @@ def forward(
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
     logits_rows: torch.Tensor | slice | None = None,
     cache_arg: str | None = None,
+    layers: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over ``[1, n]`` new tokens; appends them to ``cache``.
 
@@ -359,15 +360,30 @@ def forward(
     by default): projecting every prompt position to the vocabulary would be wasted work.
     ``attention_mask=None`` means plain causal attention (transformers builds it).
     ``cache_arg``: the decoder's name for the cache argument (:func:`cache_argument`), given
-    by compiled callers so that the traced pass does not inspect signatures.
+    by compiled callers so that the traced pass does not inspect signatures. ``layers``: return,
+    instead of the final hidden state, the residual stream entering each of these layers,
+    concatenated ``[n, len(layers) * H]`` (EAGLE-3 heads' features).
     """
     base = model.get_decoder()
     kwargs = {cache_arg: cache} if cache_arg is not None else cache_kwarg(base.forward, cache)
     out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
-               **kwargs)
+               output_hidden_states=layers is not None, **kwargs)
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
-    return lm_logits(model, rows).float(), hidden  # logits [r, V]
+    logits = lm_logits(model, rows).float()  # [r, V]
+    if layers is not None:
+        hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # [n, L * H]
+    return logits, hidden
+
+
+def features(model: PreTrainedModel, ids: torch.Tensor, layers: tuple[int, ...] | None = None) -> torch.Tensor:
+    """One uncached pass over ``ids`` ``[T]``: the final hidden states ``[T, H]``, or with
+    ``layers`` the residual stream entering each, concatenated ``[T, L * H]`` (what a heads'
+    proposer reads: ``getattr(heads, "feature_layers", None)``)."""
+    out = model.get_decoder()(input_ids=ids[None], output_hidden_states=layers is not None)
+    if layers is None:
+        return out.last_hidden_state[0]
+    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
 
 
 def persist_compiled(path: Path) -> None:

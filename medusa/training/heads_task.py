@@ -8,6 +8,8 @@
   to make the heads' job easier. The output then holds the tuned target as well.
 * EAGLE (``kind: eagle``): one autoregressive head over the target's cached features,
   unrolled in training (``eagle_ttt.py``).
+* EAGLE-3 (``kind: eagle3``): one head over several target layers fused, with its own draft
+  vocabulary; the frozen target runs each micro-batch, seven steps unrolled (``eagle3_ttt.py``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from torch import nn
 
 from medusa.config import TrainConfig, to_dict
 from medusa.errors import MedusaError
+from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import CALIBRATION_NAME, base_model_name, save_heads
+from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS, base_model_name, save_heads
 from medusa.models.loader import heads_from_state, init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
 from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
+from medusa.training.eagle3_ttt import eagle3_loss, target_outputs
 from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
 from medusa.training.feature_cache import FeatureCache, open_caches, run_target
 from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
@@ -69,6 +73,10 @@ class HeadsTrainer(nn.Module):
         # A vocabulary subset only makes training cheaper: evaluation scores the full
         # vocabulary, as decoding does.
         vocab = self.vocab if self.training else None
+        if self.cfg.kind == "eagle3":  # the frozen target's layers, then the unrolled head
+            outputs = target_outputs(self._target(), batch["input_ids"], batch["attention_mask"],
+                                     self.heads.feature_layers, self.cfg.teacher_topk)
+            return eagle3_loss(self.heads, {**batch, **outputs}, self.weights)
         if "eagle" in batch:  # whole cached sequences, unrolled by the eagle head
             return eagle_loss(self.heads, batch["eagle"], self.weights, vocab, self.cfg.feature_weight)
         if "hidden" in batch:  # from the feature cache
@@ -111,24 +119,28 @@ class HeadsTask:
 
     def build(self, accelerator: Any, target: nn.Module, splits: DataSplits) -> tuple[HeadsTrainer, Batches, Batches | None]:
         cfg, device = self.cfg, accelerator.device
-        heads = self.heads(target, accelerator)
-        if cfg.lora:
-            target = attach_lora(target, cfg)
-            heads.bind(target.get_output_embeddings())
         vocab = None
         if cfg.train_vocab > 0:
             seen = torch.tensor([t for ex in splits.train for t, m in zip(ex.input_ids, ex.loss_mask) if m])
-            vocab = frequent_tokens(seen, cfg.train_vocab, heads.config.vocab_size).to(device)
+            vocab = frequent_tokens(seen, cfg.train_vocab, target.get_output_embeddings().weight.shape[0]).to(device)
+        heads = self.heads(target, accelerator, vocab)
+        if cfg.kind == "eagle3":
+            vocab = None  # the heads' own lm_head is the draft vocabulary
+        if cfg.lora:
+            target = attach_lora(target, cfg)
+            heads.bind(target.get_output_embeddings())
         caches = open_caches(cfg, target, splits, accelerator) if cfg.cache_dir else {}
         train = self.batches(splits.train, caches.get("train"), device)
         held_out = self.batches(splits.eval, caches.get("eval"), device) if splits.eval else None
         return HeadsTrainer(heads, target, cfg, vocab), train, held_out
 
-    def heads(self, target: nn.Module, accelerator: Any) -> MedusaHeads:
+    def heads(self, target: nn.Module, accelerator: Any, vocab: torch.Tensor | None = None) -> MedusaHeads:
         """Fresh heads for the target, or the ``init_heads`` folder's; fp32 (master weights),
-        a shared projection staying the target's own."""
+        a shared projection staying the target's own. ``vocab``: eagle3's draft vocabulary."""
         cfg = self.cfg
         if not cfg.init_heads:
+            if cfg.kind == "eagle3":
+                return init_eagle3_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target)).float()
             if cfg.kind == "eagle":
                 return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init,
                                       layout=cfg.eagle_layout).float()
@@ -138,7 +150,7 @@ class HeadsTask:
             raise MedusaError(f"init_heads {cfg.init_heads} holds {heads.config.kind} heads but kind is {cfg.kind}: "
                               "set kind to match")
         # calibrated for the old weights: recalibrate after training
-        if cfg.kind == "eagle":
+        if cfg.kind in EAGLE_KINDS:
             heads.dynamic, heads.measured = {}, {}
         else:
             heads.trees = {}

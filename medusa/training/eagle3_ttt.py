@@ -1,0 +1,80 @@
+"""Training EAGLE-3 heads: the target's layers read each step, seven draft steps unrolled.
+
+A micro-batch is ``B`` right-padded conversations. The frozen target runs once over them
+(:func:`target_outputs`): the residual stream entering the head's ``feature_layers``
+(``[B, T, L*H]``) and its top-k next-token distribution at every position. Then, as in
+:mod:`medusa.training.eagle_ttt` (which this batches), step 0 feeds the true pairs
+``(fc(features_p), x_{p+1})`` with causal attention; step ``j`` feeds at position ``p`` the
+head's own output of step ``j - 1`` at ``p - 1`` and attends to the true pairs up to ``p - j``
+and to one pair of each earlier step on its own chain (``ttt_visible``), exactly what
+drafting ``j + 1`` tokens deep sees. Every step's loss is the KL from the target's top-k at
+``p + 1``, restricted to the head's draft vocabulary, to the head's distribution over it:
+a token loss only, no feature regression (EAGLE-3's change). Padded positions are never scored,
+and no scored row attends to one (padding sits at the end).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.models.eagle3_heads import Eagle3Heads
+from medusa.models.eagle_heads import additive_mask
+from medusa.runtime.hf import lm_logits, new_cache
+from medusa.training.eagle_ttt import ttt_visible
+from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
+
+
+@torch.no_grad()
+def target_outputs(target, ids: torch.Tensor, attn: torch.Tensor, layers: tuple[int, ...], topk: int,
+                   ) -> dict[str, torch.Tensor]:
+    """The frozen target over ``[B, T]`` ids: ``features`` ``[B, T, L*H]`` (the inputs of
+    ``layers``), ``teacher_ids``/``teacher_logp`` ``[B, T, k]`` (its top-k log-probabilities)."""
+    out = target.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    logits = lm_logits(target, out.last_hidden_state).float()  # [B, T, V]
+    top, top_ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)
+    return {"features": features, "teacher_ids": top_ids, "teacher_logp": top - logits.logsumexp(-1, keepdim=True)}
+
+
+def eagle3_loss(heads: Eagle3Heads, batch: dict[str, torch.Tensor], weights: list[float],
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed over unroll steps ``j`` (``len(weights)`` of them, weighted): the mean KL over
+    scored rows. ``batch``: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
+    :func:`target_outputs`' tensors. Counts per step as ``heads_loss`` (top-1/top-5 against
+    the target's argmax, a miss where it lies outside the draft vocabulary)."""
+    steps = len(weights)
+    device = heads.fc.weight.device
+    counts = {name: torch.zeros(steps, device=device) for name in ("n", "top1", "top5", "loss")}
+    ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    features = batch["features"]
+    b, t = ids.shape
+    n = t - 2  # pairs p = 0..T-3 have a next position p+1 and a label x_{p+2}
+    total = torch.zeros((), device=device)
+    if n < 1:
+        return total, counts
+    label_ok = (batch["loss_mask"].bool() & valid)[:, 2:]  # [B, n]: x_{p+2} is an answer token
+    vocab = heads._vocab()
+    index = vocab_index(vocab, heads.config.vocab_size) if vocab is not None else None
+    k = batch["teacher_ids"].shape[-1]
+    t_ids, t_logp, keep, reference = teacher_in_vocab(batch["teacher_ids"][:, 1:n + 1].reshape(-1, k),
+                                                      batch["teacher_logp"][:, 1:n + 1].reshape(-1, k), index)
+    label_ok = label_ok.reshape(-1)
+    if keep is not None:
+        label_ok = label_ok & keep
+    positions = torch.arange(n, device=device)
+    cache = new_cache(buffered=False)
+    tokens = ids[:, 1:n + 1]
+    feats = features[:, :n]
+    first = heads.fuse(features[:, :1])  # [B, 1, H]: position 0 has no earlier output to carry
+    dtype = heads.fc.weight.dtype
+    for j in range(steps):
+        out = heads.step(feats, tokens, positions[None].expand(b, n), cache,
+                         additive_mask(ttt_visible(n, j, device), dtype))  # [B, n, H]
+        rows = label_ok & (positions >= j).repeat(b)
+        if rows.any():
+            logp = torch.log_softmax(heads.logits(out.reshape(b * n, -1)[rows]).float(), dim=-1)  # [r, S]
+            kl, _ = soft_cross_entropy(logp, t_ids[rows], t_logp[rows])
+            total = total + weights[j] * kl.mean()
+            add_counts(counts, j, logp, reference[rows], kl)
+        feats = torch.cat([first, out[:, :-1]], dim=1)  # the next step's pair at p carries this step's output at p - 1
+    return total, counts

@@ -1,0 +1,192 @@
+"""EAGLE-3 heads: several target layers fused, their own vocabulary, seven unrolled steps.
+
+Exact decoding on four architectures (random heads and heads forced right), the fused
+features are the configured layers' inputs, training unrolls the configured steps and
+learns, and folders round-trip with one-line errors for the wrong kind or target."""
+
+import json
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from tiny import hf_greedy, tiny_model
+from train_fixtures import tiny_target, write_counting_data
+from transformers import AutoModelForCausalLM
+
+import medusa
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+from medusa.models.eagle3_heads import Eagle3Heads, default_feature_layers, init_eagle3_for
+from medusa.models.heads_config import read_heads_config, save_heads
+from medusa.models.loader import load_heads
+from medusa.runtime import hf as kv
+from medusa.training.eagle3_ttt import eagle3_loss, target_outputs
+from medusa.training.loop import TrainConfig, train
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+
+
+def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_eagle3_heads_decode_exactly(arch):
+    model = tiny_model(arch)
+    torch.manual_seed(1)
+    heads = init_eagle3_for(model, 7, vocab=torch.arange(0, 96, 3))  # a draft vocabulary of a third
+    engine = Engine(model, heads=heads)
+    for seed in range(2):
+        ids = prompt(seed)
+        ref = hf_greedy(model, ids, 24)
+        for mode in ("eagle3", "hybrid"):
+            assert engine.generate(ids, max_new_tokens=24, mode=mode).tokens == ref, (arch, mode)
+
+
+class Oracle(Eagle3Heads):
+    """Heads forced right: each draft step knows the target's next token along its chain
+    (the drafted tokens are looked up in the greedy continuation by position)."""
+
+    def __init__(self, config, target, answer: dict[int, int]):
+        super().__init__(config, target)
+        self.answer = answer
+
+    def step(self, features, tokens, positions, cache, mask):
+        out = super().step(features, tokens, positions, cache, mask)
+        # the pair at p predicts x_{p+2}; put the answer's id in the first feature coordinate
+        out = out.clone()
+        out[..., 0] = (positions + 2).to(out.dtype)
+        return out
+
+    def logits(self, features, vocab=None):
+        pos = features[..., 0].round().long()
+        ids = torch.tensor([self.answer.get(int(p), 0) for p in pos.reshape(-1)]).view(pos.shape)
+        out = torch.full((*pos.shape, self.config.draft_vocab_size), -10.0)
+        return out.scatter_(-1, ids[..., None], 10.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle3_heads_forced_right_are_accepted_in_full(arch):
+    model = tiny_model(arch)
+    ids = prompt(5)
+    ref = hf_greedy(model, ids, 30)
+    full = ids + ref
+    heads = init_eagle3_for(model, 7)  # the whole vocabulary: every answer token can be drafted
+    forced = Oracle(heads.config, model, {p: full[p] for p in range(len(full))})
+    forced.load_state_dict(heads.state_dict())
+    engine = Engine(model, heads=forced)
+    res = engine.generate(ids, max_new_tokens=30, mode="eagle3")
+    assert res.tokens == ref
+    assert res.stats.tau > 2.5, res.stats.tau  # the drafts are right: many tokens per pass
+
+
+def test_fused_features_are_the_configured_layers_inputs():
+    model = tiny_model("llama")
+    heads = init_eagle3_for(model, 3, feature_layers=[0, 1])
+    ids = torch.tensor([prompt(2)])
+    _, hidden = kv.forward(model, ids, torch.arange(ids.shape[1])[None], kv.new_cache(), None, layers=(0, 1))
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: seen.__setitem__(i, (a[0] if a else kw["hidden_states"])[0]),
+                                             with_kwargs=True) for i, layer in enumerate(model.model.layers)]
+    try:
+        model.model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.allclose(hidden, torch.cat([seen[0], seen[1]], -1), atol=1e-6)
+    assert heads.feature_layers == (0, 1) and heads.fc.in_features == 2 * model.config.hidden_size
+    out = target_outputs(model, ids, torch.ones_like(ids), heads.feature_layers, 4)
+    assert torch.allclose(out["features"][0], hidden, atol=1e-6)
+    assert default_feature_layers(30) == [2, 15, 27]
+
+
+def test_ttt_unrolls_the_configured_number_of_steps():
+    model = tiny_model("llama")
+    heads = init_eagle3_for(model, 7, vocab=torch.arange(48))
+    ids = torch.tensor([prompt(3, 20), prompt(4, 20)])
+    attn = torch.ones_like(ids)
+    attn[1, 15:] = 0  # a shorter second sequence: its padding is never scored
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
+             **target_outputs(model, ids, attn, heads.feature_layers, 8)}
+    calls = []
+    step = heads.step
+    heads.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    loss, counts = eagle3_loss(heads, batch, [1.0] * 7)
+    assert len(calls) == 7 and counts["n"].shape == (7,)
+    # step j scores positions p >= j with an answer label inside the sequence
+    assert counts["n"][0] > counts["n"][6] > 0
+    assert counts["n"][0] <= (20 - 2) + (15 - 2)
+    loss.backward()
+    assert heads.fc.weight.grad is not None and heads.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_eagle3_folder_round_trips_and_wrong_targets_get_one_line(tmp_path):
+    model = tiny_model("llama")
+    heads = init_eagle3_for(model, 7, vocab=torch.arange(10, 60))
+    save_heads(heads, tmp_path / "h")
+    cfg = read_heads_config(tmp_path / "h")
+    assert cfg.kind == "eagle3" and cfg.draft_vocab_size == 50 and cfg.feature_layers == list(heads.feature_layers)
+    back = load_heads(tmp_path / "h", model)
+    assert isinstance(back, Eagle3Heads)
+    assert torch.equal(back._vocab(), torch.arange(10, 60))
+    for k, v in heads.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    with pytest.raises(MedusaError, match="pass the target model"):
+        load_heads(tmp_path / "h")
+    other = tiny_model("llama", vocab_size=80)
+    with pytest.raises(MedusaError, match="use heads trained for this model"):
+        load_heads(tmp_path / "h", other)
+    data = json.loads((tmp_path / "h" / "config.json").read_text())
+    data["feature_layers"] = [0]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(MedusaError, match="feature_layers"):
+        load_heads(tmp_path / "h", model)
+    with pytest.raises(MedusaError, match="needs eagle heads"):
+        Engine(model, heads=heads).generate(prompt(1), max_new_tokens=4, mode="eagle")
+
+
+@pytest.fixture()
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    yield
+
+
+def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_state):
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.no_grad():  # peaked next-token distributions: something to learn
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    data = write_counting_data(tmp_path / "count.jsonl", 48)
+    out = tmp_path / "eagle3"
+    cfg = TrainConfig(model=str(folder), data=[str(data)], kind="eagle3", num_heads=7, max_length=48, eval_fraction=0.1,
+                      batch_size=4, lr=3e-3, warmup_steps=2, max_steps=150, eval_every=150, eval_batches=0, log_every=5,
+                      save_every=0, output=str(out), wandb=False, train_vocab=16, seed=3)
+    train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    for k in (1, 4, 7):  # the first, a middle and the last unrolled step learned
+        assert evals[-1][f"head{k}/top1"] > evals[0][f"head{k}/top1"] + 0.2, (k, evals)
+    assert read_heads_config(out).kind == "eagle3", read_heads_config(out)
+    assert read_heads_config(out).draft_vocab_size == 16, read_heads_config(out)
+    engine = medusa.load(model=str(folder), heads=str(out), device="cpu", autotune=False)
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "count from three please"}],
+                                               add_generation_prompt=True)
+    base = engine.generate(ids, max_new_tokens=20, mode="baseline")
+    res = engine.generate(ids, max_new_tokens=20, mode="eagle3")
+    assert res.tokens == base.tokens
+    torch.manual_seed(0)
+    fresh = init_eagle3_for(engine.model, 7, vocab=engine.heads._vocab())
+    untrained = Engine(engine.model, heads=fresh).generate(ids, max_new_tokens=20, mode="eagle3")
+    assert untrained.tokens == base.tokens
+    assert res.stats.tau > max(1.25, untrained.stats.tau + 0.2), (res.stats.tau, untrained.stats.tau)
+
+
+def test_eagle3_config_refuses_a_feature_cache():
+    with pytest.raises(MedusaError, match="drop cache_dir"):
+        TrainConfig(kind="eagle3", cache_dir="x", data=["d"])
