@@ -190,3 +190,42 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
 def test_eagle3_config_refuses_a_feature_cache():
     with pytest.raises(MedusaError, match="drop cache_dir"):
         TrainConfig(kind="eagle3", cache_dir="x", data=["d"])
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", ["eagle3", "hybrid"])
+def test_eagle3_sampling_keeps_the_target_distribution(mode):
+    # The exact-law chi-square check of test_sampling.py, with eagle3 heads drafting.
+    from test_sampling import ALPHA, K, V, chi_square_pvalue, target_law
+    from test_sampling import PROMPT as SAMPLING_PROMPT
+
+    model = tiny_model("llama", vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    torch.manual_seed(4)
+    heads = init_eagle3_for(model, 3)  # lm_head starts as the target's rows: its drafts are often right
+    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    eng = Engine(model, heads=heads)
+    samples, drafted_hits, m = [], 0, 300
+    for seed in range(m):
+        res = eng.generate(SAMPLING_PROMPT, max_new_tokens=K, mode=mode, sampling=sampling.override(seed=seed))
+        samples.append(tuple(res.tokens))
+        drafted_hits += bool(res.stats.accepted) and res.stats.accepted[0] > 1
+    assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA
+    assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path
+
+
+@pytest.mark.slow
+def test_compiled_passes_return_the_fused_layers(tmp_path, monkeypatch):
+    # A saved CPU graph compiled for eagle3 heads returns the layers they read (its file is
+    # keyed by them), and decoding through it stays exact.
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    heads = init_eagle3_for(model, 3)
+    engine = Engine(model, heads=heads, compile=True)
+    ids = prompt(6)
+    res = engine.generate(ids, max_new_tokens=20, mode="eagle3")
+    assert res.tokens == hf_greedy(model, ids, 20)
+    assert engine.passes.features == heads.feature_layers and engine.passes.saved.traced
+    assert engine.passes.saved.fallback is None
+    names = [p.name for p in (tmp_path / "compiled").glob("pass-*.bin")]
+    assert names and all("-L" + "_".join(map(str, heads.feature_layers)) in n for n in names), names
