@@ -419,7 +419,7 @@ def run_prompt_lookup(engine: Engine, ids: list[int], bench: Bench) -> Run:
     return hf_generate(engine, ids, config)
 
 
-# vLLM as a peer: vllm, vllm-ngram, vllm-heads and vllm-eagle, each a long-lived worker in vLLM's own venv.
+# vLLM as a peer: vllm, vllm-ngram, vllm-heads, vllm-eagle and vllm-eagle3, each a long-lived worker in vLLM's own venv.
 bench_vllm.register(mode, Run)
 # llama.cpp as a peer: llamacpp and llamacpp-lookup, a long-lived llama-cpp-python worker on an F32 GGUF.
 bench_llamacpp.register(mode, Run)

@@ -1,4 +1,4 @@
-"""vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram``, ``vllm-heads`` and ``vllm-eagle``.
+"""vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram``, ``vllm-heads``, ``vllm-eagle`` and ``vllm-eagle3``.
 
 Each mode decodes through one long-lived vLLM worker (``medusa.hub.vllm_client``), started
 by the bench's warm-up and reused for every prompt, so the model load stays out of the
@@ -12,6 +12,9 @@ the same max tokens; the worker times ``LLM.generate`` alone.
 - ``vllm-eagle``: the bench's eagle heads (``--eagle-heads``, or ``--heads`` when those are
   eagle heads; default the shipped ones), in the ``eagle1`` layout, exported the same way:
   vLLM's EAGLE-1 drafter (``"method": "eagle"``) drafts one top-1 chain of ``num_heads`` tokens.
+- ``vllm-eagle3``: the bench's eagle3 heads (``--eagle3-heads``, or ``--heads`` when those are
+  eagle3 heads; default the shipped ones), as vLLM's EAGLE-3 drafter (``"method": "eagle3"``),
+  a top-1 chain of ``num_heads`` tokens over their draft vocabulary.
 """
 
 from __future__ import annotations
@@ -42,14 +45,15 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
     from medusa.hub.hub import read_heads, resolve_heads_folder
     from medusa.hub.vllm_client import export_for_vllm
 
-    if name == "vllm-eagle":
-        heads = args.eagle_heads
+    if name in ("vllm-eagle", "vllm-eagle3"):
+        kind = name.removeprefix("vllm-")
+        heads = getattr(args, f"{kind}_heads")
         if heads is None and args.heads not in (None, "init"):
-            heads = args.heads if read_heads(resolve_heads_folder(args.heads))[0].kind == "eagle" else None
+            heads = args.heads if read_heads(resolve_heads_folder(args.heads))[0].kind == kind else None
         if heads is None:
-            heads = default_heads(args.model, torch.device("cpu"), "eagle")
+            heads = default_heads(args.model, torch.device("cpu"), kind)
         if heads is None:
-            raise MedusaError("mode vllm-eagle needs trained eagle heads: pass --eagle-heads FOLDER")
+            raise MedusaError(f"mode {name} needs trained {kind} heads: pass --{kind}-heads FOLDER")
     else:
         heads = args.heads or default_heads(args.model, torch.device("cpu"), "medusa")
         if heads is None or heads == "init":
@@ -93,6 +97,6 @@ def register(mode: Callable, run_type: type) -> None:
             return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=steps)
         return run
 
-    for name in ("vllm", "vllm-ngram", "vllm-heads", "vllm-eagle"):
+    for name in ("vllm", "vllm-ngram", "vllm-heads", "vllm-eagle", "vllm-eagle3"):
         mode(name)(runner(name))
     atexit.register(close_all)

@@ -232,9 +232,7 @@ def test_export_never_overwrites_a_foreign_folder(target, tmp_path):
 def test_export_script_copies_the_target_lm_head(target, tmp_path, capsys):
     folder_target, model = target
     heads_folder = random_heads(model).save(tmp_path / "heads")
-    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     out = tmp_path / "vllm"
     rc = script.main([str(heads_folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target),
                       "--dtype", "float16"])
@@ -252,9 +250,7 @@ def test_vllm_export_with_a_draft_vocabulary(target, tmp_path, capsys):
     folder = heads.save(tmp_path / "heads")
     vocab = [40, 5, 9, 2, 63]
     (folder / "calibration.json").write_text(json.dumps({"trees": {"cpu": [[0], [1]]}, "draft_vocab": vocab}))
-    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     out = tmp_path / "vllm"
     assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--draft-vocab"]) == 0
 
@@ -292,6 +288,14 @@ def test_shared_heads_with_a_draft_vocabulary_store_one_truncated_projection(tar
     hidden = torch.randn(3, model.config.hidden_size)
     drafted = vllm_forward(tensors, cfg, hidden)
     torch.testing.assert_close(drafted[..., sorted(vocab)], heads(hidden)[..., sorted(vocab)], rtol=0, atol=1e-6)
+
+
+def export_script():
+    """scripts/export_heads.py as a module."""
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 def noisy_eagle1(model, seed: int = 5, scale: float = 0.05):
@@ -356,9 +360,7 @@ def test_eagle1_export_is_vllm_s_eagle1_drafter_computing_the_head_s_function(ta
     folder_target, model = target
     heads = noisy_eagle1(model)
     folder = save_heads(heads, tmp_path / "heads")
-    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     out = tmp_path / "vllm"
     assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target)]) == 0
     printed = capsys.readouterr().out
@@ -416,9 +418,7 @@ def test_eagle_heads_in_the_norms_layout_are_refused_in_one_line(target, tmp_pat
         export_heads(config, state, tmp_path / "vllm", "vllm", target_config=model.config.to_dict())
     assert "\n" not in str(err.value) and "norms layout" in str(err.value)
     assert not (tmp_path / "vllm").exists()
-    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     assert script.main([str(folder), "--to", "vllm", "--output", str(tmp_path / "x"), "--model", str(folder_target)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "eagle_layout: eagle1" in lines[0]
@@ -449,9 +449,7 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
     torch.manual_seed(2)
     heads = init_eagle3_for(model, 7, vocab=torch.arange(3, model.config.vocab_size, 2))
     folder = save_heads(heads, tmp_path / "heads")
-    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     out = tmp_path / "vllm"
     assert script.main([str(folder), "--to", "vllm", "--output", str(out), "--model", str(folder_target)]) == 0
     printed = capsys.readouterr().out

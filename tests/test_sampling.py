@@ -232,6 +232,17 @@ def target_law(model, sampling: SamplingConfig, eos: set[int]) -> dict[tuple[int
     return law
 
 
+def engine_samples(eng, mode: str, sampling: SamplingConfig, m: int, prompt=None) -> tuple[list[tuple[int, ...]], int]:
+    """``m`` sampled continuations (seeds 0..m-1) of ``prompt`` (default PROMPT), ``K`` tokens
+    each, and in how many the first step accepted a drafted token (the tree path was taken)."""
+    samples, drafted_hits = [], 0
+    for seed in range(m):
+        res = eng.generate(prompt or PROMPT, max_new_tokens=K, mode=mode, sampling=sampling.override(seed=seed))
+        samples.append(tuple(res.tokens))
+        drafted_hits += bool(res.stats.accepted) and res.stats.accepted[0] > 1
+    return samples, drafted_hits
+
+
 def marginal_heads(model, sampling: SamplingConfig, sign: float) -> MedusaHeads:
     """Heads whose candidates at the prompt are the most (``sign`` 1) or least (-1) likely
     values of the 2nd and 3rd generated tokens: each per-head projection maps the

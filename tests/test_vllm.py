@@ -104,3 +104,35 @@ def test_bench_mode_vllm_eagle_exports_eagle1_heads_and_refuses_norms_heads(tmp_
             speculative_config("vllm-eagle", argparse.Namespace(model=str(folder), heads=None, eagle_heads=str(norms)))
     finally:
         close_all()
+
+
+def test_bench_mode_vllm_eagle3_exports_eagle3_heads(tmp_path):
+    # The speculative config the bench's vllm-eagle3 worker gets (no vLLM needed to build it).
+    import argparse
+
+    import torch
+    from tiny_heads import target_folder
+
+    from infer.bench_vllm import close_all, speculative_config
+    from medusa.models.eagle3_heads import init_eagle3_for
+    from medusa.models.heads_config import save_heads
+    from medusa.models.loader import init_heads_for
+    from medusa.models.target import load_target
+
+    folder = target_folder(tmp_path)
+    model, _ = load_target(str(folder), device="cpu", dtype=torch.float32)
+    eagle3 = save_heads(init_eagle3_for(model, 5, vocab=torch.arange(0, model.config.vocab_size, 2)), tmp_path / "e3")
+    try:
+        spec = speculative_config("vllm-eagle3", argparse.Namespace(model=str(folder), heads=None, eagle3_heads=str(eagle3)))
+        assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 5
+        exported = json.loads((Path(spec["model"]) / "config.json").read_text())
+        assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
+        # --heads holding eagle3 heads serve too; Medusa heads there are not taken for them
+        assert speculative_config("vllm-eagle3", argparse.Namespace(model=str(folder), heads=str(eagle3),
+                                                                    eagle3_heads=None))["method"] == "eagle3"
+        medusa_heads = save_heads(init_heads_for(model), tmp_path / "medusa")
+        with pytest.raises(MedusaError, match="needs trained eagle3 heads"):
+            speculative_config("vllm-eagle3", argparse.Namespace(model=str(folder), heads=str(medusa_heads),
+                                                                 eagle3_heads=None))
+    finally:
+        close_all()

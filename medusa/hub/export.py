@@ -386,8 +386,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
             raise MedusaError("eagle3 heads carry their own draft vocabulary (d2t): drop --draft-vocab")
         if target_config is None:
             raise MedusaError("eagle3 heads export with their target's config: pass the target model (--model)")
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-                   for k, v in vllm_eagle3_state(config, state).items()}
+        tensors = _cast(vllm_eagle3_state(config, state), dtype)
         return _write(Path(out), tensors, WEIGHTS_NAME, vllm_eagle3_config(config, target_config, tensors["fc.weight"].dtype))
     if config.kind == "eagle":
         check_eagle_exportable(config, layout)
@@ -395,8 +394,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
             raise MedusaError("vLLM's EAGLE-1 drafter scores the full vocabulary: drop --draft-vocab for eagle heads")
         if target_config is None:
             raise MedusaError("eagle heads export with their target's config: pass the target model (--model)")
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-                   for k, v in vllm_eagle_state(config, state).items()}
+        tensors = _cast(vllm_eagle_state(config, state), dtype)
         cfg = vllm_eagle_config(config, target_config, tensors["fc.weight"].dtype)
         return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
     token_map = None
@@ -410,8 +408,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         tensors, name = vllm_state(config, state, lm_head, token_map), WEIGHTS_NAME
     else:
         tensors, name = fasterdecoding_state(config, state, lm_head), FD_WEIGHTS
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in tensors.items()}
+    tensors = _cast(tensors, dtype)
     if layout == "vllm":
         weights_dtype = tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
         cfg = vllm_config(config, weights_dtype, None if token_map is None else token_map.numel())
@@ -419,6 +416,12 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         cfg = fasterdecoding_config(config)
 
     return _write(Path(out), tensors, name, cfg)
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every floating tensor in ``dtype`` (None: as it is), contiguous on the CPU, for saving."""
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in tensors.items()}
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], name: str, cfg: dict[str, Any]) -> Path:

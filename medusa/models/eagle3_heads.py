@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from medusa.errors import MedusaError
+from medusa.models.eagle_heads import OnTarget
 from medusa.models.heads_config import HeadsConfig
 from medusa.runtime import hf as kv
 from medusa.runtime.ngrams import NgramTable
@@ -87,7 +88,7 @@ class Eagle3Layer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))  # the pre-norm output
 
 
-class Eagle3Heads(nn.Module):
+class Eagle3Heads(OnTarget, nn.Module):
     """An EAGLE-3 draft head over a target (see the module docstring).
 
     ``config.num_heads`` is how many steps training unrolled; ``config.feature_layers`` the
@@ -130,14 +131,6 @@ class Eagle3Heads(nn.Module):
                 f"but its embedding is {tuple(weight.shape)[0]} x {tuple(weight.shape)[1]}: use heads trained for this model")
         self._target = (target,)
         return self
-
-    @property
-    def target(self) -> PreTrainedModel:
-        return self._target[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -54,7 +54,23 @@ def _layer_config(target: PreTrainedModel):
     return cfg
 
 
-class EagleHeads(nn.Module):
+class OnTarget:
+    """What every autoregressive head has: the target it drafts for, held by reference
+    (``_target``, outside the module's parameters), and its number of trained draft steps."""
+
+    _target: tuple[PreTrainedModel, ...]
+    config: HeadsConfig
+
+    @property
+    def target(self) -> PreTrainedModel:
+        return self._target[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+
+class EagleHeads(OnTarget, nn.Module):
     """An autoregressive draft head over a target's features (see the module docstring).
 
     ``config.num_heads`` is how many draft steps the head was trained to unroll.
@@ -103,14 +119,6 @@ class EagleHeads(nn.Module):
         rope = decoder.rotary_emb
         self._rope_by_type = "layer_type" in inspect.signature(rope.forward).parameters  # Gemma 3: one per layer type
         return self
-
-    @property
-    def target(self) -> PreTrainedModel:
-        return self._target[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
 
     @property
     def eagle1(self) -> bool:
