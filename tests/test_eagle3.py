@@ -41,6 +41,13 @@ def test_random_eagle3_heads_decode_exactly(arch):
         ref = hf_greedy(model, ids, 24)
         for mode in ("eagle3", "hybrid"):
             assert engine.generate(ids, max_new_tokens=24, mode=mode).tokens == ref, (arch, mode)
+    # drafts are target ids of the draft vocabulary, mapped through d2t
+    proposer = engine.proposer("eagle3")
+    state = engine._prefill(prompt(3), None, medusa.GenerationStats(), medusa.SamplingConfig(), 8)
+    state.tokens.append(int(state.root))
+    proposer.begin(state)
+    drafted = proposer.propose(state).tokens[1:].tolist()
+    assert drafted and all(t % 3 == 0 for t in drafted), drafted
 
 
 class Oracle(Eagle3Heads):
@@ -128,7 +135,7 @@ def test_eagle3_folder_round_trips_and_wrong_targets_get_one_line(tmp_path):
     assert cfg.kind == "eagle3" and cfg.draft_vocab_size == 50 and cfg.feature_layers == list(heads.feature_layers)
     back = load_heads(tmp_path / "h", model)
     assert isinstance(back, Eagle3Heads)
-    assert torch.equal(back._vocab(), torch.arange(10, 60))
+    assert torch.equal(back.draft_vocab, torch.arange(10, 60))
     for k, v in heads.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
     with pytest.raises(MedusaError, match="pass the target model"):
@@ -181,7 +188,7 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
     res = engine.generate(ids, max_new_tokens=20, mode="eagle3")
     assert res.tokens == base.tokens
     torch.manual_seed(0)
-    fresh = init_eagle3_for(engine.model, 7, vocab=engine.heads._vocab())
+    fresh = init_eagle3_for(engine.model, 7, vocab=engine.heads.draft_vocab)
     untrained = Engine(engine.model, heads=fresh).generate(ids, max_new_tokens=20, mode="eagle3")
     assert untrained.tokens == base.tokens
     assert res.stats.tau > max(1.25, untrained.stats.tau + 0.2), (res.stats.tau, untrained.stats.tau)

@@ -115,7 +115,8 @@ class Eagle3Heads(OnTarget, nn.Module):
         self.register_buffer("d2t", torch.zeros(s, dtype=torch.long))  # draft id i -> target id i + d2t[i]
         self.rotary = LlamaRotaryEmbedding(self.layer_config)
         self._target: tuple[PreTrainedModel, ...] = ()
-        self.draft_vocab: torch.Tensor | None = None  # [S] target ids of the draft vocabulary (None: S == V, itself)
+        self._ids: tuple[torch.Tensor | None] | None = None  # draft_vocab, once read from d2t (None: not yet)
+        self.register_load_state_dict_post_hook(lambda module, keys: module._forget_ids())
         self.dynamic: dict[str, dict[str, int]] = {}  # calibrated dynamic-tree sizes, as EagleHeads
         self.measured: dict[str, dict] = {}
         self.ngrams: NgramTable | None = None
@@ -147,24 +148,28 @@ class Eagle3Heads(OnTarget, nn.Module):
             self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
             w = self.target.get_output_embeddings().weight
             self.lm_head.weight.copy_(w[ids.to(w.device)].to(self.lm_head.weight))
-        self.draft_vocab = None
+        self._forget_ids()
 
     def set_draft_vocab(self, ids) -> None:
         """A calibration's draft vocabulary does not apply: the head's vocabulary is its own ``lm_head``."""
 
-    def _vocab(self) -> torch.Tensor | None:
-        if self.config.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any()):
-            return None
-        if self.draft_vocab is None or self.draft_vocab.device != self.d2t.device:
-            self.draft_vocab = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-        return self.draft_vocab
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """``[S]`` the target ids of the draft vocabulary, on ``d2t``'s device (None: the whole
+        vocabulary in order). Read from ``d2t`` once (one device sync), again after it changes."""
+        if self._ids is None:
+            identity = self.config.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
+            self._ids = (None if identity else torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t,)
+        return self._ids[0]
+
+    def _forget_ids(self) -> None:
+        self._ids = None
 
     def _apply(self, fn, *args, **kwargs):  # .to()/.cuda(): the id map follows, the rotary stays float32
-        self.draft_vocab = None
         out = super()._apply(fn, *args, **kwargs)
         rotary = self.rotary
         rotary.inv_freq = rotary.original_inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
-        self._vocab()
+        self._forget_ids()
         return out
 
     # -- compute ------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def eagle3_loss(heads: Eagle3Heads, batch: dict[str, torch.Tensor], weights: lis
     if n < 1:
         return total, counts
     label_ok = (batch["loss_mask"].bool() & valid)[:, 2:]  # [B, n]: x_{p+2} is an answer token
-    vocab = heads._vocab()
+    vocab = heads.draft_vocab
     index = vocab_index(vocab, heads.config.vocab_size) if vocab is not None else None
     k = batch["teacher_ids"].shape[-1]
     t_ids, t_logp, keep, reference = teacher_in_vocab(batch["teacher_ids"][:, 1:n + 1].reshape(-1, k),
