@@ -28,8 +28,8 @@ from medusa.decoding.proposers import PromptLookup
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import spelled
 from medusa.models.eagle_heads import EagleHeads
-from medusa.runtime import hf as kv
 from medusa.models.heads import MedusaHeads
+from medusa.runtime import hf as kv
 
 Path_ = tuple[int, ...]
 
