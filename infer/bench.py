@@ -26,7 +26,9 @@ model. So Medusa and EAGLE heads compare in one run. The default ``--modes`` is 
 Any engine mode with ``+compile`` (``baseline+compile``, ``hybrid@eagle+compile``) runs the
 same mode on a twin engine with a compiled verification pass, beside the eager one; every
 compiled pass size is compiled in the warm-up, outside the timing (the seconds are printed
-and kept in the results' ``meta``).
+and kept in the results' ``meta``). ``hybrid+lookahead`` (``hybrid@eagle3+lookahead``) runs
+hybrid with lookahead decoding's window and pool n-grams in the same pass
+(``ProposerConfig.hybrid_lookahead``; docs/lookahead.md), beside plain ``hybrid``.
 
 With ``--temperature`` above 0 every mode samples (``hf`` through transformers' own
 sampling with the same temperature, top-p and top-k); outputs then differ run to run by
@@ -143,20 +145,20 @@ def encode(engine: Engine, prompt: str) -> list[int]:
 @dataclass
 class Bench:
     """What one bench run decodes with: its settings, and the engines its modes run on, keyed by
-    ``(heads kind, compiled)`` (``None``: the engine ``--heads`` loaded), built on first use
+    ``(heads kind, compiled, hybrid with lookahead)`` (``None``: the engine ``--heads`` loaded), built on first use
     through ``medusa.load`` on the same target. ``args``: the command line, read only."""
 
     args: argparse.Namespace
     sampling: SamplingConfig
     max_new_tokens: int
     tree: str | None
-    engines: dict[tuple[str | None, bool], Engine] = field(default_factory=dict)
+    engines: dict[tuple[str | None, bool, bool], Engine] = field(default_factory=dict)
     plain_targets: dict[str, torch.nn.Module] = field(default_factory=dict)
     compile_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def main(self) -> Engine:
-        return self.engines[None, False]
+        return self.engines[None, False, False]
 
     def shorter(self, max_new_tokens: int) -> Bench:
         return dataclasses.replace(self, max_new_tokens=max_new_tokens)
@@ -320,26 +322,29 @@ def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
 
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
 HEAD_KINDS = ("medusa", "eagle", "eagle3")  # mode suffix @KIND: the engine mode on heads of that kind
-_SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<compiled>\{COMPILED})?$")
+JACOBI = "+lookahead"  # mode hybrid's suffix: its pass also runs lookahead's window and pool n-grams
+_SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<jacobi>\{JACOBI})?"
+                   rf"(?P<compiled>\{COMPILED})?$")
 
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """An engine mode as the bench names it: ``BASE[@KIND][+compile]``."""
+    """An engine mode as the bench names it: ``BASE[@KIND][+lookahead][+compile]``."""
 
     base: str  # the engine's mode (medusa, eagle, hybrid, ...)
     kind: str | None  # heads kind it runs on (None: the heads --heads loaded)
     compiled: bool
+    lookahead: bool = False  # hybrid only: with lookahead's window and pool (ProposerConfig.hybrid_lookahead)
 
 
 def mode_spec(name: str) -> ModeSpec | None:
     """The engine mode ``name`` names (None: not an engine mode). ``medusa`` and ``eagle`` run
     heads of their own kind; other modes the loaded heads unless ``@KIND`` says which."""
     found = _SPEC.match(name)
-    if found is None or found["base"] not in ENGINE_MODES:
+    if found is None or found["base"] not in ENGINE_MODES or (found["jacobi"] and found["base"] != "hybrid"):
         return None
     kind = found["kind"] or (found["base"] if found["base"] in HEAD_KINDS else None)
-    return ModeSpec(found["base"], kind, bool(found["compiled"]))
+    return ModeSpec(found["base"], kind, bool(found["compiled"]), bool(found["jacobi"]))
 
 
 def known_mode(name: str) -> bool:
@@ -359,11 +364,12 @@ def engine_for(bench: Bench, spec: ModeSpec) -> Engine:
     """The engine ``spec`` runs on, loaded through ``medusa.load`` on the bench's target (once)."""
     main = bench.main
     heads = main.heads if spec.kind is None else _heads_source(bench, spec.kind)
-    slot = (None if heads is main.heads else spec.kind, spec.compiled)
+    slot = (None if heads is main.heads else spec.kind, spec.compiled, spec.lookahead)
     if slot not in bench.engines:
         a = bench.args
+        proposers = dataclasses.replace(main.proposer_config, hybrid_lookahead=spec.lookahead)
         engine = medusa.load(target=main, heads=heads, static_cache=a.static_cache, compile=spec.compiled or a.compile,
-                             proposers=main.proposer_config, draft_dtype=a.draft_dtype, autotune=AUTOTUNE[a.autotune])
+                             proposers=proposers, draft_dtype=a.draft_dtype, autotune=AUTOTUNE[a.autotune])
         if spec.kind is not None and engine.heads.config.kind != spec.kind:
             flag = f"--{spec.kind}-heads" if getattr(a, f"{spec.kind}_heads") else "--heads"
             raise MedusaError(f"{flag} {getattr(a, f'{spec.kind}_heads') or a.heads} holds "
@@ -637,7 +643,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                          seed=args.seed, acceptance=args.acceptance)
     return Bench(args=args, sampling=sampling, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                 engines={(None, False): engine})
+                 engines={(None, False, False): engine})
 
 
 def prepare(bench: Bench, modes: list[str]) -> None:
@@ -654,7 +660,7 @@ def prepare(bench: Bench, modes: list[str]) -> None:
 
 def eagle_engine(bench: Bench) -> Engine | None:
     """The engine the eagle modes ran on (loaded for them, else the main one with eagle heads)."""
-    eager = [(kind, e) for (kind, compiled), e in bench.engines.items() if not compiled]
+    eager = [(kind, e) for (kind, compiled, _), e in bench.engines.items() if not compiled]
     found = [e for kind, e in eager if kind in EAGLE_KINDS] + [e for _, e in eager if e.heads is not None
                                                                and e.heads.config.kind in EAGLE_KINDS]
     return found[0] if found else None
@@ -669,7 +675,7 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     for engine in {id(e): e for e in bench.engines.values()}.values():
         if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
             print(f"eagle trees{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
-    if "lookahead" in modes:
+    if any(m == "lookahead" or JACOBI in m for m in modes):
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
     bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing
     short = bench.shorter(8)
@@ -685,7 +691,7 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
 def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str | None) -> dict:
     """What the results were measured with (the engines' plans from ``engine.describe()``)."""
     a, engine, eagle = bench.args, bench.main, eagle_engine(bench)
-    compiled = next((e for (kind, on), e in bench.engines.items() if on), None)
+    compiled = next((e for (_, on, _), e in bench.engines.items() if on), None)
     return {"model": a.model or "embedded default", "heads": a.heads or "default", "max_new_tokens": a.max_new_tokens,
             "draft": None if engine.draft is None else (a.draft or "default"), "draft_tokens": a.draft_tokens,
             "adaptive_draft": a.adaptive_draft, "draft_confidence": a.draft_confidence,
@@ -699,7 +705,7 @@ def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str
             "eagle_tree_nodes": _tree_nodes(eagle, None) if eagle is not None and eagle is not engine else None,
             "tree_sizes": _sizes_reason(eagle or engine),
             "compiled_tree_sizes": _sizes_reason(compiled) if compiled is not None else None,
-            "lookahead": _lookahead_reason(engine) if "lookahead" in modes else None,
+            "lookahead": _lookahead_reason(engine) if any(m == "lookahead" or JACOBI in m for m in modes) else None,
             "fastest_transformers": fastest}
 
 

@@ -16,8 +16,11 @@ from medusa.decoding.lookahead import (
     window_layout,
 )
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.proposers import Hybrid, MedusaProposer, PromptLookup, ProposerConfig
+from medusa.decoding.tree import graft
 from medusa.errors import MedusaError
+from medusa.models.eagle3_heads import init_eagle3_for
+from medusa.models.loader import init_heads_for
 from medusa.runtime import hf as kv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,6 +198,81 @@ def test_config_overrides_the_sized_window():
     assert (size.window, size.guesses) == (default.window, default.guesses)
     with pytest.raises(MedusaError, match="window >= 1, ngram >= 3"):
         Engine(tiny_model("llama"), proposer_config=ProposerConfig(lookahead_ngram=2)).proposer("lookahead")
+
+
+# -- composed with hybrid: the heads' tree, the lookup chain and the pool in one pass -----------
+def test_graft_shares_what_the_tree_spells_and_ranks_the_rest_after_it():
+    # a tree: 4 -> (5 -> 6), 7; then sequences from the root
+    paths, token_of = graft([(0,), (1,), (0, 0)], [4, 7, 5], [[4, 5, 9], [7], [8, 1], [4, 2]])
+    assert paths == ((0,), (1,), (0, 0), (0, 0, 0), (2,), (2, 0), (0, 1))
+    assert [token_of[p] for p in paths] == [4, 7, 5, 9, 8, 1, 2]
+    assert graft([], [], [[3, 3], [3, 4]]) == (((0,), (0, 0), (0, 1)), {(0,): 3, (0, 0): 3, (0, 1): 4})
+
+
+def test_hybrid_with_lookahead_lays_out_tree_chain_pool_and_window():
+    model = tiny_model("llama")
+    heads = init_heads_for(model, num_heads=2)
+    device = torch.device("cpu")
+    medusa = MedusaProposer(heads, [(0,), (1,), (0, 0)], device)
+    jacobi = LookaheadProposer(device, LookaheadSize(window=2, ngram=3, guesses=2), text=False)
+    hybrid = Hybrid(medusa, PromptLookup(device, num_tokens=3, max_ngram=2), device, lookahead=jacobi)
+    state = Engine(model, heads=heads).generate([7, 8, 9], max_new_tokens=1, mode="baseline").state
+    state.tokens, state.root = [7, 8, 9, 1, 2, 3, 1, 2], torch.tensor(2)
+    hybrid.begin(state)
+    for gram in ((2, 40, 41), (2, 3, 50)):
+        jacobi.pool.add(gram)
+    proposal = hybrid.propose(state)
+    guessed = medusa.propose(state)
+    index = {p: i + 1 for i, p in enumerate(proposal.tree.paths)}
+    spelled_by = {tuple(proposal.tokens[index[q]].item() for q in (p[:d] for d in range(1, len(p) + 1))): p
+                  for p in proposal.tree.paths}
+    for i, p in enumerate(guessed.tree.paths):  # the heads' nodes keep their places
+        assert proposal.tokens[index[p]] == guessed.tokens[i + 1]
+    # the chain copies 3, 1, 2 after "1 2"; the pool's newest n-gram (3, 50) shares its first node
+    assert {(3, 1, 2), (3, 50), (40, 41)} <= set(spelled_by)
+    assert spelled_by[(3, 50)][:1] == spelled_by[(3, 1, 2)][:1]
+    heads_spell = {tuple(guessed.tokens[1 + guessed.tree.paths.index(p[:d])].item() for d in range(1, len(p) + 1))
+                   for p in guessed.tree.paths}
+    grown = {seq[:d] for seq in heads_spell | {(3, 1, 2), (3, 50), (40, 41)} for d in range(1, len(seq) + 1)}
+    assert set(spelled_by) == grown  # each distinct continuation once: nothing verified twice
+    n = proposal.tree.num_nodes
+    assert n == 1 + len(grown)
+    assert proposal.side is not None and proposal.side.sees.shape == (3, n + 3)  # W * (N - 1) - 1 window rows
+    assert hybrid.max_rows == medusa.max_rows + 3 + jacobi.max_rows - 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_hybrid_with_lookahead_equals_target_greedy(arch):
+    model = tiny_model(arch)
+    n = 40
+    ref = hf_greedy(model, PROMPT, n)
+    for heads in (init_heads_for(model, num_heads=2), init_eagle3_for(model, 3)):
+        for config in (ProposerConfig(hybrid_lookahead=True),
+                       ProposerConfig(hybrid_lookahead=True, lookahead_window=3, lookahead_ngram=4, lookahead_guesses=3)):
+            engine = Engine(model, heads=heads, proposer_config=config)
+            res = engine.generate(PROMPT, max_new_tokens=n, mode="hybrid")
+            assert res.tokens == ref, (arch, heads.config.kind, config)
+            assert POOL_KEY in res.state.carry
+
+
+def test_hybrid_with_lookahead_samples_without_the_window():
+    """Lookahead is greedy-only: a sampled hybrid generation runs the heads and the chain alone."""
+    model = tiny_model("llama")
+    engine = Engine(model, heads=init_heads_for(model, num_heads=2), proposer_config=ProposerConfig(hybrid_lookahead=True))
+    proposer = engine.proposer("hybrid")
+    res = engine.generate(PROMPT, max_new_tokens=12, mode=proposer, temperature=0.8, seed=1)
+    assert len(res.tokens) == 12 and not proposer.jacobi and POOL_KEY not in res.state.carry
+    plain = Engine(model, heads=engine.heads).generate(PROMPT, max_new_tokens=12, mode="hybrid", temperature=0.8, seed=1)
+    assert res.tokens == plain.tokens  # the same draws as hybrid without lookahead
+
+
+def test_bench_names_hybrid_with_lookahead():
+    from infer.bench import mode_spec
+
+    spec = mode_spec("hybrid@eagle3+lookahead+compile")
+    assert (spec.base, spec.kind, spec.lookahead, spec.compiled) == ("hybrid", "eagle3", True, True)
+    assert not mode_spec("hybrid").lookahead
+    assert mode_spec("eagle+lookahead") is None and mode_spec("hybrid+compile+lookahead") is None
 
 
 @pytest.mark.slow

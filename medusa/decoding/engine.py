@@ -193,7 +193,7 @@ class Engine:
         plan = self.plan  # sizes measured here (None: calibrated for the device type)
         size = {"eagle": plan.eagle, "eagle3": plan.eagle, "hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
-                             dtype=self.model.dtype, size=size, max_rows=self.max_rows)
+                             dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead)
 
     def precompile(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:

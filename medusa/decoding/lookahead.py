@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.decoding.state import DecodeState, Proposal, SideRows, StepOutcome
-from medusa.decoding.tree import TreeBuffers, compile_tree
+from medusa.decoding.tree import TreeBuffers, compile_tree, graft
 from medusa.errors import MedusaError
 
 POOL_KEY = "lookahead"  # the pool's entry in DecodeState.carry
@@ -157,24 +157,11 @@ def size_lookahead(cost_ms: dict[int, float] | None, device_type: str, max_rows:
 def trie(grams: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, ...], ...], dict[tuple[int, ...], int]]:
     """The candidates' tree: each n-gram a root-to-node path, shared prefixes shared. Returns
     the paths (a child's rank: its order of first appearance) and each path's token."""
-    token_of: dict[tuple[int, ...], int] = {}
-    child: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
-    width: dict[tuple[int, ...], int] = {}
-    for gram in grams:
-        path: tuple[int, ...] = ()
-        for token in gram:
-            node = child.get((path, token))
-            if node is None:
-                node = path + (width.get(path, 0),)
-                width[path] = node[-1] + 1
-                child[(path, token)] = node
-                token_of[node] = token
-            path = node
-    return tuple(token_of), token_of
+    return graft((), (), grams)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
+def cached_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
     return compile_tree(paths).to(device)
 
 
@@ -236,20 +223,26 @@ class LookaheadProposer:
         self.levels = [pick.choices(state.tokens, k=self.size.window) for _ in range(self.size.ngram - 1)]
         self.iterations = 0
 
-    def propose(self, state: DecodeState) -> Proposal:
+    def guesses(self, state: DecodeState) -> list[tuple[int, ...]]:
+        """Up to G pool n-grams that start with the root (without it), cut to the budget."""
         depth = state.max_depth(self.size.ngram - 1)
-        grams = [g[:depth] for g in self.pool.lookup(state.tokens[-1], self.size.guesses)] if depth else []
-        paths, token_of = trie(grams)
-        tree = _tree(paths, str(self.device))
-        tokens = torch.tensor([state.tokens[-1]] + [token_of[p] for p in tree.paths], device=self.device)
-        if not depth:  # one token left: the window's guesses would go unused
-            return Proposal(tree=tree, tokens=tokens, is_chain=True)
+        return [g[:depth] for g in self.pool.lookup(state.tokens[-1], self.size.guesses)] if depth else []
+
+    def window(self, nodes: int) -> SideRows:
+        """The Jacobi window as side rows after a tree of ``nodes`` candidates (root included)."""
         w = self.size.window
-        rows, sees = window_layout(len(self.levels), w, tree.num_nodes, str(self.device))
+        rows, sees = window_layout(len(self.levels), w, nodes, str(self.device))
         window = [t for level in self.levels for t in level][1:]  # level 0's column 0 is the root (row 0)
-        side = SideRows(tokens=torch.tensor(window, device=self.device), depth=rows, sees=sees,
+        return SideRows(tokens=torch.tensor(window, device=self.device), depth=rows, sees=sees,
                         reach=len(self.levels) + w - 2)
-        return Proposal(tree=tree, tokens=tokens, side=side)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        paths, token_of = trie(self.guesses(state))
+        tree = cached_tree(paths, str(self.device))
+        tokens = torch.tensor([state.tokens[-1]] + [token_of[p] for p in tree.paths], device=self.device)
+        if not state.max_depth(1):  # one token left: the window's guesses would go unused
+            return Proposal(tree=tree, tokens=tokens, is_chain=True)
+        return Proposal(tree=tree, tokens=tokens, side=self.window(tree.num_nodes))
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         if self.text:

@@ -24,10 +24,10 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
-from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
+from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, cached_tree, size_lookahead
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import TreeBuffers, chain, compile_tree, spelled
+from medusa.decoding.tree import TreeBuffers, chain, compile_tree, graft, spelled
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import EAGLE_KINDS
@@ -312,20 +312,27 @@ class Hybrid:
     verification treats every node as a point mass.
     """
 
-    def __init__(self, heads: Proposer, lookup: PromptLookup, device: torch.device) -> None:
-        self.heads, self.lookup, self.device = heads, lookup, device
+    def __init__(self, heads: Proposer, lookup: PromptLookup, device: torch.device,
+                 lookahead: LookaheadProposer | None = None) -> None:
+        self.heads, self.lookup, self.device, self.lookahead = heads, lookup, device, lookahead
         rows = getattr(heads, "max_rows", None)  # None: a heads proposer that does not say
-        self.max_rows = None if rows is None else rows + lookup.k
+        self.max_rows = None if rows is None else rows + lookup.k + (0 if lookahead is None else lookahead.max_rows - 1)
         self.min_rows = getattr(heads, "min_rows", 1)
+        self.jacobi = False  # this generation runs the lookahead part (greedy ones only)
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
         self.lookup.begin(state)
+        self.jacobi = self.lookahead is not None and state.sampling.greedy
+        if self.jacobi:
+            self.lookahead.begin(state)
 
     def propose(self, state: DecodeState) -> Proposal:
         copied = self.lookup.propose(state)
         k = copied.tokens.numel() - 1
         guessed = self.heads.propose(state)
+        if self.jacobi:
+            return self._with_lookahead(state, guessed, copied.tokens[1:].tolist())
         if not guessed.tree.paths:  # a calibrated tree may be empty: then this is plain lookup
             return copied
         if k == 0:
@@ -342,9 +349,21 @@ class Hybrid:
         tokens[chain_nodes.to(self.device)] = copied.tokens[1 + len(attach):].long()
         return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
 
+    def _with_lookahead(self, state: DecodeState, guessed: Proposal, chain: list[int]) -> Proposal:
+        """The heads' tree grown by the lookup chain and the lookahead pool's n-grams (shared
+        prefixes shared), with the Jacobi window as side rows of the same pass."""
+        grams = ([chain] if chain else []) + self.lookahead.guesses(state)
+        paths, token_of = graft(guessed.tree.paths, guessed.tokens[1:].tolist(), grams)
+        tree = cached_tree(paths, str(self.device))
+        tokens = torch.tensor([state.tokens[-1]] + [token_of[p] for p in tree.paths], device=self.device)
+        side = self.lookahead.window(tree.num_nodes) if state.max_depth(1) else None
+        return Proposal(tree=tree, tokens=tokens, side=side, is_chain=side is None and len(tree.leaves) == 1)
+
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         self.heads.update(state, outcome)
         self.lookup.update(state, outcome)
+        if self.jacobi:
+            self.lookahead.update(state, outcome)
 
 
 MODES = ("baseline", "medusa", "eagle", "eagle3", "draft", "lookup", "hybrid", "lookahead")
@@ -373,6 +392,8 @@ class ProposerConfig:
     lookahead_ngram: int | None = None
     lookahead_guesses: int | None = None
     lookahead_text: bool = True
+    # mode hybrid: also run lookahead's window and verify its pool's n-grams in the same pass
+    hybrid_lookahead: bool = False
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -389,12 +410,14 @@ def make_proposer(
     dtype: torch.dtype = torch.float32,
     size=None,
     max_rows: int | None = None,
+    lookahead: LookaheadSize | None = None,
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
     a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain; mode
     lookahead a :class:`~medusa.decoding.lookahead.LookaheadSize`, else its default for the
-    device within ``max_rows``, the rows a pass may verify)."""
+    device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
+    lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode == "lookahead":
@@ -418,8 +441,9 @@ def make_proposer(
         if mode != "hybrid":
             return guessed
         table = heads.ngrams if config.answer_ngrams else None
+        jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
         return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table),
-                      device)
+                      device, lookahead=jacobi)
     if mode == "draft":
         if draft is None:
             raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")

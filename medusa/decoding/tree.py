@@ -143,6 +143,30 @@ def spelled(paths: Iterable[Path_], tokens: Iterable[int], sequence: Sequence[in
     return along
 
 
+def graft(paths: Iterable[Path_], tokens: Iterable[int], sequences: Iterable[Sequence[int]],
+          ) -> tuple[tuple[Path_, ...], dict[Path_, int]]:
+    """A tree (``paths`` with their ``tokens``, root excluded) grown by ``sequences``, each a
+    continuation of the root: where a sequence starts as the tree already spells it, it shares
+    those nodes, and its rest hangs off the deepest one (a new child takes the next free rank).
+    Returns the paths (old ones first, then new ones in order) and each path's token."""
+    token_of = dict(zip(paths, tokens))
+    child = {(path[:-1], token): path for path, token in token_of.items()}
+    width: dict[Path_, int] = {}
+    for path in token_of:
+        width[path[:-1]] = max(width.get(path[:-1], 0), path[-1] + 1)
+    for sequence in sequences:
+        at: Path_ = ()
+        for token in sequence:
+            node = child.get((at, token))
+            if node is None:
+                node = at + (width.get(at, 0),)
+                width[at] = node[-1] + 1
+                child[(at, token)] = node
+                token_of[node] = token
+            at = node
+    return tuple(token_of), token_of
+
+
 def load_tree(spec: str | Path | Sequence[Sequence[int]]) -> list[Path_]:
     """A tree from a list of paths, a JSON file (a list, or ``{"paths": [...]}``), or a
     name of a tree shipped in ``medusa/assets/trees`` (e.g. ``"cpu"``)."""
