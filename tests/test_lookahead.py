@@ -286,6 +286,10 @@ def test_embedded_model_lookahead_matches_hf(embedded):
                                  generation_config=GenerationConfig(do_sample=False, max_new_tokens=n,
                                                                     eos_token_id=sorted(embedded.eos), pad_token_id=2))
     assert embedded.generate(ids, max_new_tokens=n, mode="lookahead").tokens == hf[0, len(ids):].tolist()
+    import medusa  # the shipped EAGLE-3 heads with lookahead in hybrid's pass
+
+    composed = medusa.load(target=embedded, heads="eagle3", proposers=ProposerConfig(hybrid_lookahead=True), autotune=False)
+    assert composed.generate(ids, max_new_tokens=n, mode="hybrid").tokens == hf[0, len(ids):].tolist()
 
 
 def test_bench_flag_parses_w_n_g():

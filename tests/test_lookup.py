@@ -163,7 +163,7 @@ def test_hybrid_chain_shares_the_nodes_the_heads_drafted_too():
 
 
 def test_hybrid_layout_attaches_the_chain_below_the_deepest_shared_node():
-    from medusa.decoding.proposers import _hybrid_layout
+    from medusa.decoding.hybrid import _hybrid_layout
     from medusa.decoding.tree import spelled
 
     base = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))

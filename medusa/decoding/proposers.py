@@ -6,7 +6,8 @@ Every decoding mode is one proposer behind the same engine loop:
 * ``MedusaProposer`` - the heads' top-k laid out by a static tree;
 * ``DraftModel`` - a small causal LM drafting a chain token by token;
 * ``PromptLookup`` - a chain copied from where the latest n-gram occurred before;
-* ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree;
+* ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree
+  (:mod:`medusa.decoding.hybrid`);
 * ``LookaheadProposer`` - n-grams from the target's own Jacobi iterations
   (:mod:`medusa.decoding.lookahead`).
 
@@ -17,17 +18,17 @@ n-gram index) to itself.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
-from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, cached_tree, size_lookahead
+from medusa.decoding.hybrid import Hybrid
+from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
 from medusa.decoding.sampling import probabilities, sample
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import TreeBuffers, chain, compile_tree, graft, spelled
+from medusa.decoding.tree import TreeBuffers, chain, compile_tree
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import EAGLE_KINDS
@@ -278,92 +279,6 @@ def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int
     if any(v is not None for v in asked.values()):
         size = LookaheadSize(**{k: getattr(size, k) if v is None else v for k, v in asked.items()}, reason="as set")
     return LookaheadProposer(device, size, text=config.lookahead_text)
-
-
-@functools.lru_cache(maxsize=512)
-def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int, ...] = (),
-                   ) -> tuple[TreeBuffers, torch.Tensor, torch.Tensor, bool]:
-    """The tree of ``base`` plus a ``k``-token chain hanging off its node ``attach`` (the root
-    by default), where the base's nodes (root first) and the chain's nodes go in it, and
-    whether the whole is one chain. The chain takes rank ``branch`` = one past the largest
-    rank of ``attach``'s children in the base, so it never collides."""
-    branch = max((p[-1] for p in base if len(p) == len(attach) + 1 and p[:-1] == attach), default=-1) + 1
-    chain_paths = [attach + (branch,) + (0,) * d for d in range(k)]
-    tree = compile_tree(list(base) + chain_paths)
-    index = {path: i + 1 for i, path in enumerate(tree.paths)}
-    base_nodes = torch.tensor([0] + [index[path] for path in base], dtype=torch.long)
-    chain_nodes = torch.tensor([index[path] for path in chain_paths], dtype=torch.long)
-    return tree, base_nodes, chain_nodes, len(tree.paths) == max(map(len, tree.paths), default=0)
-
-
-class Hybrid:
-    """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup,
-    verified together in one target pass.
-
-    The heads' tree and, when the n-gram index finds a match, the lookup chain go into one
-    tree; verification keeps the longest accepted path of either. Where the chain starts with
-    tokens the heads drafted too (often: both guess the likeliest continuation), it shares
-    their nodes and only its rest hangs off the deepest shared node, so the pass verifies the
-    same candidates with fewer rows. The two are
-    complementary: the heads guess short continuations anywhere, the lookup copies long
-    spans where the answer repeats the prompt or itself. Where the target's pass costs about
-    the same for a few more nodes (GPUs), the chain is nearly free. A combined layout is
-    compiled once per (heads' tree, chain length, shared node). Neither part samples, so lossless
-    verification treats every node as a point mass.
-    """
-
-    def __init__(self, heads: Proposer, lookup: PromptLookup, device: torch.device,
-                 lookahead: LookaheadProposer | None = None) -> None:
-        self.heads, self.lookup, self.device, self.lookahead = heads, lookup, device, lookahead
-        rows = getattr(heads, "max_rows", None)  # None: a heads proposer that does not say
-        self.max_rows = None if rows is None else rows + lookup.k + (0 if lookahead is None else lookahead.max_rows - 1)
-        self.min_rows = getattr(heads, "min_rows", 1)
-        self.jacobi = False  # this generation runs the lookahead part (greedy ones only)
-
-    def begin(self, state: DecodeState) -> None:
-        self.heads.begin(state)
-        self.lookup.begin(state)
-        self.jacobi = self.lookahead is not None and state.sampling.greedy
-        if self.jacobi:
-            self.lookahead.begin(state)
-
-    def propose(self, state: DecodeState) -> Proposal:
-        copied = self.lookup.propose(state)
-        k = copied.tokens.numel() - 1
-        guessed = self.heads.propose(state)
-        if self.jacobi:
-            return self._with_lookahead(state, guessed, copied.tokens[1:].tolist())
-        if not guessed.tree.paths:  # a calibrated tree may be empty: then this is plain lookup
-            return copied
-        if k == 0:
-            return guessed
-        # the chain's start that the heads drafted too shares their nodes: only the rest gets rows
-        shared = spelled(guessed.tree.paths, guessed.tokens[1:].tolist(), copied.tokens[1:].tolist())
-        attach = shared[-1] if shared else ()
-        if len(attach) == k:  # the heads drafted the whole chain
-            return guessed
-        tree, base_nodes, chain_nodes, is_chain = _hybrid_layout(guessed.tree.paths, k - len(attach), attach)
-        tree = tree.to(self.device)
-        tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
-        tokens[base_nodes.to(self.device)] = guessed.tokens.long()
-        tokens[chain_nodes.to(self.device)] = copied.tokens[1 + len(attach):].long()
-        return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
-
-    def _with_lookahead(self, state: DecodeState, guessed: Proposal, chain: list[int]) -> Proposal:
-        """The heads' tree grown by the lookup chain and the lookahead pool's n-grams (shared
-        prefixes shared), with the Jacobi window as side rows of the same pass."""
-        grams = ([chain] if chain else []) + self.lookahead.guesses(state)
-        paths, token_of = graft(guessed.tree.paths, guessed.tokens[1:].tolist(), grams)
-        tree = cached_tree(paths, str(self.device))
-        tokens = torch.tensor([state.tokens[-1]] + [token_of[p] for p in tree.paths], device=self.device)
-        side = self.lookahead.window(tree.num_nodes) if state.max_depth(1) else None
-        return Proposal(tree=tree, tokens=tokens, side=side, is_chain=side is None and len(tree.leaves) == 1)
-
-    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        self.heads.update(state, outcome)
-        self.lookup.update(state, outcome)
-        if self.jacobi:
-            self.lookahead.update(state, outcome)
 
 
 MODES = ("baseline", "medusa", "eagle", "eagle3", "draft", "lookup", "hybrid", "lookahead")
