@@ -4,7 +4,8 @@
 
 Mode ``hybrid`` drafts its lookup chain from this table where the prompt and the answer so far
 have no match (medusa/runtime/ngrams.py). The answers are the target's own (its self-distilled
-training data, default ``data/selfdistill/*.jsonl.gz``), tokenized as training tokenizes them;
+training data; by default the embedded model's, ``data/selfdistill/smollm2-135m-instruct*.jsonl.gz``;
+another target needs ``--data``), tokenized as training tokenizes them;
 each answer is kept with the ``max_n - 1`` template tokens before it, so the table also knows
 how answers begin. Prompts the table should be measured on must not be among them
 (``scripts/heldout_prompts.py`` picks prompts outside the same files).
@@ -27,15 +28,18 @@ from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 from medusa.training.data import tokenize_conversation
 from medusa.training.sources import DataStats, load_conversations
 
-DEFAULT_DATA = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
+# the embedded model's own answers (data/selfdistill holds other targets' answers too)
+DEFAULT_DATA = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill")
+                      .glob("smollm2-135m-instruct*.jsonl.gz"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/build_ngrams.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--heads", required=True, help="heads folder to write ngrams.safetensors into")
-    ap.add_argument("--data", nargs="+", default=DEFAULT_DATA,
-                    help="the target's answers: .jsonl(.gz) files with messages (default: data/selfdistill/*.jsonl.gz)")
+    ap.add_argument("--data", nargs="+", default=None,
+                    help="the target's answers: .jsonl(.gz) files with messages (default, for the embedded model "
+                         "only: data/selfdistill/smollm2-135m-instruct*.jsonl.gz)")
     ap.add_argument("--model", default=None, help="the target whose tokenizer is used (default: the embedded model)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code to run")
     ap.add_argument("--max-n", type=count(1), default=4, help="longest context, in tokens")
@@ -49,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not 1 <= args.min_n <= args.max_n:
         ap.error("need 1 <= --min-n <= --max-n")
+    if args.data is None:
+        if args.model is not None:
+            ap.error("--model needs --data: that target's own answers (the default ones are the embedded model's)")
+        args.data = DEFAULT_DATA
     return args
 
 

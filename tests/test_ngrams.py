@@ -248,3 +248,19 @@ def test_the_shipped_eagle_heads_carry_a_table_of_the_embedded_models_answers(em
                                                     add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert len(table.chain(prompt, 8)) >= 1  # answers begin in ways the table has seen
+
+
+def test_build_ngrams_defaults_to_the_embedded_models_answers_only(capsys):
+    """data/selfdistill holds another target's answers too (Gemma 3 270M): the default data is the
+    embedded model's own, and another target must name its answers."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import build_ngrams
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    default = build_ngrams.parse_args(["--heads", "h"]).data
+    assert default and all(Path(p).name.startswith("smollm2-135m-instruct") for p in default)
+    assert any(p.name.startswith("gemma3") for p in (REPO / "data" / "selfdistill").glob("*.jsonl.gz"))
+    with pytest.raises(SystemExit):
+        build_ngrams.parse_args(["--heads", "h", "--model", "other.gguf"])
+    assert "--model needs --data" in capsys.readouterr().err
