@@ -347,6 +347,11 @@ def mode_spec(name: str) -> ModeSpec | None:
     return ModeSpec(found["base"], kind, bool(found["compiled"]), bool(found["jacobi"]))
 
 
+def runs_lookahead(modes: list[str]) -> bool:
+    """Whether a mode of the run runs lookahead's window (mode lookahead, or hybrid+lookahead)."""
+    return any(m == "lookahead" or JACOBI in m for m in modes)
+
+
 def known_mode(name: str) -> bool:
     return name in MODES or mode_spec(name) is not None
 
@@ -675,7 +680,7 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     for engine in {id(e): e for e in bench.engines.values()}.values():
         if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
             print(f"eagle trees{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
-    if any(m == "lookahead" or JACOBI in m for m in modes):
+    if runs_lookahead(modes):
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
     bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing
     short = bench.shorter(8)
@@ -705,7 +710,7 @@ def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str
             "eagle_tree_nodes": _tree_nodes(eagle, None) if eagle is not None and eagle is not engine else None,
             "tree_sizes": _sizes_reason(eagle or engine),
             "compiled_tree_sizes": _sizes_reason(compiled) if compiled is not None else None,
-            "lookahead": _lookahead_reason(engine) if any(m == "lookahead" or JACOBI in m for m in modes) else None,
+            "lookahead": _lookahead_reason(engine) if runs_lookahead(modes) else None,
             "fastest_transformers": fastest}
 
 
