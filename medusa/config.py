@@ -413,8 +413,8 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
             raise MedusaError(f"unknown cache_kernels {self.cache_kernels!r}: use default or onednn")
         if not 0 <= self.distill <= 1:
             raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
-        if self.kind == "eagle3" and (self.lora or self.cache_dir):
-            raise MedusaError("eagle3 heads read the frozen target's layers at every step: drop cache_dir and lora")
+        if self.kind == "eagle3" and self.lora:
+            raise MedusaError("eagle3 heads read a frozen target's layers, but lora trains it: drop lora")
         if self.kind == "eagle" and (self.lora or not self.cache_dir):
             raise MedusaError("eagle heads train on the feature cache of a frozen target: set cache_dir and drop lora")
         if self.max_steps <= 0 and self.num_epochs <= 0:

@@ -25,7 +25,7 @@ from medusa.errors import MedusaError
 from medusa.models.heads_config import read_heads_config
 from medusa.models.target import load_tokenizer
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
-from medusa.training.data import tokenize_conversation
+from medusa.training.data import set_chat_template, tokenize_conversation
 from medusa.training.sources import DataStats, load_conversations
 
 # the embedded model's own answers (data/selfdistill holds other targets' answers too)
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's answers: .jsonl(.gz) files with messages (default, for the embedded model "
                          "only: data/selfdistill/smollm2-135m-instruct*.jsonl.gz)")
     ap.add_argument("--model", default=None, help="the target whose tokenizer is used (default: the embedded model)")
+    ap.add_argument("--chat-template", default=None,
+                    help="Jinja chat template (file or text) the answers were generated with, for a tokenizer "
+                         "that has none (e.g. configs/chat_templates/question_answer.jinja for Gemma 3 270M)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code to run")
     ap.add_argument("--max-n", type=count(1), default=4, help="longest context, in tokens")
     ap.add_argument("--min-n", type=count(1), default=2, help="shortest context, in tokens")
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = read_heads_config(args.heads)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    set_chat_template(tokenizer, args.chat_template)
     t0 = time.perf_counter()
     sequences = answer_sequences(tokenizer, args.data, args.max_n - 1)
     table = NgramTable.build(sequences, config.vocab_size, max_n=args.max_n, min_n=args.min_n,

@@ -7,7 +7,12 @@ Reads a conversation source (default: ShareGPT, the source of the self-distilled
 answers), drops every conversation whose first user turn is the prompt of an answer in the
 training files (``--exclude``, by id and by text: ShareGPT repeats prompts under other ids),
 keeps first turns of a readable length, and writes N of them, picked with a seed, as ShareGPT
-JSON (``id``, ``conversations``), the format ``infer.bench --prompts`` reads.
+JSON (``id``, ``conversations``), the format ``infer.bench --prompts`` reads. ``--wrap`` writes
+each prompt inside a text template, for a base model without a chat template (the bench then
+tokenises the text as it is):
+
+    python scripts/heldout_prompts.py --output runs/prompts/gemma-heldout-qa.json --samples 24 \
+        --max-chars 800 --wrap 'Question: {prompt}\nAnswer:'
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1234, help="shuffle seed picking the prompts")
     ap.add_argument("--min-chars", type=count(0), default=16, help="shortest first turn kept")
     ap.add_argument("--max-chars", type=count(0), default=1500, help="longest first turn kept")
+    ap.add_argument("--wrap", default=None, help="write each prompt as this text with {prompt} replaced "
+                                                 "(\\n is a newline), e.g. 'Question: {prompt}\\nAnswer:'")
     return ap
 
 
@@ -49,10 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("the following arguments are required: --output")
     if not 0 <= args.min_chars <= args.max_chars:
         ap.error("need 0 <= --min-chars <= --max-chars")
+    if args.wrap is not None:
+        if args.wrap.count("{prompt}") != 1:
+            ap.error(f"--wrap {args.wrap!r} must hold {{prompt}} once, e.g. 'Question: {{prompt}}\\nAnswer:'")
+        args.wrap = args.wrap.replace("\\n", "\n")
     return args
 
 
-def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max_chars: int) -> list[dict]:
+def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max_chars: int,
+         wrap: str | None = None) -> list[dict]:
     ids, texts = answered_prompts(exclude)
     picked: list[dict] = []
     seen: set[str] = set()
@@ -62,7 +74,8 @@ def pick(source: str, exclude: list[str], n: int, seed: int, min_chars: int, max
         if cid.split(":", 1)[-1] in ids or key in texts or key in seen or not min_chars <= len(key) <= max_chars:
             continue
         seen.add(key)
-        picked.append({"id": cid, "conversations": [{"from": "human", "value": first}]})
+        text = first if wrap is None else wrap.replace("{prompt}", first)
+        picked.append({"id": cid, "conversations": [{"from": "human", "value": text}]})
         if len(picked) == n:
             break
     if len(picked) < n:
@@ -75,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = Path(args.output)
     writable_folder(out.parent, "--output")
-    prompts = pick(args.prompts, args.exclude, args.samples, args.seed, args.min_chars, args.max_chars)
+    prompts = pick(args.prompts, args.exclude, args.samples, args.seed, args.min_chars, args.max_chars, args.wrap)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(prompts, ensure_ascii=False, indent=1))
     os.replace(tmp, out)

@@ -20,7 +20,11 @@ from medusa.models.eagle3_heads import Eagle3Heads, default_feature_layers, init
 from medusa.models.heads_config import read_heads_config, save_heads
 from medusa.models.loader import load_heads
 from medusa.runtime import hf as kv
-from medusa.training.eagle3_ttt import eagle3_loss, target_outputs
+from medusa.training.batches import collate
+from medusa.training.data import Example
+from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
+from medusa.training.eagle_ttt import sequences
+from medusa.training.feature_cache import FeatureCache, build_cache, fingerprint, is_complete, run_layers
 from medusa.training.loop import TrainConfig, train
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")
@@ -158,7 +162,8 @@ def fresh_accelerate_state():
     yield
 
 
-def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_state):
+@pytest.mark.parametrize("cached", [False, True], ids=["target-each-step", "feature-cache"])
+def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_state, cached):
     folder = tiny_target(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(folder)
     torch.manual_seed(0)
@@ -171,8 +176,12 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
     out = tmp_path / "eagle3"
     cfg = TrainConfig(model=str(folder), data=[str(data)], kind="eagle3", num_heads=7, max_length=48, eval_fraction=0.1,
                       batch_size=4, lr=3e-3, warmup_steps=2, max_steps=150, eval_every=150, eval_batches=0, log_every=5,
-                      save_every=0, output=str(out), wandb=False, train_vocab=16, seed=3)
+                      save_every=0, output=str(out), wandb=False, train_vocab=16, seed=3,
+                      cache_dir=str(tmp_path / "features") if cached else None)
     train(cfg)
+    if cached:  # the target ran once, over the layers the heads fuse
+        meta = json.loads((tmp_path / "features" / "train" / "meta.json").read_text())
+        assert meta["layers"] == list(read_heads_config(out).feature_layers), meta
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -194,9 +203,49 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
     assert res.stats.tau > max(1.25, untrained.stats.tau + 0.2), (res.stats.tau, untrained.stats.tau)
 
 
-def test_eagle3_config_refuses_a_feature_cache():
-    with pytest.raises(MedusaError, match="drop cache_dir"):
-        TrainConfig(kind="eagle3", cache_dir="x", data=["d"])
+def test_eagle3_config_refuses_lora():
+    with pytest.raises(MedusaError, match="drop lora"):
+        TrainConfig(kind="eagle3", lora=True, data=["d"])
+
+
+def _examples(n: int, seed: int = 0) -> list[Example]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 6 + 3 * i
+        ids = torch.randint(3, 96, (length,), generator=g).tolist()
+        out.append(Example(ids, [0] * (length // 2) + [1] * (length - length // 2)))
+    return out
+
+
+def test_the_feature_cache_holds_what_the_target_gives_eagle3_training(tmp_path):
+    # A batch read from the cache equals the target run on the same sequences: tokens, masks and
+    # teacher exactly, the fused layers' inputs to bfloat16 rounding; the layers key the cache.
+    model = tiny_model("llama", vocab_size=96, num_hidden_layers=4, tie_word_embeddings=False)
+    layers = (0, 2, 3)
+    with torch.no_grad():  # a residual stream past float16's range (as in Gemma 3's middle layers)
+        model.model.embed_tokens.weight.mul_(1e6)
+    examples = _examples(5)
+    h = model.config.hidden_size
+    fp = fingerprint(model, examples, 8, layers=layers)
+    assert fp != fingerprint(model, examples, 8) and fp != fingerprint(model, examples, 8, layers=(0, 1, 3))
+    build_cache(tmp_path / "c", lambda i, a: run_layers(model, layers, i, a), examples, 3 * h, 8, fp,
+                batch_tokens=24, bfloat16=True, meta={"layers": list(layers)})
+    assert is_complete(tmp_path / "c", fp)
+    cache = FeatureCache.open(tmp_path / "c")
+    bounds = sequences(cache)[[1, 4, 2]]
+    got = cached_batch(cache, bounds, torch.device("cpu"))
+    want = collate([examples[i] for i in (1, 4, 2)], torch.device("cpu"))
+    for name in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(got[name], want[name]), name
+    ref = target_outputs(model, want["input_ids"], want["attention_mask"], layers, 8)
+    valid = want["attention_mask"].bool()
+    assert ref["features"][valid].abs().max() > 1e5  # float16 would have overflowed
+    assert torch.isfinite(got["features"]).all()
+    torch.testing.assert_close(got["features"][valid], ref["features"][valid], rtol=1e-2, atol=1e-3)
+    assert torch.equal(got["teacher_ids"][valid], ref["teacher_ids"][valid])
+    torch.testing.assert_close(got["teacher_logp"][valid], ref["teacher_logp"][valid], rtol=2e-3, atol=2e-3)
+    assert not got["attention_mask"][~valid].any() and not got["features"][~valid].any()
 
 
 @pytest.mark.usefixtures("one_thread")

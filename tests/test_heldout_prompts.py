@@ -66,3 +66,15 @@ def test_too_few_prompts_is_one_clear_error(files, tmp_path):
         _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "20", "--output", str(tmp_path / "x.json")])
     with pytest.raises(MedusaError, match="--exclude file not found"):
         _script().main(["--prompts", str(source), "--exclude", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "x.json")])
+
+
+def test_wrap_writes_the_same_picks_inside_a_text_template(files, tmp_path, capsys):
+    source, train, _ = files
+    plain, wrapped = tmp_path / "plain.json", tmp_path / "qa.json"
+    _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "5", "--output", str(plain)])
+    _script().main(["--prompts", str(source), "--exclude", str(train), "--samples", "5", "--output", str(wrapped),
+                    "--wrap", "Question: {prompt}\\nAnswer:"])
+    assert [p.text for p in read_prompts(wrapped)] == [f"Question: {p.text}\nAnswer:" for p in read_prompts(plain)]
+    with pytest.raises(SystemExit):
+        _script().main(["--prompts", str(source), "--output", str(tmp_path / "x.json"), "--wrap", "Question:"])
+    assert "must hold {prompt} once" in capsys.readouterr().err

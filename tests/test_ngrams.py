@@ -264,3 +264,38 @@ def test_build_ngrams_defaults_to_the_embedded_models_answers_only(capsys):
     with pytest.raises(SystemExit):
         build_ngrams.parse_args(["--heads", "h", "--model", "other.gguf"])
     assert "--model needs --data" in capsys.readouterr().err
+
+
+def test_build_ngrams_reads_answers_of_a_base_model_through_a_template_file(tmp_path):
+    """A tokenizer without a chat template (a base model, as Gemma 3 270M) needs the template its
+    answers were generated with: without it one line says so, with it the table learns them."""
+    from train_fixtures import tiny_target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import build_ngrams
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    folder = tiny_target(tmp_path / "model")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # a base model's tokenizer: no template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert not tok.chat_template
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    save_heads(init_eagle_for(model), tmp_path / "heads")
+    answer = " one two three four five six"
+    data = _answers_file(tmp_path / "answers.jsonl.gz", [("count", answer), ("please count", answer)])
+    argv = ["--heads", str(tmp_path / "heads"), "--data", str(data), "--model", str(folder)]
+    with pytest.raises(MedusaError, match="no chat template"):
+        build_ngrams.main(argv)
+    template = REPO / "configs" / "chat_templates" / "question_answer.jinja"
+    assert build_ngrams.main([*argv, "--chat-template", str(template)]) == 0
+    table = NgramTable.load(tmp_path / "heads" / NGRAMS_NAME, model.config.vocab_size)
+    assert table.sequences == 2
+    tok.chat_template = template.read_text()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "count"}], add_generation_prompt=True, tokenize=False)
+    expected = tok(answer, add_special_tokens=False)["input_ids"]
+    assert table.chain(tok(prompt, add_special_tokens=False)["input_ids"], 4) == expected[:4]

@@ -27,6 +27,7 @@ from medusa.config import arg, parse_config, run_main
 from medusa.errors import MedusaError, require_extra
 from medusa.models.target import eos_token_ids, load_target
 from medusa.runtime.kernels import KERNELS, PackedLinears
+from medusa.training.data import set_chat_template
 from medusa.training.sources import DataStats, load_conversations
 
 
@@ -146,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     probe_output(out)
     torch.manual_seed(cfg.seed)
     model, tok = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if cfg.chat_template:
-        path = Path(cfg.chat_template)
-        tok.chat_template = path.read_text() if path.is_file() else cfg.chat_template
+    set_chat_template(tok, cfg.chat_template)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

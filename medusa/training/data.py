@@ -52,6 +52,14 @@ def chat_template(tokenizer: PreTrainedTokenizerBase) -> Any:
     return template
 
 
+def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+    """Give ``tokenizer`` the chat template ``template`` (a Jinja file, or the text itself);
+    None leaves the tokenizer's own."""
+    if template:
+        path = Path(template).expanduser()
+        tokenizer.chat_template = path.read_text() if path.is_file() else template
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, add_generation_prompt: bool = False) -> str:
     chat_template(tokenizer)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -2,7 +2,9 @@
 
 A micro-batch is ``B`` right-padded conversations. The frozen target runs once over them
 (:func:`target_outputs`): the residual stream entering the head's ``feature_layers``
-(``[B, T, L*H]``) and its top-k next-token distribution at every position. Then, as in
+(``[B, T, L*H]``) and its top-k next-token distribution at every position. With a feature
+cache (``cache_dir``) the target ran once over the data instead and :func:`cached_batch`
+reads the same tensors from disk (the features rounded to bfloat16). Then, as in
 :mod:`medusa.training.eagle_ttt` (which this batches), step 0 feeds the true pairs
 ``(fc(features_p), x_{p+1})`` with causal attention; step ``j`` feeds at position ``p`` the
 head's own output of step ``j - 1`` at ``p - 1`` and attends to the true pairs up to ``p - j``
@@ -15,12 +17,14 @@ and no scored row attends to one (padding sits at the end).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from medusa.models.eagle3_heads import Eagle3Heads
 from medusa.models.eagle_heads import additive_mask
 from medusa.runtime.hf import lm_logits, new_cache
 from medusa.training.eagle_ttt import ttt_visible
+from medusa.training.feature_cache import FeatureCache
 from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 
@@ -34,6 +38,26 @@ def target_outputs(target, ids: torch.Tensor, attn: torch.Tensor, layers: tuple[
     logits = lm_logits(target, out.last_hidden_state).float()  # [B, T, V]
     top, top_ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)
     return {"features": features, "teacher_ids": top_ids, "teacher_logp": top - logits.logsumexp(-1, keepdim=True)}
+
+
+def cached_batch(cache: FeatureCache, bounds: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+    """The cached sequences ``bounds`` ``[B, 2]`` (start, end), right-padded: what
+    :func:`eagle3_loss` reads, as :func:`target_outputs` and ``collate`` would give it."""
+    width = int((bounds[:, 1] - bounds[:, 0]).max())
+    b, k = len(bounds), cache.teacher_ids.shape[1]
+    batch = {"input_ids": torch.zeros((b, width), dtype=torch.long), "attention_mask": torch.zeros((b, width), dtype=torch.long),
+             "loss_mask": torch.zeros((b, width), dtype=torch.long),
+             "features": torch.zeros((b, width, cache.hidden.shape[1])),
+             "teacher_ids": torch.zeros((b, width, k), dtype=torch.long), "teacher_logp": torch.zeros((b, width, k))}
+    for i, (lo, hi) in enumerate(bounds):
+        sl, n = slice(int(lo), int(hi)), int(hi - lo)
+        batch["input_ids"][i, :n] = torch.from_numpy(cache.tokens[sl].astype(np.int64))
+        batch["attention_mask"][i, :n] = 1
+        batch["loss_mask"][i, :n] = torch.from_numpy(cache.loss_mask[sl].astype(np.int64))
+        batch["features"][i, :n] = cache.hidden_rows(sl)
+        batch["teacher_ids"][i, :n] = torch.from_numpy(np.array(cache.teacher_ids[sl]).astype(np.int64))
+        batch["teacher_logp"][i, :n] = torch.from_numpy(np.array(cache.teacher_logp[sl])).float()
+    return {name: t.to(device) for name, t in batch.items()}
 
 
 def eagle3_loss(heads: Eagle3Heads, batch: dict[str, torch.Tensor], weights: list[float],

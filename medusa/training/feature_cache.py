@@ -4,7 +4,10 @@ Medusa-1 trains only the heads, and a head at position ``t`` needs nothing from 
 but its final hidden state at ``t`` and (for self-distillation) its distribution at
 ``t + k + 1``. One pass of the target over the tokenised data stores, per token:
 
-* ``hidden``  ``[N, H]`` float16: the final (normed) hidden state, the heads' input;
+* ``hidden``  ``[N, H]`` float16: the final (normed) hidden state, the heads' input; for
+  EAGLE-3 heads (``layers`` given) instead ``[N, L*H]``: the residual stream entering each of
+  the ``L`` fused layers, stored as bfloat16 bits (``uint16``) because a middle layer's stream
+  can pass float16's range (Gemma 3's reaches ~1e5);
 * ``teacher_ids`` / ``teacher_logp`` ``[N, k]``: the target's top-k next tokens and their
   log-probabilities;
 * ``tokens`` ``[N]``, ``loss_mask`` ``[N]`` and ``offsets`` ``[S + 1]`` (sequence bounds).
@@ -56,11 +59,14 @@ def weights_identity(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(model: nn.Module, examples: list[Example], topk: int, weights: str | None = None) -> str:
+def fingerprint(model: nn.Module, examples: list[Example], topk: int, weights: str | None = None,
+                layers: tuple[int, ...] | None = None) -> str:
     """Keyed on the weights' identity (``weights``: :func:`weights_identity` of ``model``, when
     the caller has it), not the model's name: a re-saved model with the same name must not
-    reuse features of its old weights."""
-    h = hashlib.sha256(f"{weights or weights_identity(model)}|{topk}|{len(examples)}".encode())
+    reuse features of its old weights. ``layers``: what an EAGLE-3 cache holds (None: the
+    final hidden states)."""
+    what = "" if layers is None else f"|layers={','.join(map(str, layers))}"
+    h = hashlib.sha256(f"{weights or weights_identity(model)}|{topk}|{len(examples)}{what}".encode())
     for ex in examples:
         h.update(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
         h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
@@ -84,13 +90,15 @@ class Donor:
     rows: dict[bytes, int]  # sequence key -> first row
 
     @classmethod
-    def find(cls, folders: list[Path], weights: str, topk: int, hidden_size: int) -> list[Donor]:
+    def find(cls, folders: list[Path], weights: str, topk: int, hidden_size: int,
+             layers: list[int] | None = None) -> list[Donor]:
         """The complete caches among ``folders`` built from the same weights with the same
-        top-k and width (caches written before the weights were recorded are not used)."""
+        top-k, width and layers (caches written before the weights were recorded are not used)."""
         donors = []
         for folder in folders:
             info = read_meta(folder) or {}
-            if (info.get("weights"), info.get("topk"), info.get("hidden_size")) != (weights, topk, hidden_size):
+            if ((info.get("weights"), info.get("topk"), info.get("hidden_size"), info.get("layers"))
+                    != (weights, topk, hidden_size, layers)):
                 continue
             tokens, mask = np.load(folder / "tokens.npy"), np.load(folder / "loss_mask.npy")
             offsets = np.load(folder / "offsets.npy", allow_pickle=False)
@@ -116,7 +124,7 @@ def set_aside(folder: Path) -> None:
 @dataclass
 class FeatureCache:
     folder: Path
-    hidden: np.ndarray  # [N, H] float16 (memory-mapped)
+    hidden: np.ndarray  # [N, H] float16, or [N, L*H] bfloat16 bits as uint16 (memory-mapped)
     teacher_ids: np.ndarray  # [N, k] int32
     teacher_logp: np.ndarray  # [N, k] float16
     tokens: np.ndarray  # [N] int32
@@ -134,6 +142,13 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def hidden_rows(self, rows) -> torch.Tensor:
+        """``hidden[rows]`` as float32, whichever dtype it is stored in."""
+        raw = np.array(self.hidden[rows])  # a copy out of the read-only map
+        if raw.dtype == np.uint16:
+            return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).float()
+        return torch.from_numpy(raw).float()
 
     def positions(self, num_heads: int) -> np.ndarray:
         """Source positions ``t`` where at least one head has a token to learn."""
@@ -211,20 +226,21 @@ def build_cache(folder: str | Path, target_fn: Callable[[torch.Tensor, torch.Ten
                 examples: list[Example], hidden_size: int, topk: int, fp: str, rank: int = 0, world: int = 1,
                 barrier: Callable[[], None] = lambda: None, device: torch.device | str = "cpu",
                 batch_tokens: int = 4096, progress: Callable[[int], None] | None = None,
-                donors: list[Donor] = (), meta: dict | None = None) -> int:
+                donors: list[Donor] = (), meta: dict | None = None, bfloat16: bool = False) -> int:
     """Run the target once over ``examples`` and store what the heads need.
 
     ``target_fn(input_ids [B, T], attention_mask [B, T]) -> (hidden [B, T, H], logits [B, T, V])``.
     Rank ``r`` of ``world`` writes sequences ``r, r + world, ...``; rank 0 creates the files
     and finally writes ``meta.json`` (with ``meta`` added); ``barrier`` synchronises the
-    processes. A sequence one of ``donors`` holds is copied from it, not run. Returns the
-    tokens this rank copied.
+    processes. A sequence one of ``donors`` holds is copied from it, not run. ``bfloat16``:
+    store the hidden rows as bfloat16 bits (layer features outside float16's range). Returns
+    the tokens this rank copied.
     """
     folder = Path(folder)
     lengths = np.array([len(ex) for ex in examples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     n = int(offsets[-1])
-    files = {"hidden": ((n, hidden_size), np.float16), "teacher_ids": ((n, topk), np.int32),
+    files = {"hidden": ((n, hidden_size), np.uint16 if bfloat16 else np.float16), "teacher_ids": ((n, topk), np.int32),
              "teacher_logp": ((n, topk), np.float16)}
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
@@ -290,7 +306,9 @@ def _run_target_over(arrays: dict[str, np.ndarray], target_fn, examples: list[Ex
         top_logp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
         for b, e in enumerate(group):
             s, L = int(offsets[e]), int(lengths[e])
-            arrays["hidden"][s: s + L] = hidden[b, :L].float().cpu().numpy().astype(np.float16)
+            rows = hidden[b, :L].cpu()
+            arrays["hidden"][s: s + L] = (rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16) if arrays["hidden"].dtype == np.uint16
+                                          else rows.float().numpy().astype(np.float16))
             arrays["teacher_ids"][s: s + L] = top_ids[b, :L].cpu().numpy().astype(np.int32)
             arrays["teacher_logp"][s: s + L] = top_logp[b, :L].cpu().numpy().astype(np.float16)
         if progress is not None:
@@ -317,19 +335,35 @@ def target_kernels(kernels: str, target: nn.Module):
     return PackedLinears(target)
 
 
-def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: Any) -> dict[str, FeatureCache]:
+def run_layers(model: nn.Module, layers: tuple[int, ...], ids: torch.Tensor, attn: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` -> the residual stream entering ``layers``, concatenated ``[B, T, L*H]``, and
+    the logits ``[B, T, V]`` (what EAGLE-3 training reads; ``eagle3_ttt.target_outputs``)."""
+    out = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i] for i in layers], dim=-1), lm_logits(model, out.last_hidden_state)
+
+
+def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: Any,
+                layers: tuple[int, ...] | None = None) -> dict[str, FeatureCache]:
     """The feature caches of both splits in ``cfg.cache_dir``, built by running the target
     once where missing. Heads and draft training compute the same fingerprint, so the same
     data settings and ``cache_dir`` share one cache. A rebuild (other data) copies every
-    sequence the outdated caches of the same weights hold and runs the target over the rest."""
+    sequence the outdated caches of the same weights hold and runs the target over the rest.
+    ``layers``: cache the inputs of these layers (EAGLE-3) instead of the final hidden states."""
     from tqdm.auto import tqdm
 
     caches: dict[str, FeatureCache] = {}
     vocab, hidden_size = target.get_output_embeddings().weight.shape
+    layer_list = None if layers is None else [int(i) for i in layers]
+    if layer_list is not None:
+        hidden_size *= len(layer_list)
+        target_fn = lambda i, a: run_layers(target, tuple(layer_list), i, a)  # noqa: E731
+    else:
+        target_fn = lambda i, a: run_target(target, i, a)  # noqa: E731
     topk = min(cfg.teacher_topk, vocab)
     world, root, weights = accelerator.num_processes, Path(cfg.cache_dir), weights_identity(target)
-    wanted = [(split, ex, fingerprint(target, ex, topk, weights)) for split, ex in (("train", splits.train), ("eval", splits.eval))
-              if ex]
+    wanted = [(split, ex, fingerprint(target, ex, topk, weights, layers)) for split, ex in
+              (("train", splits.train), ("eval", splits.eval)) if ex]
     stale = [split for split, _, fp in wanted if not is_complete(root / split, fp)]
     if stale and accelerator.is_main_process:
         for split in stale:
@@ -337,16 +371,17 @@ def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: An
     accelerator.wait_for_everyone()
     # the outdated caches, and a split that is up to date (a sequence may change splits)
     donors = Donor.find([root / (split + PREVIOUS) for split in ("train", "eval")]
-                        + [root / split for split, _, _ in wanted if split not in stale], weights, topk, hidden_size)
+                        + [root / split for split, _, _ in wanted if split not in stale], weights, topk, hidden_size,
+                        layer_list)
     for split, examples, fp in wanted:
         folder = root / split
         if split in stale:
             bar = tqdm(total=sum(len(e) for e in examples) // world, desc=f"cache {split}", unit="tok",
                        disable=not accelerator.is_main_process)
             with target_kernels(cfg.cache_kernels, target):
-                build_cache(folder, lambda i, a: run_target(target, i, a), examples, hidden_size, topk, fp,
-                            accelerator.process_index, world, accelerator.wait_for_everyone, accelerator.device,
-                            cfg.cache_batch_tokens, bar.update, donors, {"weights": weights})
+                build_cache(folder, target_fn, examples, hidden_size, topk, fp, accelerator.process_index, world,
+                            accelerator.wait_for_everyone, accelerator.device, cfg.cache_batch_tokens, bar.update,
+                            donors, {"weights": weights, "layers": layer_list}, bfloat16=layer_list is not None)
             bar.close()
         caches[split] = FeatureCache.open(folder)
     accelerator.wait_for_everyone()

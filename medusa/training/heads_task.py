@@ -9,7 +9,8 @@
 * EAGLE (``kind: eagle``): one autoregressive head over the target's cached features,
   unrolled in training (``eagle_ttt.py``).
 * EAGLE-3 (``kind: eagle3``): one head over several target layers fused, with its own draft
-  vocabulary; the frozen target runs each micro-batch, seven steps unrolled (``eagle3_ttt.py``).
+  vocabulary, seven steps unrolled (``eagle3_ttt.py``); the frozen target runs each
+  micro-batch, or once over the data with ``cache_dir`` (the fused layers' inputs cached).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
 from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
-from medusa.training.eagle3_ttt import eagle3_loss, target_outputs
+from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
 from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
 from medusa.training.feature_cache import FeatureCache, open_caches, run_target
 from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
@@ -73,6 +74,8 @@ class HeadsTrainer(nn.Module):
         # A vocabulary subset only makes training cheaper: evaluation scores the full
         # vocabulary, as decoding does.
         vocab = self.vocab if self.training else None
+        if self.cfg.kind == "eagle3" and "features" in batch:  # the target's layers, from the cache
+            return eagle3_loss(self.heads, batch, self.weights)
         if self.cfg.kind == "eagle3":  # the frozen target's layers, then the unrolled head
             outputs = target_outputs(self._target(), batch["input_ids"], batch["attention_mask"],
                                      self.heads.feature_layers, self.cfg.teacher_topk)
@@ -129,7 +132,8 @@ class HeadsTask:
         if cfg.lora:
             target = attach_lora(target, cfg)
             heads.bind(target.get_output_embeddings())
-        caches = open_caches(cfg, target, splits, accelerator) if cfg.cache_dir else {}
+        layers = tuple(heads.feature_layers) if cfg.kind == "eagle3" else None
+        caches = open_caches(cfg, target, splits, accelerator, layers) if cfg.cache_dir else {}
         train = self.batches(splits.train, caches.get("train"), device)
         held_out = self.batches(splits.eval, caches.get("eval"), device) if splits.eval else None
         return HeadsTrainer(heads, target, cfg, vocab), train, held_out
@@ -168,6 +172,8 @@ class HeadsTask:
         """Micro-batches from sequences (the target runs each step), from cached positions, or
         (eagle) from whole cached sequences."""
         cfg = self.cfg
+        if cache is not None and cfg.kind == "eagle3":
+            return Batches(sequences(cache), cfg.batch_size, lambda b: cached_batch(cache, b, device))
         if cache is not None and cfg.kind == "eagle":
             return Batches(sequences(cache), cfg.batch_size, lambda b: {"eagle": sequence_batch(cache, b, device)})
         if cache is not None:

@@ -40,7 +40,7 @@ from medusa.training.checkpoints import (
     save_checkpoint,
     trainable_only,
 )
-from medusa.training.data import DataSplits, build_datasets
+from medusa.training.data import DataSplits, build_datasets, set_chat_template
 from medusa.training.distributed import (
     configure_deepspeed,
     cpu_threads_warning,
@@ -164,9 +164,7 @@ def load_inputs(cfg: Any, accelerator: Any) -> tuple[nn.Module, Any, DataSplits]
     with whole_weights(accelerator):
         target, tokenizer = load_target(cfg.model, device=accelerator.device, dtype=cfg.dtype,
                                         trust_remote_code=cfg.trust_remote_code)
-    if cfg.chat_template:
-        path = Path(cfg.chat_template)
-        tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
+    set_chat_template(tokenizer, cfg.chat_template)
     with accelerator.local_main_process_first():
         splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
                                 cfg.data_seed, cfg.data_split, progress=main, num_proc=cfg.num_proc,
