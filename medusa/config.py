@@ -312,6 +312,10 @@ class CacheFields:
     teacher_topk: int = arg(32, "the target's top-k tokens kept as the distillation teacher (and in the cache)", bounds=(1, None))
     train_vocab: int = arg(0, "softmax over only the N most frequent tokens of the data while training (0: full "
                               "vocabulary); makes CPU training several times cheaper", bounds=(0, None))
+    vocab_fill: list[str] | None = arg(None, "answer files (.jsonl(.gz) with messages) whose assistant text fills "
+                                             "train_vocab's places after the data's own answer tokens, most frequent "
+                                             "first: for data with fewer distinct tokens than train_vocab (eagle3's "
+                                             "draft vocabulary; medusa and eagle heads' training softmax)")
     cache_batch_tokens: int = arg(4096, "tokens per target pass while building the cache", bounds=(1, None))
     cache_kernels: str = arg("default", "the frozen target's linear kernels while building the cache: default, or "
                                         "onednn (packed oneDNN weights on a CPU, medusa/runtime/kernels.py: 1.7-4x "

@@ -280,3 +280,36 @@ def test_compiled_passes_return_the_fused_layers(tmp_path, monkeypatch):
     assert engine.passes.saved.fallback is None
     names = [p.name for p in (tmp_path / "compiled").glob("pass-*.bin")]
     assert names and all("-L" + "_".join(map(str, heads.feature_layers)) in n for n in names), names
+
+
+def test_vocab_fill_completes_a_draft_vocabulary_the_data_cannot_fill(tmp_path, fresh_accelerate_state):
+    """Answers with few distinct tokens (a small data set, a huge vocabulary): the draft vocabulary
+    takes every token of the data, then the most frequent tokens of the vocab_fill answers."""
+    from train_fixtures import make_tokenizer
+
+    folder = tiny_target(tmp_path / "model")
+    data = write_counting_data(tmp_path / "count.jsonl", 16)
+    fill = tmp_path / "fill.jsonl"
+    fill.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "count"},
+                                                      {"role": "assistant", "content": text}]}) + "\n"
+                            for text in ("ok please ok", "system ok please", "ok")))
+    base = dict(model=str(folder), data=[str(data)], kind="eagle3", num_heads=2, max_length=48, eval_fraction=0.1,
+                batch_size=4, max_steps=1, eval_every=0, eval_batches=0, save_every=0, wandb=False)
+    tok = make_tokenizer()
+    words = [t for t in tok.get_vocab() if t in ("ok", "please", "system")]
+    train(TrainConfig(**base, output=str(tmp_path / "plain"), train_vocab=16))
+    AcceleratorState._reset_state(True)
+    train(TrainConfig(**base, output=str(tmp_path / "filled"), train_vocab=16, vocab_fill=[str(fill)]))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    plain = set(load_heads(tmp_path / "plain", model).draft_vocab.tolist())
+    filled = set(load_heads(tmp_path / "filled", model).draft_vocab.tolist())
+    ok, please, system = (tok.convert_tokens_to_ids(w) for w in ("ok", "please", "system"))
+    assert len(words) == 3 and len(plain) == len(filled) == 16
+    answer_ids = {t for line in data.read_text().splitlines()
+                  for t in tok(json.loads(line)["messages"][-1]["content"], add_special_tokens=False)["input_ids"]}
+    assert answer_ids <= filled and answer_ids <= plain  # the data's own tokens come first
+    assert {ok, please} <= filled, (sorted(filled), ok, please)  # then the fill's most frequent
+    assert filled - plain and not {ok, please} <= plain
+    with pytest.raises(MedusaError, match="vocab_fill file not found"):
+        AcceleratorState._reset_state(True)
+        train(TrainConfig(**base, output=str(tmp_path / "x"), train_vocab=16, vocab_fill=[str(tmp_path / "nope.jsonl")]))

@@ -81,3 +81,29 @@ def test_eagle3_heads_and_lookahead_in_hybrid_equal_generate(gemma):
     ref = hf_reference(gemma, ids, 32)
     for mode in ("eagle3", "hybrid"):
         assert engine.generate(ids, max_new_tokens=32, mode=mode).tokens == ref, mode
+
+
+TRAINED = Path(medusa.__file__).resolve().parent / "assets" / "heads" / "gemma3-270m-eagle3"
+
+
+def test_the_trained_eagle3_heads_decode_exactly_and_accept_more_than_untrained_ones(gemma):
+    """The shipped Gemma heads (configs/train/gemma3-270m-eagle3.yaml): in eagle3 and in hybrid
+    (their n-gram table of Gemma's answers) every token is generate's, and they accept clearly
+    more than untrained heads of the same shape on a question outside their data."""
+    from medusa.models.eagle3_heads import init_eagle3_for
+    from medusa.models.heads_config import read_heads_config
+
+    config = read_heads_config(TRAINED)
+    assert (config.kind, tuple(config.feature_layers)) == ("eagle3", (2, 9, 15)), config
+    engine = medusa.load(target=gemma, heads=str(TRAINED), autotune=False)
+    assert engine.heads.ngrams is not None and engine.heads.ngrams.vocab_size == 262144
+    ids = gemma.tokenizer(f"Question: {questions()[5]}\nAnswer:").input_ids
+    ref = hf_reference(gemma, ids, 48)
+    trained = {mode: engine.generate(ids, max_new_tokens=48, mode=mode) for mode in ("eagle3", "hybrid")}
+    for mode, res in trained.items():
+        assert res.tokens == ref, mode
+    torch.manual_seed(0)
+    fresh = init_eagle3_for(gemma.model, config.num_heads, vocab=engine.heads.draft_vocab)
+    untrained = medusa.load(target=gemma, heads=fresh, autotune=False).generate(ids, max_new_tokens=48, mode="eagle3")
+    assert untrained.tokens == ref
+    assert trained["eagle3"].stats.tau > untrained.stats.tau + 0.3, (trained["eagle3"].stats.tau, untrained.stats.tau)

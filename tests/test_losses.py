@@ -105,6 +105,10 @@ def test_vocab_subset_counts_outside_targets_as_misses():
 def test_frequent_tokens_and_weights():
     ids = torch.tensor([5, 5, 5, 2, 2, 9])
     assert frequent_tokens(ids, 2, 10).tolist() == [2, 5]
+    assert frequent_tokens(ids, 5, 10).tolist() == [0, 1, 2, 5, 9]  # unseen ids: the lowest
+    fill = torch.tensor([7, 7, 7, 7, 1, 1, 5, 5, 5, 5, 5, 5, 5])
+    assert frequent_tokens(ids, 5, 10, fill).tolist() == [1, 2, 5, 7, 9]  # the data's ids, then the fill's
+    assert frequent_tokens(ids, 3, 10, fill).tolist() == [2, 5, 9]  # a data id outranks any fill id
     assert head_weights(3, 0.5) == [1.0, 0.5, 0.25]
     assert head_weights(2, 0.5, [0.3, 0.7]) == [0.3, 0.7]
 

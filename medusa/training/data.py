@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+import torch
 import transformers
 from transformers import PreTrainedTokenizerBase
 
@@ -58,6 +59,20 @@ def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) 
     if template:
         path = Path(template).expanduser()
         tokenizer.chat_template = path.read_text() if path.is_file() else template
+
+
+def answer_token_ids(tokenizer: PreTrainedTokenizerBase, files: list[str]) -> torch.Tensor:
+    """Every assistant turn's text of ``files`` (answers with ``messages``), tokenised without
+    special tokens, as one ``[N]`` tensor: the fill of a draft vocabulary (``vocab_fill``)."""
+    ids: list[int] = []
+    for path in files:
+        if not Path(path).is_file():
+            raise MedusaError(f"vocab_fill file not found: {path}")
+        for _, messages in load_conversations(path, DataStats()):
+            for m in messages:
+                if m["role"] == "assistant":
+                    ids.extend(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, add_generation_prompt: bool = False) -> str:
@@ -224,6 +239,7 @@ class DataSplits:
     train: list[Example]
     eval: list[Example]
     stats: DataStats
+    fill: torch.Tensor | None = None  # token ids of vocab_fill's answers (answer_token_ids)
 
 
 def build_datasets(tokenizer: PreTrainedTokenizerBase, sources: list[str], max_length: int,

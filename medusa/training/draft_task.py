@@ -248,7 +248,7 @@ class DraftTask:
             size = draft.get_output_embeddings().weight.shape[0]
             if 0 < cfg.train_vocab < size:
                 vocab = frequent_tokens(torch.from_numpy(caches["train"].tokens.astype(np.int64)), cfg.train_vocab,
-                                        size).to(device)  # [S]
+                                        size, splits.fill).to(device)  # [S]
                 index = vocab_index(vocab, size)
             train, held_out = (self.cached(caches.get(split), device) for split in ("train", "eval"))
         else:

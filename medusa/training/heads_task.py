@@ -125,7 +125,8 @@ class HeadsTask:
         vocab = None
         if cfg.train_vocab > 0:
             seen = torch.tensor([t for ex in splits.train for t, m in zip(ex.input_ids, ex.loss_mask) if m])
-            vocab = frequent_tokens(seen, cfg.train_vocab, target.get_output_embeddings().weight.shape[0]).to(device)
+            vocab = frequent_tokens(seen, cfg.train_vocab, target.get_output_embeddings().weight.shape[0],
+                                    splits.fill).to(device)
         heads = self.heads(target, accelerator, vocab)
         if cfg.kind == "eagle3":
             vocab = None  # the heads' own lm_head is the draft vocabulary

@@ -40,7 +40,7 @@ from medusa.training.checkpoints import (
     save_checkpoint,
     trainable_only,
 )
-from medusa.training.data import DataSplits, build_datasets, set_chat_template
+from medusa.training.data import DataSplits, answer_token_ids, build_datasets, set_chat_template
 from medusa.training.distributed import (
     configure_deepspeed,
     cpu_threads_warning,
@@ -169,6 +169,8 @@ def load_inputs(cfg: Any, accelerator: Any) -> tuple[nn.Module, Any, DataSplits]
         splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction,
                                 cfg.data_seed, cfg.data_split, progress=main, num_proc=cfg.num_proc,
                                 cache_dir=cfg.data_cache_dir)
+    if cfg.vocab_fill:
+        splits.fill = answer_token_ids(tokenizer, cfg.vocab_fill)
     if main:
         log.info("data: %d train / %d held-out sequences (%s)", len(splits.train), len(splits.eval), splits.stats.summary())
     return target, tokenizer, splits

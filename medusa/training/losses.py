@@ -79,10 +79,16 @@ def shift_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
                        None if t_logp is None else flat(t_logp))
 
 
-def frequent_tokens(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent ids of ``token_ids`` (ties and unseen ids by id), sorted."""
+def frequent_tokens(token_ids: torch.Tensor, size: int, vocab_size: int, fill: torch.Tensor | None = None,
+                    ) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``token_ids``, sorted. Where fewer distinct ids occur,
+    the rest are the most frequent of ``fill`` (token ids of other text), then the lowest ids."""
     counts = torch.bincount(token_ids.reshape(-1).long(), minlength=vocab_size)
-    return counts.topk(min(size, vocab_size)).indices.sort().values
+    if fill is not None:  # every id of the data ranks above every id only the fill has
+        extra = torch.bincount(fill.reshape(-1).long(), minlength=vocab_size)
+        counts = counts * (int(extra.max()) + 1) + extra
+    ranked = torch.sort(counts, descending=True, stable=True).indices  # ties: the lower id first
+    return ranked[: min(size, vocab_size)].sort().values
 
 
 def soft_cross_entropy(logp: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
