@@ -33,6 +33,7 @@ from medusa.config import HelpFormatter, count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.target import set_chat_template
 
 # 2 (bad usage) comes from argparse itself.
 EXIT_OK, EXIT_USER_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -375,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the conversation within this many tokens (default: the model's context window); "
                         "the oldest turns are dropped")
     p.add_argument("--system", help="system prompt (default: the chat template's)")
+    p.add_argument("--chat-template", help="Jinja chat template (a file or the text) for a model whose tokenizer has "
+                                           "none, e.g. configs/chat_templates/question_answer.jinja for a base model (default: the "
+                                           "tokenizer's own)")
     p.add_argument("--tree", help="Medusa tree: a name in medusa/assets/trees (cpu, gpu) or a JSON file of paths "
                                   "(default: calibrated per device)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
@@ -511,7 +515,9 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         table = proposer.lookup.table if isinstance(proposer, Hybrid) else None
         if table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
             chain += f" (else from {len(table):,} n-grams of {table.sequences:,} answers)"
-        lines.append(f"heads   {args.heads or 'shipped'} · eagle ({c.eagle_layout}), {c.num_heads} draft steps trained · "
+        kind = (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary)"
+                if c.kind == "eagle3" else f"eagle ({c.eagle_layout})")
+        lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
     elif engine.heads is not None:
         c = engine.heads.config
@@ -622,9 +628,12 @@ def main(argv: list[str] | None = None) -> int:
             say(style.error(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a message in the "
                             f"{window}-token context window: lower it"))
             return EXIT_USER_ERROR
+        if engine.tokenizer is not None:
+            set_chat_template(engine.tokenizer, args.chat_template)
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
-            say(style.error(f"error: {args.model} has no chat template: chat needs an instruction-tuned model "
-                            "(python -m infer.bench runs plain prompts)"))
+            say(style.error(f"error: {args.model} has no chat template: pass --chat-template FILE (for a base "
+                            "model, e.g. configs/chat_templates/question_answer.jinja) or use an instruction-tuned "
+                            "model"))
             return EXIT_USER_ERROR
         say(style.dim(banner(args, engine, mode, window, style)))
         if engine.passes.name == "auto":

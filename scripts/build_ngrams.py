@@ -23,9 +23,9 @@ from tqdm import tqdm
 from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.models.heads_config import read_heads_config
-from medusa.models.target import load_tokenizer
+from medusa.models.target import load_tokenizer, set_chat_template
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
-from medusa.training.data import set_chat_template, tokenize_conversation
+from medusa.training.data import tokenize_conversation
 from medusa.training.sources import DataStats, load_conversations
 
 # the embedded model's own answers (data/selfdistill holds other targets' answers too)
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="the target whose tokenizer is used (default: the embedded model)")
     ap.add_argument("--chat-template", default=None,
                     help="Jinja chat template (file or text) the answers were generated with, for a tokenizer "
-                         "that has none (e.g. configs/chat_templates/question_answer.jinja for Gemma 3 270M)")
+                         "that has none, e.g. configs/chat_templates/question_answer.jinja for Gemma 3 270M (default: the "
+                         "tokenizer's own)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code to run")
     ap.add_argument("--max-n", type=count(1), default=4, help="longest context, in tokens")
     ap.add_argument("--min-n", type=count(1), default=2, help="shortest context, in tokens")

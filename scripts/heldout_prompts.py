@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-chars", type=count(0), default=16, help="shortest first turn kept")
     ap.add_argument("--max-chars", type=count(0), default=1500, help="longest first turn kept")
     ap.add_argument("--wrap", default=None, help="write each prompt as this text with {prompt} replaced "
-                                                 "(\\n is a newline), e.g. 'Question: {prompt}\\nAnswer:'")
+                                                 "(\\n is a newline), e.g. 'Question: {prompt}\\nAnswer:' (default: the prompt as it is)")
     return ap
 
 

@@ -196,6 +196,11 @@ def test_eagle_heads_chat_with_their_dynamic_tree_in_the_banner(engine, tmp_path
         assert re.search(r"lookup chain \(else from [\d,]+ n-grams of [\d,]+ answers\)", done.stderr), done.stderr
     expected = fresh(engine, template_ids(engine, [{"role": "user", "content": message}]), 16)
     assert done.stdout.strip() == decode(engine, expected)
+    default = run_cli(["--prompt", message, "--max-new-tokens", "16", *FLOAT32], tmp_path)  # the EAGLE-3 heads
+    assert default.returncode == 0, default.stderr
+    assert re.search(r"heads .* eagle3 \(layers 2, 15, 27, 8,192-token draft vocabulary\), 7 draft steps trained",
+                     default.stderr), default.stderr
+    assert default.stdout.strip() == decode(engine, expected)
 
 
 def test_banner_says_which_dtype_was_picked_and_why(tmp_path):
@@ -363,3 +368,18 @@ def test_compile_compiles_every_pass_size_before_the_first_answer(tmp_path):
     eager = run_cli(args, tmp_path)
     assert eager.returncode == 0, eager.stderr
     assert done.stdout.strip() == eager.stdout.strip() and done.stdout.strip()
+
+
+def test_a_model_without_a_chat_template_chats_through_chat_template(tmp_path, capsys):
+    """A base model's tokenizer has no template: one line names --chat-template, and with a
+    template file the same model answers."""
+    folder = draft_with_other_tokenizer(tmp_path / "base")
+    args = ["--model", str(folder), "--heads", "init", "--mode", "baseline", "--max-new-tokens", "4",
+            "--prompt", "w1 w2 w3"]
+    assert main(args) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has no chat template: pass --chat-template FILE" in errors[0], errors
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    assert main([*args, "--chat-template", str(template)]) == 0
+    assert "error" not in capsys.readouterr().err

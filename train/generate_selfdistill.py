@@ -25,9 +25,8 @@ from tqdm.auto import tqdm
 from medusa import config
 from medusa.config import arg, parse_config, run_main
 from medusa.errors import MedusaError, require_extra
-from medusa.models.target import eos_token_ids, load_target
+from medusa.models.target import eos_token_ids, load_target, set_chat_template
 from medusa.runtime.kernels import KERNELS, PackedLinears
-from medusa.training.data import set_chat_template
 from medusa.training.sources import DataStats, load_conversations
 
 

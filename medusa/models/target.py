@@ -176,6 +176,14 @@ def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
     return model
 
 
+def set_chat_template(tokenizer, template: str | None) -> None:
+    """Give ``tokenizer`` the chat template ``template`` (a Jinja file, or the text itself);
+    None leaves the tokenizer's own."""
+    if template:
+        path = Path(template).expanduser()
+        tokenizer.chat_template = path.read_text() if path.is_file() else template
+
+
 def load_tokenizer(model: str | None = None, trust_remote_code: bool = False,
                    cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of ``model`` (as :func:`load_target` resolves it), without loading the weights."""

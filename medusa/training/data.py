@@ -53,14 +53,6 @@ def chat_template(tokenizer: PreTrainedTokenizerBase) -> Any:
     return template
 
 
-def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
-    """Give ``tokenizer`` the chat template ``template`` (a Jinja file, or the text itself);
-    None leaves the tokenizer's own."""
-    if template:
-        path = Path(template).expanduser()
-        tokenizer.chat_template = path.read_text() if path.is_file() else template
-
-
 def answer_token_ids(tokenizer: PreTrainedTokenizerBase, files: list[str]) -> torch.Tensor:
     """Every assistant turn's text of ``files`` (answers with ``messages``), tokenised without
     special tokens, as one ``[N]`` tensor: the fill of a draft vocabulary (``vocab_fill``)."""

@@ -30,7 +30,7 @@ from torch import nn
 
 from medusa.config import TrainConfig, to_dict
 from medusa.errors import MedusaError
-from medusa.models.target import load_target
+from medusa.models.target import load_target, set_chat_template
 from medusa.training.batches import Batches
 from medusa.training.checkpoints import (
     CHECKPOINTS,
@@ -40,7 +40,7 @@ from medusa.training.checkpoints import (
     save_checkpoint,
     trainable_only,
 )
-from medusa.training.data import DataSplits, answer_token_ids, build_datasets, set_chat_template
+from medusa.training.data import DataSplits, answer_token_ids, build_datasets
 from medusa.training.distributed import (
     configure_deepspeed,
     cpu_threads_warning,
