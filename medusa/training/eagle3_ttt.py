@@ -22,9 +22,9 @@ import torch
 
 from medusa.models.eagle3_heads import Eagle3Heads
 from medusa.models.eagle_heads import additive_mask
-from medusa.runtime.hf import lm_logits, new_cache
+from medusa.runtime.hf import new_cache
 from medusa.training.eagle_ttt import ttt_visible
-from medusa.training.feature_cache import FeatureCache
+from medusa.training.feature_cache import FeatureCache, run_layers
 from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 
@@ -33,9 +33,8 @@ def target_outputs(target, ids: torch.Tensor, attn: torch.Tensor, layers: tuple[
                    ) -> dict[str, torch.Tensor]:
     """The frozen target over ``[B, T]`` ids: ``features`` ``[B, T, L*H]`` (the inputs of
     ``layers``), ``teacher_ids``/``teacher_logp`` ``[B, T, k]`` (its top-k log-probabilities)."""
-    out = target.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-    logits = lm_logits(target, out.last_hidden_state).float()  # [B, T, V]
+    features, logits = run_layers(target, layers, ids, attn)
+    logits = logits.float()  # [B, T, V]
     top, top_ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)
     return {"features": features, "teacher_ids": top_ids, "teacher_logp": top - logits.logsumexp(-1, keepdim=True)}
 

@@ -354,10 +354,10 @@ def open_caches(cfg: Any, target: nn.Module, splits: DataSplits, accelerator: An
 
     caches: dict[str, FeatureCache] = {}
     vocab, hidden_size = target.get_output_embeddings().weight.shape
-    layer_list = None if layers is None else [int(i) for i in layers]
-    if layer_list is not None:
-        hidden_size *= len(layer_list)
-        target_fn = lambda i, a: run_layers(target, tuple(layer_list), i, a)  # noqa: E731
+    layer_list = None if layers is None else [int(i) for i in layers]  # as meta.json records them
+    if layers is not None:
+        hidden_size *= len(layers)
+        target_fn = lambda i, a: run_layers(target, layers, i, a)  # noqa: E731
     else:
         target_fn = lambda i, a: run_target(target, i, a)  # noqa: E731
     topk = min(cfg.teacher_topk, vocab)
