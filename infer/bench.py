@@ -599,8 +599,9 @@ def machine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the faster exact one on "
                     "this device, measured once and cached)")
     ap.add_argument("--kernels", choices=KERNELS, default=None,
-                    help="engine modes' linear kernels: torch's default or packed oneDNN weights on a CPU "
-                         "(default: the faster here, measured once); hf modes always run stock transformers")
+                    help="engine modes' linear kernels: torch's default, packed oneDNN weights on a CPU, or gemv "
+                         "(this package's float32 CPU kernels) (default: the fastest here, measured once); hf "
+                         "modes always run stock transformers")
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
                          "or bfloat16 beside a float32 target where it measures faster here; int8: eagle heads on "

@@ -413,8 +413,8 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
             raise MedusaError("push_to_hub needs repo_id (--repo-id): set it to the Hub repository USER/NAME")
         if self.lora and self.cache_dir:
             raise MedusaError("a feature cache needs a frozen target, but lora trains it: drop cache_dir or lora")
-        if self.cache_kernels not in ("default", "onednn"):
-            raise MedusaError(f"unknown cache_kernels {self.cache_kernels!r}: use default or onednn")
+        if self.cache_kernels not in ("default", "onednn", "gemv"):
+            raise MedusaError(f"unknown cache_kernels {self.cache_kernels!r}: use default, onednn or gemv")
         if not 0 <= self.distill <= 1:
             raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
         if self.kind == "eagle3" and self.lora:

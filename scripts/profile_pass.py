@@ -34,18 +34,20 @@ import medusa
 from medusa.config import HelpFormatter, count
 from medusa.decoding.passes import kernel_scope
 from medusa.runtime import hf as kv
+from medusa.runtime.kernels import KERNELS
 
 CLASSES = ("vocabulary projection", "linear layers", "attention", "KV cache writes", "norms, rotary, elementwise",
            "Python and dispatch")
 ATTENTION_OPS = ("scaled_dot_product", "softmax", "bmm", "baddbmm", "flash_attention")
-LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "_linear_pointwise", "mkldnn_linear")
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "_linear_pointwise", "mkldnn_linear",
+              "medusa::gemv")  # the gemv kernels' events are named "medusa::gemv ROWSxIN->OUT"
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/profile_pass.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--kernels", default=None, choices=("default", "onednn"),
+    ap.add_argument("--kernels", default=None, choices=KERNELS,
                     help="linear kernels (default: the machine plan's pick)")
     ap.add_argument("--rows", default="1,16", help="pass sizes to profile, comma-separated")
     ap.add_argument("--prefix", type=count(1), default=200, help="cached tokens before the pass")
@@ -87,7 +89,7 @@ def classify(name: str, shapes: list, vocab: int) -> str:
         return "attention"
     if any(name.endswith(op) or op in name for op in LINEAR_OPS):
         flat = [d for s in shapes if isinstance(s, list) for d in s]
-        return "vocabulary projection" if vocab in flat else "linear layers"
+        return "vocabulary projection" if vocab in flat or name.endswith(f"->{vocab}") else "linear layers"
     four_d = [s for s in shapes if isinstance(s, list) and len(s) == 4]
     if name in ("aten::copy_", "aten::index_copy_", "aten::slice_scatter") and four_d:
         return "KV cache writes"

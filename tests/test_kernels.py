@@ -281,14 +281,15 @@ def test_kernel_pick_is_measured_once_and_cached(tmp_path):
     first, _ = Planner(True, cache).kernels(model, None)
     (key,) = cache.entries()
     entry = cache.entries()[key]
-    assert set(entry["cost_ms"]) == {"default", "onednn"} and entry["seconds"] > 0
+    # float32: the gemv kernels join where they build (this machine has a C compiler: tests/test_gemv.py)
+    assert set(entry["cost_ms"]) == {"default", "onednn", "gemv"} and entry["seconds"] > 0
     assert first.value == decide_kernels(probe_costs(entry))[0] and first.seconds == entry["seconds"]
     assert stock(model)  # measuring left the model as it was
     assert key.startswith("kernels | ") and key.endswith(f"| torch.float32 | onednn-p{PACKING_VERSION}".replace(
         "torch.", ""))
     # a cached entry is used as is: an edited entry wins over a new measurement
     edited = {k: v for k, v in entry.items() if k != "busy_share"}  # a busy timing would be timed again
-    cache.put(key, {**edited, "kernels": "default" if first.value == "onednn" else "onednn"})
+    cache.put(key, {**edited, "kernels": "default" if first.value != "default" else "onednn"})
     again, _ = Planner(True, cache).kernels(model, None)
     assert again.value != first.value and "(cached" in again.reason and again.seconds == 0
 

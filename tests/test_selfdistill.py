@@ -54,7 +54,7 @@ def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
     ("--batch-size", "0", "batch_size=0 must be at least 1"),  # a ValueError from range()
     ("--max-new-tokens", "0", "max_new_tokens=0 must be at least 1"),  # a transformers traceback per batch
     ("--temperature", "-1", "temperature=-1.0 must be at least 0"),  # generated greedily, silently
-    ("--kernels", "mkl", "kernels='mkl' is not one of default, onednn"),
+    ("--kernels", "mkl", "kernels='mkl' is not one of default, onednn, gemv"),
 ])
 def test_bad_settings_are_one_line_errors_before_the_model_loads(flag, value, match, tmp_path):
     out = tmp_path / "sd.jsonl"

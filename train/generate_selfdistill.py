@@ -52,8 +52,9 @@ class SelfDistillConfig:
     dtype: str | None = arg(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     trust_remote_code: bool = arg(False, "allow model code from the Hub")
     chat_template: str | None = arg(None, "Jinja chat template (file or text) for tokenizers that have none")
-    kernels: str = arg("default", "linear kernels: default (torch's), or onednn (packed oneDNN weights on a CPU, "
-                                  "medusa/runtime/kernels.py: faster on some CPUs; rounds the last bits differently)",
+    kernels: str = arg("default", "linear kernels: default (torch's), onednn (packed oneDNN weights on a CPU) or gemv "
+                                  "(this package's float32 CPU kernels), medusa/runtime/kernels.py: faster on some "
+                                  "CPUs; they round the last bits differently",
                        choices=KERNELS)
 
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     eos = set(eos_token_ids(model, tok)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
-    kernels = PackedLinears(model) if cfg.kernels == "onednn" else contextlib.nullcontext()
+    kernels = PackedLinears(model, kernels=cfg.kernels) if cfg.kernels != "default" else contextlib.nullcontext()
     with out.open("a") as fh, kernels:
         for batch in batches:
             for rec in answer_batch(model, tok, batch, gen_kwargs, eos):

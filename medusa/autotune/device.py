@@ -10,8 +10,9 @@
   dtype (the dtype rule's speed gap, medusa/autotune/dtype.py: no copy of the model).
 - :func:`measure_kernels` / :func:`decide_kernels`: torch's default linear kernels (MKL for
   float32; oneDNN with the weight in its plain layout for bfloat16) against packed oneDNN
-  weights (medusa/runtime/kernels.py), on the model's own pass; in half precision packed
-  kernels must also pass the invariance probe.
+  weights (medusa/runtime/kernels.py) and, in float32, this package's gemv kernels
+  (medusa/runtime/gemv.py), on the model's own pass; in half precision packed kernels must
+  also pass the invariance probe.
 - :func:`measure_draft_scoring` / :func:`decide_draft_dtype`: the heads' dtype. Drafting only
   proposes and the target verifies every token in its own dtype, so heads may draft in
   bfloat16 beside a float32 target without touching an output token; their main cost is scoring
@@ -27,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.autotune.timing import measure_costs
+from medusa.runtime import gemv
 from medusa.runtime.exact import is_exact, set_exact
 from medusa.runtime.kernels import (
     PackedLinears,
@@ -184,31 +186,42 @@ def _exact(model: PreTrainedModel):
         set_exact(model, was)
 
 
+LABELS = {"onednn": "oneDNN", "gemv": "gemv (this package's float32)"}
+
+
 def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = None,
                    half: bool = False) -> tuple[str, str]:
-    """``(kernels, reason)``: packed oneDNN linears only if their one-token pass plus 16-node
-    pass cost under ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU)
-    and, for a ``half``-precision model, passes of at least ``MIN_ROWS`` rows stay exact with
-    them (``invariant_rows``)."""
-    if "onednn" not in cost_ms:
+    """``(kernels, reason)``: the packed kernels (oneDNN's, or for float32 the gemv kernels of
+    medusa/runtime/gemv.py) whose one-token pass plus 16-node pass costs least, if that is under
+    ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU) and, for a
+    ``half``-precision model, passes of at least ``MIN_ROWS`` rows stay exact with them
+    (``invariant_rows``); else the default."""
+    packed = [k for k in ("gemv", "onednn") if k in cost_ms]
+    if not packed:
         return "default", "default linear kernels: this device has no packed oneDNN linears"
     detail = " vs ".join(f"{k} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for k, c in cost_ms.items())
-    if sum(cost_ms["onednn"].values()) >= MARGIN * sum(cost_ms["default"].values()):
-        return "default", f"default linear kernels: oneDNN's are not faster here by measurement, {detail}"
+    total = {k: sum(c.values()) for k, c in cost_ms.items()}
+    best = min(packed, key=total.__getitem__)
+    if total[best] >= MARGIN * total["default"]:
+        return "default", f"default linear kernels: packed ones ({', '.join(LABELS[k] for k in packed)}) are not " \
+                          f"faster here by measurement, {detail}"
     if half and (invariant_rows is None or invariant_rows < MIN_ROWS):
-        return "default", (f"default linear kernels: oneDNN's are faster here ({detail}) but not exact: "
+        return "default", (f"default linear kernels: {LABELS[best]}'s are faster here ({detail}) but not exact: "
                            f"a pass of {(invariant_rows or 1) + 1} rows differs from its one-token passes")
     exact = f", exact up to {invariant_rows} rows" if half else ""
-    return "onednn", f"oneDNN linear kernels: faster here by measurement{exact}, {detail}"
+    return best, f"{LABELS[best]} linear kernels: faster here by measurement{exact}, {detail}"
 
 
 def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7) -> dict[str, dict[int, float]]:
-    """Pass cost by new-token count with the default and with packed oneDNN linears (for a
-    half-precision model with exact attention, as its engine runs it), timed round-robin."""
+    """Pass cost by new-token count with the default, with packed oneDNN linears (for a
+    half-precision model with exact attention, as its engine runs it) and, for a float32 model
+    where they build, the gemv kernels; timed round-robin."""
     device = model.get_output_embeddings().weight.device
     variants = {"default": (model, nullcontext())}
     if onednn_available(device, model.dtype):
         variants["onednn"] = (model, PackedLinears(model))
+    if gemv.available(device, model.dtype):
+        variants["gemv"] = (model, PackedLinears(model, kernels="gemv"))
     with _exact(model) if model.dtype != torch.float32 else nullcontext():
         return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
 

@@ -1,7 +1,8 @@
 """The machine plan, built once per load: what ``medusa.load()`` measures, in order.
 
 1. the target's dtype (medusa/autotune/dtype.py: capability, exactness, a large speed gap);
-2. the linear kernels on a CPU (torch's default or packed oneDNN weights, by timing the pass);
+2. the linear kernels on a CPU (torch's default, packed oneDNN weights or, in float32, the gemv
+   kernels, by timing the pass);
 3. in half precision, the rows per pass that stay exact (the invariance probe on the model);
 4. the heads' drafting dtype (the draft vocabulary's scoring in float32 and bfloat16);
 5. EAGLE trees and hybrid's lookup chain, sized from this machine's pass costs.
@@ -27,6 +28,7 @@ from medusa.autotune.sizing import heads_fingerprint, measure_sizes, sizable, si
 from medusa.decoding.passes import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
+from medusa.runtime import gemv
 from medusa.runtime.exact import set_exact
 from medusa.runtime.kernels import PackedLinears, kernels_key, onednn_available
 
@@ -105,7 +107,7 @@ class Planner:
         """The linear kernels, and (half precision, packed) the rows they keep exact."""
         if asked is not None:
             return Decision("kernels", asked, "asked for"), None
-        if not onednn_available(lm.device, lm.dtype):
+        if not onednn_available(lm.device, lm.dtype) and not gemv.available(lm.device, lm.dtype):
             where = f"this CPU and torch build in {lm.dtype}" if lm.device.type == "cpu" else f"{lm.device}"
             return Decision("kernels", "default", f"no packed oneDNN linears on {where}"), None
         half = lm.dtype != torch.float32

@@ -106,7 +106,7 @@ class Engine:
         # mode "draft": a draft model sharing the target's vocabulary (medusa.models.draft.load_draft)
         self.draft = draft
         self.proposer_config = proposer_config or ProposerConfig()
-        # "onednn": the engine's own passes (target, draft model, heads) run packed oneDNN
+        # "onednn" / "gemv": the engine's own passes (target, draft model, heads) run packed
         # linears (medusa/runtime/kernels.py), compiled ones too; model.generate and training
         # never do.
         self._kernels = kernel_scope(model, plan.kernels, draft, heads)

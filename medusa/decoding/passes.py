@@ -31,6 +31,7 @@ from medusa.decoding.compiled import SavedPasses, example_pass
 from medusa.decoding.state import Proposal
 from medusa.errors import MedusaError
 from medusa.models.target import context_window
+from medusa.runtime import gemv
 from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
@@ -99,15 +100,23 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
 
 
 def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | None = None, heads=None):
-    """The context in which the engine's passes run its linear kernels: ``"default"`` (torch's)
-    or ``"onednn"`` (packed oneDNN linears for the target, draft model and heads;
-    medusa/runtime/kernels.py). Compiled passes trace inside it."""
+    """The context in which the engine's passes run its linear kernels: ``"default"`` (torch's),
+    ``"onednn"`` (packed oneDNN linears for the target, draft model and heads) or ``"gemv"``
+    (this package's float32 kernels, oneDNN for bfloat16 heads; medusa/runtime/kernels.py).
+    Compiled passes trace inside it."""
     if kernels not in KERNELS:
         raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
     if kernels == "default":
         return contextlib.nullcontext()
     device = model.get_output_embeddings().weight.device
-    if not onednn_available(device, model.dtype):
+    if kernels == "gemv":
+        if device.type != "cpu" or model.dtype != torch.float32:
+            raise MedusaError(f"kernels='gemv' runs float32 models on a CPU, not {model.dtype} on {device.type}: "
+                              "use kernels='onednn' or 'default'")
+        reason = gemv.unavailable_reason()
+        if reason is not None:
+            raise MedusaError(reason)
+    elif not onednn_available(device, model.dtype):
         raise MedusaError(f"kernels='onednn' needs a CPU and torch build with oneDNN {model.dtype} linears, "
                           f"not {device.type} here: use kernels='default'")
     # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
@@ -115,7 +124,7 @@ def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | 
     # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
     half = model.dtype in (torch.bfloat16, torch.float16)
     packed_heads = None if getattr(heads, "int8", False) else heads  # int8 heads run their own kernel
-    return PackedLinears(model, draft, packed_heads, stock_above=PACKED_ROWS if half else None)
+    return PackedLinears(model, draft, packed_heads, stock_above=PACKED_ROWS if half else None, kernels=kernels)
 
 
 def _rows(proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

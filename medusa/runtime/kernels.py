@@ -49,10 +49,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-KERNELS = ("default", "onednn")
+from medusa.runtime import gemv
+
+KERNELS = ("default", "onednn", "gemv")
+PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked); 3: sibling layers
-# (q/k/v, gate/up) stacked into one product (_Siblings). Part of cache keys.
-PACKING_VERSION = 3
+# (q/k/v, gate/up) stacked into one product (_Siblings); 4: the gemv kernels (float32 layers,
+# medusa/runtime/gemv.py) join the pick. Part of cache keys.
+PACKING_VERSION = 4
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
@@ -90,12 +94,33 @@ def _probe(dtype: torch.dtype) -> bool:
 def kernels_key(kernels: str) -> str:
     """``kernels`` as cache keys name it: packed ones carry :data:`PACKING_VERSION`, so a pick or
     a size measured with another packing is measured again."""
-    return f"{kernels}-p{PACKING_VERSION}" if kernels == "onednn" else kernels
+    return f"{kernels}-p{PACKING_VERSION}" if kernels in PACKED else kernels
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([out, in]) in oneDNN's blocked layout, once, for ``_linear_pointwise``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def kind_of(kernels: str, weight: torch.Tensor) -> str:
+    """Which kernel runs ``weight``'s layer under ``kernels``: "gemv" takes float32 layers
+    (medusa/runtime/gemv.py) and leaves the others (bfloat16 heads) to oneDNN."""
+    return "gemv" if kernels == "gemv" and weight.dtype == torch.float32 else "onednn"
+
+
+def pack_as(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed for the kernel ``kind`` ("onednn" or "gemv")."""
+    return gemv.pack(weight) if kind == "gemv" else pack(weight)
+
+
+def run_packed(kind: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the kernel ``kind`` with ``packed = pack_as(kind, weight)``."""
+    if kind == "gemv":
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return nn.functional.linear(x, weight, bias)
+        return gemv.product(x, packed, weight.shape[0], bias)
+    return packed_product(x, packed, weight, bias)
 
 
 def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,7 +138,8 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, 
 @torch.library.custom_op("medusa::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the packed copy of ``weight`` a live PackedLinears holds."""
-    return packed_product(x, packed_copy(weight), weight, bias)
+    kind, packed = packed_copy(weight)
+    return run_packed(kind, x, packed, weight, bias)
 
 
 @torch.library.custom_op("medusa::stacked_linear", mutates_args=())
@@ -158,13 +184,13 @@ class MergeStacked:
         return hashlib.sha256(Path(__file__).read_bytes()).digest()
 
 
-def packed_copy(weight: torch.Tensor) -> torch.Tensor:
-    """The newest packed copy of ``weight`` (:class:`PackedLinears` registers them)."""
+def packed_copy(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The newest packed copy of ``weight`` and its kernel (:class:`PackedLinears` registers them)."""
     copies = _PACKED.get(weight.data_ptr())
     if not copies:
         raise RuntimeError("no packed copy of this linear weight (it was replaced after packing): "
                            "make a new PackedLinears, or use kernels='default'")
-    return copies[-1][1]
+    return copies[-1][1:]
 
 
 @packed_linear.register_fake
@@ -178,18 +204,21 @@ def _packed_forward(layer: nn.Linear, bias: torch.Tensor | None, stock_above: in
         return nn.functional.linear(x, layer.weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.medusa.packed_linear(x, layer.weight, bias)
-    return packed_product(x, packed_copy(layer.weight), layer.weight, bias)
+    kind, packed = packed_copy(layer.weight)
+    return run_packed(kind, x, packed, layer.weight, bias)
 
 
-def linear_layers(modules: list[nn.Module]) -> list[nn.Linear]:
-    """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules`` whose dtype this CPU packs
-    (:func:`onednn_available`), each once (tied or shared layers appear in several)."""
+def linear_layers(modules: list[nn.Module], kernels: str = "onednn") -> list[nn.Linear]:
+    """Every float32/bfloat16 CPU ``nn.Linear`` in ``modules`` whose dtype this CPU packs for
+    ``kernels`` (:func:`kind_of`: oneDNN where :func:`onednn_available`, gemv for float32
+    layers), each once (tied or shared layers appear in several)."""
     seen: dict[int, nn.Linear] = {}
     for module in modules:
         for layer in module.modules():
             w = layer.weight if isinstance(layer, nn.Linear) else None
-            if w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
-                    and onednn_available("cpu", w.dtype):  # else the layer keeps torch's kernel
+            if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+                continue
+            if kind_of(kernels, w) == "gemv" or onednn_available("cpu", w.dtype):  # else torch's kernel
                 seen.setdefault(id(layer), layer)
     return list(seen.values())
 
@@ -211,10 +240,11 @@ class _Siblings:
     ``FUSED_ROWS`` rows, and larger inputs run torch's own kernels layer by layer (a short
     prompt's prefill); the exactness probe (medusa/autotune/device.py) checks the passes the engine runs."""
 
-    def __init__(self, layers: list[nn.Linear], max_rows: int | None) -> None:
+    def __init__(self, layers: list[nn.Linear], max_rows: int | None, kind: str = "onednn") -> None:
         with torch.no_grad():
-            self.packed = pack(torch.cat([layer.weight.detach() for layer in layers]))
+            self.packed = pack_as(kind, torch.cat([layer.weight.detach() for layer in layers]))
             self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        self.kind = kind
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
         self.max_rows = max_rows
@@ -239,10 +269,15 @@ class _Siblings:
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times every sibling's weight: ``[..., sum of out_features]``."""
-        try:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        except RuntimeError:  # as packed_product: torch's kernels compute it or raise torch's error
-            return torch.cat([nn.functional.linear(x, layer.weight, layer.bias) for layer in self.layers], -1)
+        if self.kind == "gemv":
+            if x.dtype == torch.float32 and x.device.type == "cpu":
+                return gemv.product(x, self.packed, sum(self.sizes), self.bias)
+        else:
+            try:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            except RuntimeError:  # as packed_product: torch's kernels compute it or raise torch's error
+                pass
+        return torch.cat([nn.functional.linear(x, layer.weight, layer.bias) for layer in self.layers], -1)
 
 
 def sibling_groups(modules: list[nn.Module], layers: list[nn.Linear]) -> list[list[nn.Linear]]:
@@ -268,7 +303,9 @@ def sibling_groups(modules: list[nn.Module], layers: list[nn.Linear]) -> list[li
 
 
 class PackedLinears:
-    """Inside ``with packed:``, the linear layers of ``modules`` run oneDNN with packed weights.
+    """Inside ``with packed:``, the linear layers of ``modules`` run packed kernels: oneDNN's
+    (``kernels="onednn"``), or this package's gemv kernels for float32 layers with oneDNN for
+    the others (``kernels="gemv"``, medusa/runtime/gemv.py).
 
     ``stock_above``: inputs of more rows than this run the stock ``F.linear`` (a prompt's
     prefill). In bfloat16 the packed kernels matched torch's bit for bit for 1-288 rows on an
@@ -279,28 +316,34 @@ class PackedLinears:
     (``medusa::stacked_linear``); they then have no packed copy of their own.
     Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
 
-    def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True) -> None:
-        if not onednn_available():
+    def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True,
+                 kernels: str = "onednn") -> None:
+        if kernels not in PACKED:
+            raise ValueError(f"PackedLinears runs {' or '.join(PACKED)} kernels, not {kernels!r}")
+        if kernels == "gemv":
+            gemv.library()  # GemvUnavailable (one line) if the kernels cannot be built here
+        elif not onednn_available():
             raise RuntimeError("this torch build has no oneDNN linear kernels: use kernels='default'")
         modules = [m for m in modules if m is not None]
-        layers = linear_layers(modules)
+        layers = linear_layers(modules, kernels)
         groups = sibling_groups(modules, layers) if fuse else []
         fused = {id(layer) for group in groups for layer in group}
         with torch.no_grad():
-            self._packed = [(layer, pack(layer.weight.detach()), None if layer.bias is None else layer.bias.detach())
+            self._packed = [(layer, kind_of(kernels, layer.weight), None if layer.bias is None else layer.bias.detach())
                             for layer in layers if id(layer) not in fused]
+            self._packed = [(layer, kind, pack_as(kind, layer.weight.detach()), bias) for layer, kind, bias in self._packed]
         owner = next(_OWNERS)
-        for layer, packed, _ in self._packed:
-            _PACKED.setdefault(layer.weight.data_ptr(), []).append((owner, packed))
-        addresses = [layer.weight.data_ptr() for layer, _, _ in self._packed]
+        for layer, kind, packed, _ in self._packed:
+            _PACKED.setdefault(layer.weight.data_ptr(), []).append((owner, kind, packed))
+        addresses = [layer.weight.data_ptr() for layer, _, _, _ in self._packed]
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
         self._forwards = [(layer, functools.partial(_packed_forward, layer, bias, stock_above))
-                          for layer, _, bias in self._packed]
+                          for layer, _, _, bias in self._packed]
         for group in groups:
             half = group[0].weight.dtype in (torch.bfloat16, torch.float16)
             limit = min(FUSED_ROWS, stock_above or FUSED_ROWS) if half else stock_above
-            siblings = _Siblings(group, limit)
+            siblings = _Siblings(group, limit, kind_of(kernels, group[0].weight))
             self._forwards += [(layer, functools.partial(siblings.forward, i)) for i, layer in enumerate(group)]
             _STACKED.setdefault(group[0].weight.data_ptr(), []).append((owner, siblings))
             addresses.append(group[0].weight.data_ptr())

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.runtime import gemv
 from medusa.runtime.files import atomic_file, drop_cache_entry
 from medusa.runtime.hf import lm_logits
 from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
@@ -323,16 +324,19 @@ def run_target(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> tuple
 
 
 def target_kernels(kernels: str, target: nn.Module):
-    """A context running ``target``'s linear layers with ``kernels`` ("default" or "onednn")."""
+    """A context running ``target``'s linear layers with ``kernels`` ("default", "onednn" or "gemv")."""
     if kernels not in KERNELS:
         raise MedusaError(f"unknown cache_kernels {kernels!r}: use one of {', '.join(KERNELS)}")
     if kernels == "default":
         return contextlib.nullcontext()
     weight = target.get_output_embeddings().weight
-    if not onednn_available(weight.device, weight.dtype):
+    if kernels == "gemv" and not gemv.available(weight.device, weight.dtype):
+        raise MedusaError(f"cache_kernels: gemv needs a float32 target on a CPU where the kernels build "
+                          f"({gemv.unavailable_reason() or f'not {weight.dtype} on {weight.device.type}'}): use default")
+    if kernels == "onednn" and not onednn_available(weight.device, weight.dtype):
         raise MedusaError(f"cache_kernels: onednn needs the target on a CPU whose torch build packs {weight.dtype} linears: "
                           "use default")
-    return PackedLinears(target)
+    return PackedLinears(target, kernels=kernels)
 
 
 def run_layers(model: nn.Module, layers: tuple[int, ...], ids: torch.Tensor, attn: torch.Tensor,

@@ -1,0 +1,191 @@
+"""The "gemv" linear kernels: float32 products of a few rows at the memory bandwidth.
+
+Why: a decoding pass multiplies one row (plain decoding) or a few dozen (a tree) by every
+weight of the model, so it is bound by how fast the weights stream from memory. On the AMD EPYC
+Zen 4 (2 cores) torch's float32 kernels read them at 7-14 GB/s (MKL) and 12-18 GB/s (oneDNN,
+packed) in a one-token pass, while the machine reads memory at 26-34 GB/s. This kernel
+(``gemv.c`` beside this file) packs each weight once into blocks of output rows laid out
+k-major, so one vector load serves a whole block of outputs, and streams it at 30 GB/s there
+for one row (the embedded model's 538 MB of linear weights in 17.5 ms against 29.5 ms for
+oneDNN's; docs/performance.md#gemv-kernels).
+
+Exactness: every output sums its products in one fixed order (chunks of 64 inputs left to
+right, the chunk sums left to right) whatever the number of rows, so row ``r`` of an
+``n``-row product is bitwise the one-row product of that row: a tree pass computes each row
+as plain decoding would. Like oneDNN's kernels it rounds differently from MKL's (within ~1e-6
+of them here); identity to ``generate`` is measured by the bench.
+
+Build: the C source is compiled on first use with the system's C compiler (``CC``, else
+``cc``; about a second) for this CPU (``-march=native``), into the cache
+(``~/.cache/medusa/kernels/gemv-<key>.so``, keyed by the source, the flags, the compiler and
+the CPU's feature flags), written atomically. A damaged library is rebuilt once, with a
+warning; no compiler (or a failed build) makes the kernel unavailable with a reason, and the
+machine plan keeps the other kernels (medusa/autotune/device.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from medusa.runtime.files import atomic_file, cache_root
+
+log = logging.getLogger("medusa.kernels")
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+BUILD_TIMEOUT_S = 120
+PROFILER_NAME = "medusa::gemv"
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+
+
+class GemvUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why in one line."""
+
+
+def compiler() -> str | None:
+    """The C compiler: ``CC`` if set, else ``cc`` or ``gcc`` on the PATH, else None."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _version(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise GemvUnavailable(f"no usable C compiler ({cc}: {err}): install gcc, or use kernels='onednn'") from None
+    return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else ""
+
+
+def library_path(cc: str) -> Path:
+    """Where the library built by ``cc`` for this CPU lives in the cache."""
+    key = hashlib.sha256(b"\0".join(x.encode() for x in (SOURCE.read_text(), " ".join(FLAGS), _version(cc),
+                                                         _cpu_flags()))).hexdigest()[:16]
+    return cache_root() / "kernels" / f"gemv-{key}.so"
+
+
+def _build(cc: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        try:
+            out = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                 timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise GemvUnavailable(f"cannot build the gemv kernels ({cc}: {err}): use kernels='onednn'") from None
+        if out.returncode != 0:
+            first = next((line for line in out.stderr.splitlines() if "error" in line), out.stderr.strip()[:200])
+            raise GemvUnavailable(f"cannot build the gemv kernels with {cc}: {first.strip()}")
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.medusa_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_gemv.restype = None
+    lib.medusa_gemv_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_gemv_pack.restype = None
+    lib.medusa_gemv_lanes.restype = ctypes.c_int
+    _check(lib)
+    return lib
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    """A small product against torch's: a library that loads but computes garbage is damaged."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(37, 70, generator=gen), torch.randn(3, 70, generator=gen)
+    got = _product(lib, x, _pack(lib, weight), 37)
+    if not torch.allclose(got, x @ weight.T, atol=1e-4, rtol=1e-4):
+        raise OSError("its products differ from torch's")
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built and loaded kernel library (built on first use; :class:`GemvUnavailable` if it cannot be)."""
+    cc = compiler()
+    if cc is None:
+        raise GemvUnavailable("no C compiler (cc or gcc) on the PATH to build the gemv kernels: "
+                              "install gcc or set CC, or use kernels='onednn'")
+    path = library_path(cc)
+    if path.exists():
+        try:
+            return _load(path)
+        except OSError as err:
+            log.warning("medusa: the cached gemv kernel library %s is damaged (%s); building it again",
+                        path, str(err).splitlines()[0][:120])
+            path.unlink(missing_ok=True)
+    _build(cc, path)
+    try:
+        return _load(path)
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        raise GemvUnavailable(f"the gemv kernels built by {cc} do not load or compute wrongly "
+                              f"({str(err).splitlines()[0][:120]}): use kernels='onednn'") from None
+
+
+def unavailable_reason() -> str | None:
+    """None if the kernels build and load here, else why not (one line)."""
+    try:
+        library()
+    except GemvUnavailable as err:
+        return str(err)
+    return None
+
+
+def available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``dtype`` layers on ``device`` can run these kernels (float32 on a CPU, built here)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
+def _pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    lanes = lib.medusa_gemv_lanes()
+    weight = weight.detach().contiguous()
+    packed = torch.empty(-(-out_features // lanes) * lanes * in_features, dtype=torch.float32)
+    lib.medusa_gemv_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def _product(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    if rows.shape[0]:
+        args = (rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(), out_features, out.data_ptr(),
+                torch.get_num_threads())
+        if _profiling():  # a named op in torch.profiler's tables (scripts/profile_pass.py)
+            with torch.profiler.record_function(f"{PROFILER_NAME} {rows.shape[0]}x{in_features}->{out_features}"):
+                lib.medusa_gemv(*args)
+        else:
+            lib.medusa_gemv(*args)
+    return out
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([out, in], float32, CPU) in the kernel's blocked layout, once."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"the gemv kernels take a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    return _pack(library(), weight)
+
+
+def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)`` (float32 ``x`` on the CPU)."""
+    out = _product(library(), x, packed, out_features)
+    return out if bias is None else out.add_(bias)

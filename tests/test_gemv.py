@@ -1,0 +1,181 @@
+"""The gemv kernels (medusa/runtime/gemv.py, gemv.c): built here with the real C compiler,
+products like torch's, rows independent of the row count, a damaged library rebuilt, no
+compiler a one-line reason, and engines on them greedy-identical to ``generate``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_draft import noisy_copy
+from test_eagle import noisy_eagle
+from tiny import hf_greedy, tiny_model
+from tiny_heads import random_heads
+
+from medusa.autotune.cache import PlanCache
+from medusa.autotune.device import decide_kernels
+from medusa.autotune.planner import Planner
+from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
+from medusa.decoding.proposers import ProposerConfig
+from medusa.errors import MedusaError
+from medusa.runtime import gemv
+from medusa.runtime.kernels import PackedLinears, linear_layers, sibling_groups
+
+PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.fixture
+def fresh_library(tmp_path, monkeypatch):
+    """The kernels built into an empty cache (and the process's library forgotten after)."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    gemv.library.cache_clear()
+    yield tmp_path
+    gemv.library.cache_clear()
+
+
+def test_products_match_torch_and_each_row_is_its_one_row_product():
+    g = torch.Generator().manual_seed(0)
+    # output and input sizes off the kernel's blocks (16 or 8 lanes, chunks of 64 inputs)
+    for out_features, in_features in ((1, 1), (7, 5), (1003, 577), (64, 128), (100, 1536)):
+        weight = torch.randn(out_features, in_features, generator=g)
+        bias = torch.randn(out_features, generator=g)
+        packed = gemv.pack(weight)
+        x = torch.randn(40, in_features, generator=g)
+        ones = torch.cat([gemv.product(x[i:i + 1], packed, out_features) for i in range(40)])
+        for n in (1, 2, 3, 4, 5, 7, 8, 13, 17, 40):
+            got = gemv.product(x[:n], packed, out_features)
+            torch.testing.assert_close(got, x[:n] @ weight.T, atol=2e-5 * in_features ** 0.5, rtol=1e-5)
+            assert torch.equal(got, ones[:n]), (out_features, in_features, n)  # bitwise, whatever n
+        with_bias = gemv.product(x[:3], packed, out_features, bias)
+        assert torch.equal(with_bias, ones[:3] + bias)
+    # batch dimensions are kept, an empty input is an empty output
+    packed = gemv.pack(weight)
+    assert gemv.product(x[:6].reshape(2, 3, -1), packed, 100).shape == (2, 3, 100)
+    assert gemv.product(x[:0], packed, 100).shape == (0, 100)
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        gemv.pack(weight.to(torch.bfloat16))
+
+
+LOAD = ("import torch; from medusa.runtime import gemv; w, x = torch.randn(20, 30), torch.randn(2, 30); "
+        "assert torch.allclose(gemv.product(x, gemv.pack(w), 20), x @ w.T, atol=1e-5); print(gemv.library_path(gemv.compiler()))")
+
+
+def load_in_a_process(cache):
+    """A fresh process loads (or builds) the kernels (a library this process mapped cannot be damaged under it)."""
+    env = {**os.environ, "MEDUSA_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return Path(out.stdout.strip()), out.stderr
+
+
+def test_the_library_is_built_once_and_a_damaged_one_is_rebuilt(tmp_path):
+    built, _ = load_in_a_process(tmp_path)
+    assert list((tmp_path / "kernels").glob("gemv-*.so")) == [built]
+    stamp = built.stat().st_mtime_ns
+    assert load_in_a_process(tmp_path)[0] == built and built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    for damage in (b"\x7fELF cut off", b""):
+        built.write_bytes(damage)
+        again, log = load_in_a_process(tmp_path)
+        assert again == built and built.stat().st_size > 1000
+        assert "is damaged" in log and "building it again" in log and "Traceback" not in log
+
+
+def test_without_a_compiler_the_kernels_are_unavailable_in_one_line(fresh_library, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_library / "no-such-cc"))
+    reason = gemv.unavailable_reason()
+    assert reason is not None and "\n" not in reason and "kernels='onednn'" in reason
+    assert not gemv.available()
+    model = tiny_model("llama")
+    with pytest.raises(MedusaError) as err:
+        Engine(model, plan=Plan(kernels="gemv"))
+    assert "\n" not in str(err.value) and "compiler" in str(err.value)
+    # the kernel pick measures what this machine has and leaves gemv out
+    choice, _ = Planner(True, PlanCache(fresh_library / "plan")).kernels(model, None)
+    (entry,) = PlanCache(fresh_library / "plan").entries().values()
+    assert "gemv" not in entry["cost_ms"] and choice.value in ("default", "onednn")
+
+
+def test_a_compiler_that_fails_is_one_line(fresh_library, monkeypatch):
+    fake = fresh_library / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: error: unrecognized option' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    reason = gemv.unavailable_reason()
+    assert reason is not None and "cannot build the gemv kernels" in reason and "unrecognized option" in reason
+    assert not list((fresh_library / "kernels").glob("*.so"))  # nothing half-written left behind
+
+
+def test_the_pick_takes_gemv_only_when_it_is_the_cheapest_and_clearly_faster():
+    costs = {"default": {1: 62.0, 16: 150.0}, "onednn": {1: 45.0, 16: 88.0}, "gemv": {1: 30.0, 16: 85.0}}
+    pick, reason = decide_kernels(costs)
+    assert pick == "gemv" and "gemv" in reason and "T(1)=30.0" in reason
+    assert decide_kernels({**costs, "gemv": {1: 50.0, 16: 90.0}})[0] == "onednn"
+    assert decide_kernels({"default": {1: 40.0, 16: 60.0}, "gemv": {1: 39.0, 16: 58.0}})[0] == "default"
+
+
+def gemv_calls(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key.startswith(gemv.PROFILER_NAME))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # qwen2: biases; gemma3: its own norms
+def test_packed_layers_run_the_gemv_kernels_with_close_logits(arch):
+    model = tiny_model(arch)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        packed = PackedLinears(model, kernels="gemv")
+        with packed:
+            inside, calls = gemv_calls(lambda: model(input_ids=ids).logits)
+        after, calls_after = gemv_calls(lambda: model(input_ids=ids).logits)
+    assert calls > 0 and calls_after == 0
+    layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    groups = sibling_groups([model], linear_layers([model], "gemv"))  # q/k/v and gate/up: one product each
+    assert groups and calls == layers - packed.fused + len(groups)
+    torch.testing.assert_close(inside, before, atol=1e-5, rtol=1e-5)
+    assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_greedy_with_gemv_kernels_equals_target_greedy(arch, one_thread):
+    model = tiny_model(arch)
+    n = 40
+    ref = hf_greedy(model, PROMPT, n)
+    engine = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="gemv"))
+    for mode in ("baseline", "medusa", "lookup", "hybrid"):
+        assert engine.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
+    draft = Engine(model, draft=noisy_copy(model, 0.02),
+                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels="gemv"))
+    assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
+    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels="gemv"))
+    res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
+    assert res.tokens == ref and max(res.stats.accepted) > 1
+
+
+def test_gemv_refuses_a_half_precision_target_in_one_line():
+    model = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(MedusaError, match="float32 models on a CPU") as err:
+        Engine(model, plan=Plan(kernels="gemv"))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", True])
+def test_compiled_passes_run_the_gemv_kernels_and_stay_exact(backend, tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    gemv.library.cache_clear()
+    model = tiny_model("llama")
+    n = 30
+    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, plan=Plan(kernels="gemv"))
+    res, calls = gemv_calls(lambda: eng.generate(PROMPT, max_new_tokens=n, mode="medusa"))
+    assert res.tokens == hf_greedy(model, PROMPT, n) and calls > 0
+    assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
+    gemv.library.cache_clear()
