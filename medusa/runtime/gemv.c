@@ -22,7 +22,7 @@
 #if defined(__AVX512F__)
 #define LANES 16
 #define WIDE 4   /* output blocks per tile for one or two rows */
-#define NARROW 4 /* output blocks per tile for more rows (4 rows at a time) */
+#define NARROW 4 /* output blocks per tile for more rows (6 rows at a time) */
 #else
 #define LANES 8
 #define WIDE 2
@@ -46,13 +46,14 @@ void medusa_gemv_pack(const float* W, int N, int K, float* P, int threads) {
       }
 }
 
-/* BN blocks of LANES outputs x NR input rows. Array sizes are fixed (4 x 4) so that the
- * compiler keeps the accumulators in registers once BN and NR are constants. */
+/* BN blocks of LANES outputs x NR input rows. The accumulators' array sizes are fixed so that
+ * the compiler keeps them in registers once BN and NR are constants; the chunk sums so far (t)
+ * stay in memory (L1), touched once per chunk, so they take no registers from the inner loop. */
 AI void tile(const int BN, const int NR, const float* x, int K, const float* p, float* y, int N, int j0) {
-  vec t[4][4];
+  vec t[6][4];
   for (int k0 = 0; k0 < K; k0 += KC) {
     int k1 = k0 + KC < K ? k0 + KC : K;
-    vec a[4][4];
+    vec a[4][6];
     for (int i = 0; i < BN; i++)
       for (int r = 0; r < NR; r++) a[i][r] = (vec){0};
     for (int k = k0; k < k1; k++) {
@@ -64,26 +65,25 @@ AI void tile(const int BN, const int NR, const float* x, int K, const float* p, 
       }
     }
     for (int i = 0; i < BN; i++)
-      for (int r = 0; r < NR; r++) t[i][r] = k0 == 0 ? a[i][r] : t[i][r] + a[i][r];
+      for (int r = 0; r < NR; r++) {
+        volatile vec* q = &t[r][i];
+        *q = k0 == 0 ? a[i][r] : *q + a[i][r];
+      }
   }
   for (int r = 0; r < NR; r++)
     for (int i = 0; i < BN; i++) {
       int j = j0 + LANES * i, m = N - j < LANES ? N - j : LANES;
-      if (m == LANES) {
-        *(vec*)(y + (int64_t)r * N + j) = t[i][r];
-      } else if (m > 0) {
-        float part[LANES];
-        memcpy(part, &t[i][r], sizeof part);
-        memcpy(y + (int64_t)r * N + j, part, (size_t)m * sizeof(float));
-      }
+      if (m > 0) memcpy(y + (int64_t)r * N + j, &t[r][i], (size_t)m * sizeof(float));
     }
 }
 
 #define T(BN, NR) tile(BN, NR, x + (int64_t)r * K, K, p, y + (int64_t)r * N, N, j0)
 AI void rows(const int BN, const float* x, int n, int K, const float* p, float* y, int N, int j0) {
   int r = 0;
-  for (; r + 4 <= n; r += 4) T(BN, 4);
+  for (; r + 6 <= n; r += 6) T(BN, 6);
   switch (n - r) {
+    case 5: T(BN, 5); break;
+    case 4: T(BN, 4); break;
     case 3: T(BN, 3); break;
     case 2: T(BN, 2); break;
     case 1: T(BN, 1); break;
