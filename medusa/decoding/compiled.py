@@ -91,15 +91,19 @@ def _cpu_flags() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
-def example_pass(model: PreTrainedModel, rows: int, cache_arg: str | None = None) -> tuple:
+def example_pass(model: PreTrainedModel, rows: int, cache_arg: str | None = None,
+                 layers: tuple[int, ...] | None = None) -> tuple:
     """The throwaway pass a size is compiled on: ``rows`` new tokens as a chain after a
     ``PREFIX``-token prefill, on a fresh ``SLOTS``-slot cache whose capacity is marked dynamic.
-    Returns :func:`medusa.runtime.hf.forward`'s positional arguments (contents do not matter)."""
+    Returns :func:`medusa.runtime.hf.forward`'s positional arguments (contents do not matter).
+    ``layers``: the passes return these layers' inputs (EAGLE-3 features); the prefill asks for
+    them too, so that transformers installs its hidden-state hooks eagerly (it does so on first
+    use, under a lock dynamo cannot trace: a pass compiled first would not be one graph)."""
     dtype, device = model.dtype, model.get_output_embeddings().weight.device
     cache = kv.new_static_cache(model, SLOTS)
     ids = torch.zeros(1, PREFIX, dtype=torch.long, device=device)
     kv.forward(model, ids, torch.arange(PREFIX, device=device)[None], cache,
-               kv.causal_mask(model, 0, PREFIX, dtype, device, SLOTS), cache_arg=cache_arg)
+               kv.causal_mask(model, 0, PREFIX, dtype, device, SLOTS), cache_arg=cache_arg, layers=layers)
     depth = torch.arange(rows, device=device)
     ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril_()
     mask = kv.tree_attention_mask(model, PREFIX, ancestor, depth, dtype, SLOTS)
@@ -202,7 +206,7 @@ class SavedPasses:
     def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
         compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe, **self.options})
-        return compiler.aot_compile((example_pass(model, rows, cache_arg), {"cache_arg": cache_arg, "layers": self.layers}))
+        return compiler.aot_compile((example_pass(model, rows, cache_arg, self.layers), {"cache_arg": cache_arg, "layers": self.layers}))
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason

@@ -257,7 +257,7 @@ class SavedGraphPasses(StaticPasses):
             t0 = time.perf_counter()
             # a saved size is loaded (or compiled and saved); build=False leaves a missing one eager
             if self.saved.graph(self.model, b, self.cache_arg) is None and self.saved.build:
-                self.saved(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg, layers=self.features)
+                self.saved(*example_pass(self.model, b, self.cache_arg, self.features), cache_arg=self.cache_arg, layers=self.features)
             if progress is not None:
                 progress(b, time.perf_counter() - t0)
         return list(sizes)
@@ -288,7 +288,7 @@ class TracedPasses(StaticPasses):
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
         for b in sizes:
             t0 = time.perf_counter()
-            self.forward(*example_pass(self.model, b, self.cache_arg), cache_arg=self.cache_arg, layers=self.features)
+            self.forward(*example_pass(self.model, b, self.cache_arg, self.features), cache_arg=self.cache_arg, layers=self.features)
             if progress is not None:
                 progress(b, time.perf_counter() - t0)
         return list(sizes)
