@@ -18,7 +18,7 @@ from medusa.errors import MedusaError
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["infer.chat", "infer.bench", "infer.precompile", "train.train_heads", "train.train_draft",
            "train.generate_selfdistill"]
-SCRIPTS = ["build_ngrams", "calibrate_tree", "export_heads", "head_acceptance", "heldout_prompts", "probe_compiled",
+SCRIPTS = ["bench_linears", "build_ngrams", "calibrate_tree", "export_heads", "head_acceptance", "heldout_prompts", "probe_compiled",
            "probe_exactness", "profile_pass", "profile_step", "publish_heads", "vllm_check"]
 # One spelling per concept, in every tool that has the flag.
 SPELLING = {"output": "--output", "repo_id": "--repo-id", "model": "--model", "heads": "--heads", "dtype": "--dtype",

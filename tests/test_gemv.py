@@ -179,3 +179,25 @@ def test_compiled_passes_run_the_gemv_kernels_and_stay_exact(backend, tmp_path, 
     assert res.tokens == hf_greedy(model, PROMPT, n) and calls > 0
     assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
     gemv.library.cache_clear()
+
+
+def test_bench_linears_times_every_kernel_and_checks_row_invariance(tmp_path):
+    import importlib.util
+    import json
+
+    from test_chat import draft_with_other_tokenizer
+
+    folder = draft_with_other_tokenizer(tmp_path / "model")
+    spec = importlib.util.spec_from_file_location("bench_linears", Path(__file__).parents[1] / "scripts" / "bench_linears.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "linears.json"
+    assert script.main(["--model", str(folder), "--rows", "1,5", "--rounds", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for rows in ("1", "5"):
+        assert set(result["rows"][rows]["ms"]) == {"default", "onednn", "gemv"}
+        assert all(ms > 0 for ms in result["rows"][rows]["ms"].values())
+        assert result["rows"][rows]["gemv_row_invariant"] is True
+    model = tiny_model("llama", vocab_size=49152)  # the same shapes: every linear weight once, stacked or not
+    linears = {id(m): m for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()
+    assert result["weight_bytes"] == 4 * sum(m.weight.numel() for m in linears)

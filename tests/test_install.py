@@ -94,6 +94,8 @@ assert "site-packages" in medusa.__file__, medusa.__file__   # the installed whe
 eng = medusa.load(heads="init", device="cpu")   # fresh heads: the default tree comes from package data
 res = eng.generate([1, 504, 3575, 282, 4649, 314], max_new_tokens=8, mode="medusa")
 assert len(res.tokens) == 8, res.tokens
+from medusa.runtime import gemv
+assert gemv.unavailable_reason() is None, gemv.unavailable_reason()   # built from the wheel's C source
 import infer.chat, infer.bench
 print("imported:", sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY}))
 print("installed:", [m for m in {HEAVY} + ("llama_cpp", "llm") if importlib.util.find_spec(m)])
@@ -109,6 +111,7 @@ def test_wheel_in_a_fresh_venv_decodes_benchmarks_and_names_missing_extras(tmp_p
               if p.is_file() and "__pycache__" not in p.parts}
     assert {"medusa/assets/mt_bench.jsonl", "medusa/assets/trees/cpu.json"} <= assets
     assert assets <= names, sorted(assets - names)
+    assert "medusa/runtime/gemv.c" in names  # the gemv kernels' source, compiled where they run
 
     # A clean venv (no system site-packages) with the core and the embedded model's file, as the
     # README says: torch pinned to this venv's (pip's local CPU build here), then the wheel.

@@ -122,7 +122,11 @@ def library() -> ctypes.CDLL:
     if cc is None:
         raise GemvUnavailable("no C compiler (cc or gcc) on the PATH to build the gemv kernels: "
                               "install gcc or set CC, or use kernels='onednn'")
-    path = library_path(cc)
+    try:
+        path = library_path(cc)
+    except OSError as err:  # an install without the C source (package data left out)
+        raise GemvUnavailable(f"the gemv kernels' source {SOURCE} cannot be read ({err.strerror}): "
+                              "reinstall medusa, or use kernels='onednn'") from None
     if path.exists():
         try:
             return _load(path)
