@@ -1,6 +1,7 @@
 """The gemv kernels (medusa/runtime/gemv.py, gemv.c): built here with the real C compiler,
 products like torch's, rows independent of the row count, a damaged library rebuilt, no
-compiler a one-line reason, and engines on them greedy-identical to ``generate``."""
+compiler a one-line reason. Engines on them, eager and compiled, greedy-identical to
+``generate``: tests/test_kernels.py (parametrized over the packed kernels)."""
 
 import os
 import subprocess
@@ -9,17 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_draft import noisy_copy
-from test_eagle import noisy_eagle
-from tiny import hf_greedy, tiny_model
-from tiny_heads import random_heads
+from tiny import tiny_model
 
 from medusa.autotune.cache import PlanCache
 from medusa.autotune.device import decide_kernels
 from medusa.autotune.planner import Planner
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.runtime import gemv
 from medusa.runtime.kernels import PackedLinears, linear_layers, sibling_groups
@@ -141,44 +138,11 @@ def test_packed_layers_run_the_gemv_kernels_with_close_logits(arch):
     assert torch.equal(after, before)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
-def test_greedy_with_gemv_kernels_equals_target_greedy(arch, one_thread):
-    model = tiny_model(arch)
-    n = 40
-    ref = hf_greedy(model, PROMPT, n)
-    engine = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="gemv"))
-    for mode in ("baseline", "medusa", "lookup", "hybrid"):
-        assert engine.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
-    draft = Engine(model, draft=noisy_copy(model, 0.02),
-                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels="gemv"))
-    assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
-    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels="gemv"))
-    res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
-    assert res.tokens == ref and max(res.stats.accepted) > 1
-
-
 def test_gemv_refuses_a_half_precision_target_in_one_line():
     model = tiny_model("llama").to(torch.bfloat16)
     with pytest.raises(MedusaError, match="float32 models on a CPU") as err:
         Engine(model, plan=Plan(kernels="gemv"))
     assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", True])
-def test_compiled_passes_run_the_gemv_kernels_and_stay_exact(backend, tmp_path, monkeypatch):
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    torch._dynamo.reset()
-    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    gemv.library.cache_clear()
-    model = tiny_model("llama")
-    n = 30
-    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, plan=Plan(kernels="gemv"))
-    res, calls = gemv_calls(lambda: eng.generate(PROMPT, max_new_tokens=n, mode="medusa"))
-    assert res.tokens == hf_greedy(model, PROMPT, n) and calls > 0
-    assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
-    gemv.library.cache_clear()
 
 
 def test_bench_linears_times_every_kernel_and_checks_row_invariance(tmp_path):

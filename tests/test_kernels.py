@@ -107,19 +107,20 @@ def test_inputs_of_more_rows_than_stock_above_run_the_stock_kernels():
     assert "mkldnn::_linear_pointwise" in prefill
 
 
+@pytest.mark.parametrize("kernels", ["onednn", "gemv"])  # gemv: medusa/runtime/gemv.py (tests/test_gemv.py)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
-def test_greedy_with_onednn_kernels_equals_target_greedy(arch, one_thread):
+def test_greedy_with_packed_kernels_equals_target_greedy(arch, kernels, one_thread):
     model = tiny_model(arch)
     n = 40
     ref = hf_greedy(model, PROMPT, n)
-    medusa = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels="onednn"))
+    medusa = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels=kernels))
     for mode in ("baseline", "medusa", "lookup", "hybrid"):
         assert medusa.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
     # a draft model: the target's own weights nudged, packed beside the target's
     draft = Engine(model, draft=noisy_copy(model, 0.02),
-                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels="onednn"))
+                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels=kernels))
     assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
-    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels="onednn"))
+    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels=kernels))
     res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
     assert res.tokens == ref
     assert max(res.stats.accepted) > 1  # the packed heads drafted tokens that were accepted
@@ -143,10 +144,11 @@ def test_kernel_errors_are_one_line():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("kernels", ["onednn", "gemv"])
 @pytest.mark.parametrize("backend", ["aot_eager", True])
-def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, tmp_path, monkeypatch):
+def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, kernels, tmp_path, monkeypatch):
     """Under torch.compile each packed layer is the custom op medusa::packed_linear (inductor
-    cannot lower an opaque oneDNN weight): traced, compiled, and still oneDNN at run time."""
+    cannot lower an opaque oneDNN weight): traced, compiled, and still oneDNN (or gemv) at run time."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     torch._dynamo.reset()
@@ -154,12 +156,14 @@ def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, tmp_path
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     model = tiny_model("llama")
     n = 30
-    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, plan=Plan(kernels="onednn"))
+    eng = Engine(model, heads=random_heads(model), tree=TREE, compile=backend, plan=Plan(kernels=kernels))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         res = eng.generate(PROMPT, max_new_tokens=n, mode="medusa")
     ops = {event.key for event in prof.key_averages()}
     assert res.tokens == hf_greedy(model, PROMPT, n)
-    assert "medusa::packed_linear" in ops and "mkldnn::_linear_pointwise" in ops
+    kernel_ran = "mkldnn::_linear_pointwise" in ops if kernels == "onednn" else \
+        any(op.startswith("medusa::gemv ") for op in ops)
+    assert "medusa::packed_linear" in ops and kernel_ran
     assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=n, mode="hybrid").tokens == hf_greedy(model, PROMPT[:-1] + [7], n)
     assert stock(model)
 

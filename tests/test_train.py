@@ -87,18 +87,19 @@ def test_self_distillation_with_feature_cache(setup, tmp_path):
     assert meta.stat().st_mtime_ns == stamp  # same data: the cache is reused, not rebuilt
 
 
-def test_cache_built_with_onednn_kernels_holds_the_same_features(setup, tmp_path):
+def test_cache_built_with_packed_kernels_holds_the_same_features(setup, tmp_path):
     caches = {}
-    for kernels in ("default", "onednn"):
+    for kernels in ("default", "onednn", "gemv"):
         AcceleratorState._reset_state(True)
         cache = tmp_path / kernels
         train(config(setup, tmp_path / f"heads-{kernels}", distill=1.0, cache_dir=str(cache), cache_kernels=kernels,
                      max_steps=1))
         caches[kernels] = {name: np.load(cache / "train" / f"{name}.npy") for name in ("hidden", "teacher_logp", "tokens")}
-    default, onednn = caches["default"], caches["onednn"]
-    assert np.array_equal(default["tokens"], onednn["tokens"])
-    np.testing.assert_allclose(onednn["hidden"].astype(np.float32), default["hidden"].astype(np.float32), atol=2e-3)
-    np.testing.assert_allclose(onednn["teacher_logp"], default["teacher_logp"], atol=1e-4)
+    default = caches["default"]
+    for packed in (caches["onednn"], caches["gemv"]):
+        assert np.array_equal(default["tokens"], packed["tokens"])
+        np.testing.assert_allclose(packed["hidden"].astype(np.float32), default["hidden"].astype(np.float32), atol=2e-3)
+        np.testing.assert_allclose(packed["teacher_logp"], default["teacher_logp"], atol=1e-4)
     with pytest.raises(MedusaError, match="unknown cache_kernels 'mkl'"):
         config(setup, tmp_path, cache_kernels="mkl")
 

@@ -115,9 +115,28 @@ def _check(lib: ctypes.CDLL) -> None:
         raise OSError("its products differ from torch's")
 
 
-@functools.cache
 def library() -> ctypes.CDLL:
-    """The built and loaded kernel library (built on first use; :class:`GemvUnavailable` if it cannot be)."""
+    """The built and loaded kernel library (built on first use; :class:`GemvUnavailable` if it
+    cannot be). Both outcomes are kept for the process: a failing build is not retried at every
+    call (``library.cache_clear()`` forgets them)."""
+    got = _loaded()
+    if isinstance(got, GemvUnavailable):
+        raise GemvUnavailable(str(got))
+    return got
+
+
+@functools.cache
+def _loaded() -> ctypes.CDLL | GemvUnavailable:
+    try:
+        return _library()
+    except GemvUnavailable as err:
+        return err
+
+
+library.cache_clear = _loaded.cache_clear
+
+
+def _library() -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise GemvUnavailable("no C compiler (cc or gcc) on the PATH to build the gemv kernels: "
