@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linear layers for CPU passes: the same model, faster matmul kernels.
+"""Prepacked linear layers for CPU passes: the same model, faster matmul kernels (oneDNN's, or
+for float32 layers this package's gemv kernels, medusa/runtime/gemv.py: ``kernels="gemv"``).
 
 Why: a decoding pass of a small model on a CPU is its linear layers (81% of a SmolLM2-135M
 one-token pass in float32, profiled), and torch's float32 ``F.linear`` on the CPU goes to
@@ -9,15 +10,14 @@ its matmul kernels read and ``torch.ops.mkldnn._linear_pointwise`` multiplies by
 inductor's CPU fusion uses). torch's own bfloat16 ``F.linear`` calls the same oneDNN kernel
 with the weight in its plain layout, so it repacks the weight at every call: on an AMX Xeon a
 one-token pass's 211 bfloat16 linears took 29 ms that way and 21 ms prepacked, with results
-bit-identical to torch's for 1-288 rows (not always above: see ``stock_above``). Packing with
-``Tensor.to_mkldnn`` (plain layout, this module's first version) kept the repacking: 33 ms.
+bit-identical to torch's for 1-288 rows (not always above: see ``stock_above``).
 
 How: :class:`PackedLinears` holds a packed copy of every ``nn.Linear`` weight of the given
 modules and, while entered, points each layer's ``forward`` at it; on exit the layers are
 stock again. The engine enters it around its own passes only, so ``model.generate`` (the
 bench's ``hf`` peer) and training never see it: nothing in the model is forked or replaced.
-The packed copies double the memory of the linear weights, and they are a snapshot: weights
-changed after packing (training, a LoRA merge) need a new ``PackedLinears``.
+The packed copies double the memory of the linear weights and are a snapshot: weights changed
+after packing (training, a LoRA merge) need a new ``PackedLinears``.
 
 Stacked siblings: the layers a decoder layer calls on one input (q/k/v, gate/up) run as one
 product of their stacked packed weights, each taking its slice (:class:`_Siblings`): 90 of the
@@ -25,17 +25,15 @@ embedded model's 211 products fewer per pass, bit-identical to the separate ones
 
 Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
 ``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead
-(stacked siblings ``medusa::stacked_linear``), which inductor keeps as an extern call between
-the elementwise work it fuses (norms, rotary, activations, residual adds). Eager passes call oneDNN directly (a custom op's dispatch costs
-~5 us per call, ~1 ms over a pass of 211 linears).
+(stacked siblings ``medusa::stacked_linear``), an extern call between the elementwise work it
+fuses. Eager passes call the kernels directly (a custom op's dispatch costs ~5 us a call).
 
-Exactness: in float32 oneDNN rounds differently from MKL (both are within ~1e-6 of float64
-here) and, like MKL, a row's result depends on the number of rows, so it is not bit-identical
-to stock transformers; identity to ``generate`` is measured by the bench (see
-docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's default is oneDNN's own kernel, so the packed layers
-compute what stock transformers computes, bit for bit where measured. Whether they are used is
-decided per device by timing, and for a half-precision model by the exactness probe too
-(medusa/autotune/device.py).
+Exactness: in float32 oneDNN and gemv round differently from MKL (all within ~1e-6 of float64
+here), so they are not bit-identical to stock transformers; identity to ``generate`` is measured
+by the bench (docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's
+default is oneDNN's own kernel, so packed layers compute what stock transformers computes, bit
+for bit where measured. The kernels are picked per device by timing, in half precision after
+the exactness probe too (medusa/autotune/device.py).
 """
 
 from __future__ import annotations
