@@ -24,9 +24,9 @@
 #define WIDE 4   /* output blocks per tile for one or two rows */
 #define NARROW 4 /* output blocks per tile for more rows (6 rows at a time) */
 #else
-#define LANES 8
-#define WIDE 2
-#define NARROW 1
+#define LANES 8  /* AVX2: 16 registers of 8 floats; a 2 x 6 tile keeps 12 accumulators */
+#define WIDE 4
+#define NARROW 2
 #endif
 #define KC 64
 #define AI static inline __attribute__((always_inline))
