@@ -53,8 +53,8 @@ KERNELS = ("default", "onednn", "gemv")
 PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked); 3: sibling layers
 # (q/k/v, gate/up) stacked into one product (_Siblings); 4: the gemv kernels (float32 layers,
-# medusa/runtime/gemv.py) join the pick. Part of cache keys.
-PACKING_VERSION = 4
+# medusa/runtime/gemv.py) join the pick; 5: gemv prefetches under products of 7+ rows. Cache keys.
+PACKING_VERSION = 5
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
