@@ -29,8 +29,16 @@ MODES = ("llamacpp", "llamacpp-lookup")
 WORKERS: dict[str, Any] = {}  # mode -> LlamaCppWorker, for the whole run
 
 
-def worker(name: str, args: argparse.Namespace, max_new_tokens: int):
-    """The mode's worker, started on first use (the bench's warm-up)."""
+def worker(name: str, args: argparse.Namespace, max_new_tokens: int, prompt_tokens: int = 0):
+    """The mode's worker, started on first use (the bench's warm-up), and started again with a
+    larger context when a prompt does not fit the one it has."""
+    lookup = None
+    if name == "llamacpp-lookup":
+        lookup = {"tokens": args.lookup_tokens or LOOKUP_TOKENS, "ngram": args.lookup_ngram}
+    # the prompt, the answer, and the drafts a last verification can run past the answer's end
+    need = prompt_tokens + max(max_new_tokens, args.max_new_tokens) + (lookup or {}).get("tokens", 0) + 1
+    if name in WORKERS and WORKERS[name].n_ctx < need:
+        WORKERS.pop(name).close()
     if name not in WORKERS:
         import torch
 
@@ -40,11 +48,8 @@ def worker(name: str, args: argparse.Namespace, max_new_tokens: int):
         if args.dtype not in (None, "float32", "fp32"):
             raise MedusaError(f"the llamacpp modes decode in float32 (an F32 GGUF); drop --dtype {args.dtype} "
                               "or the llamacpp modes")
-        lookup = None
-        if name == "llamacpp-lookup":
-            lookup = {"tokens": args.lookup_tokens or LOOKUP_TOKENS, "ngram": args.lookup_ngram}
-        # Room for the longest MT-Bench prompt and the drafts past the last token.
-        n_ctx = 1024 + max(max_new_tokens, args.max_new_tokens) + (lookup or {}).get("tokens", 0)
+        # Room for MT-Bench's longest prompt at least; longer prompts grow it in steps of 512.
+        n_ctx = max(1024 + need - prompt_tokens, -(-need // 512) * 512)
         WORKERS[name] = LlamaCppWorker(f32_gguf(args.model), torch.get_num_threads(), lookup, n_ctx=n_ctx)
     return WORKERS[name]
 
@@ -60,7 +65,8 @@ def register(mode: Callable, run_type: type) -> None:
 
     def runner(name: str):
         def run(engine, ids: list[int], bench):  # bench: infer.bench.Bench (its args are the CLI's)
-            out = worker(name, bench.args, bench.max_new_tokens).generate(ids, bench.max_new_tokens, sorted(engine.eos))
+            llm = worker(name, bench.args, bench.max_new_tokens, len(ids))
+            out = llm.generate(ids, bench.max_new_tokens, sorted(engine.eos))
             # Plain decoding makes one pass per token: as for vllm, its tau reads 1.0.
             return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=out["passes"])
         return run

@@ -49,3 +49,20 @@ def test_bench_runs_llama_cpp_plain_and_lookup_beside_hf_and_compares_tokens(tmp
     # Identical where llama.cpp's float32 arithmetic lands on the same greedy tokens: prompt 1.
     assert modes["llamacpp"]["per_prompt"][0]["tokens"] == hf[0]["tokens"]
 
+
+
+def test_a_prompt_longer_than_the_first_context_restarts_the_worker_larger(tmp_path):
+    """The workers start with room for MT-Bench's prompts; a longer prompt (ShareGPT turns run to
+    thousands of tokens) starts a worker with a context that holds it, the answer and the
+    drafts a last verification can run past the answer's end, instead of failing the run."""
+    long_turn = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(160))  # ~2,300 tokens
+    prompts = tmp_path / "long.json"
+    prompts.write_text(json.dumps([{"id": "long", "conversations": [{"from": "human", "value": long_turn}]},
+                                   {"id": "short", "conversations": [{"from": "human", "value": "Say hi."}]}]))
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--prompts", str(prompts), "--modes", "baseline,llamacpp,llamacpp-lookup", "--max-new-tokens",
+                     "16", "--heads", "init", "--autotune", "off", "--json", str(out)])
+    assert rc == 0
+    modes = json.loads(out.read_text())["modes"]
+    for name in ("llamacpp", "llamacpp-lookup"):
+        assert [len(r["tokens"]) > 0 for r in modes[name]["per_prompt"]] == [True, True]

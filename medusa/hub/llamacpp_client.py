@@ -94,6 +94,7 @@ class LlamaCppWorker(JsonWorker):
         settings = {"model": str(model), "n_ctx": n_ctx, "n_threads": n_threads, "lookup": lookup}
         super().__init__("llama.cpp", llamacpp_python(python), WORKER, settings, clean_env(), startup_timeout)
         self.version = self.ready.get("llama_cpp", "?")
+        self.n_ctx = n_ctx
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos: list[int]) -> dict[str, Any]:
         """Greedy decode of one prompt: ``{"tokens", "seconds", "passes"}`` (see the worker)."""

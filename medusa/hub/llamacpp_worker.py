@@ -38,15 +38,19 @@ def load(settings: dict):
     draft = None if lookup is None else LlamaPromptLookupDecoding(max_ngram_size=int(lookup["ngram"]),
                                                                   num_pred_tokens=int(lookup["tokens"]))
     threads = int(settings["n_threads"])
+    # With a draft model llama-cpp-python keeps every position's logits, in an array it sizes
+    # n_ctx rows only when logits_all is passed (else n_batch, 512: past that a verification fails)
     return Llama(model_path=settings["model"], n_ctx=int(settings["n_ctx"]), n_threads=threads,
-                 n_threads_batch=threads, logits_all=False, draft_model=draft, type_k=GGML_TYPE_F32,
+                 n_threads_batch=threads, logits_all=draft is not None, draft_model=draft, type_k=GGML_TYPE_F32,
                  type_v=GGML_TYPE_F32, seed=0, verbose=False)
 
 
-def decode(llm, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> dict:
-    """One greedy decode of ``prompt_ids``, timed alone; the target passes it ran counted."""
-    if len(prompt_ids) + max_tokens > llm.n_ctx():
-        raise ValueError(f"{len(prompt_ids)} prompt + {max_tokens} new tokens exceed the context of {llm.n_ctx()}")
+def decode(llm, prompt_ids: list[int], max_tokens: int, eos: set[int], drafts: int = 0) -> dict:
+    """One greedy decode of ``prompt_ids``, timed alone; the target passes it ran counted.
+    ``drafts``: the tokens a prompt-lookup verification can run past the answer's last token."""
+    if len(prompt_ids) + max_tokens + drafts + 1 > llm.n_ctx():
+        raise ValueError(f"{len(prompt_ids)} prompt + {max_tokens} new tokens (+ {drafts} drafted) exceed the "
+                         f"context of {llm.n_ctx()}: start the worker with a larger n_ctx")
     passes = 0
     evaluate = type(llm).eval
 
@@ -87,7 +91,8 @@ def main() -> int:
             continue
         try:
             req = json.loads(line)
-            reply = decode(llm, list(req["prompt_ids"]), int(req["max_tokens"]), set(req.get("eos", [])))
+            reply = decode(llm, list(req["prompt_ids"]), int(req["max_tokens"]), set(req.get("eos", [])),
+                           int((settings.get("lookup") or {}).get("tokens", 0)))
         except Exception as err:  # noqa: BLE001 - any failure goes back to the client as one line
             reply = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"}
         proto.write(json.dumps(reply) + "\n")
