@@ -3,15 +3,18 @@ products like torch's, rows independent of the row count, a damaged library rebu
 compiler a one-line reason. Engines on them, eager and compiled, greedy-identical to
 ``generate``: tests/test_kernels.py (parametrized over the packed kernels)."""
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from tiny import tiny_model
 
+from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache
 from medusa.autotune.device import decide_kernels
 from medusa.autotune.planner import Planner
@@ -112,6 +115,28 @@ def test_the_pick_takes_gemv_only_when_it_is_the_cheapest_and_clearly_faster():
     assert pick == "gemv" and "gemv" in reason and "T(1)=30.0" in reason
     assert decide_kernels({**costs, "gemv": {1: 50.0, 16: 90.0}})[0] == "onednn"
     assert decide_kernels({"default": {1: 40.0, 16: 60.0}, "gemv": {1: 39.0, 16: 58.0}})[0] == "default"
+
+
+@pytest.mark.parametrize("memory", [None, 1])  # None: this machine's; 1 byte: no room for two copies
+def test_the_pick_times_every_kernel_and_holds_one_packed_copy_when_memory_is_short(memory, monkeypatch):
+    """With room, the packed variants are timed round-robin beside each other; without, each is
+    timed against the default alone and its copy freed before the next is made."""
+    live: weakref.WeakSet = weakref.WeakSet()
+    most = []
+
+    class Counted(PackedLinears):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            most.append(len(live) + 1)
+            super().__init__(*args, **kwargs)
+            live.add(self)
+
+    monkeypatch.setattr(probes, "PackedLinears", Counted)
+    model = tiny_model("llama")
+    costs = probes.measure_kernels(model, prefix=8, reps=1, memory=memory)
+    assert sorted(costs) == ["default", "gemv", "onednn"]
+    assert all(ms > 0 for by_size in costs.values() for ms in by_size.values())
+    assert most == ([1, 2] if memory is None else [1, 1])
 
 
 def gemv_calls(fn):

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -212,18 +213,43 @@ def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | N
     return best, f"{LABELS[best]} linear kernels: faster here by measurement{exact}, {detail}"
 
 
-def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7) -> dict[str, dict[int, float]]:
+def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7,
+                    memory: int | None = None) -> dict[str, dict[int, float]]:
     """Pass cost by new-token count with the default, with packed oneDNN linears (for a
     half-precision model with exact attention, as its engine runs it) and, for a float32 model
-    where they build, the gemv kernels; timed round-robin."""
+    where they build, the gemv kernels; timed round-robin. Each packed variant holds a copy of
+    the linear weights: where two copies would take more than half of ``memory`` (bytes; None:
+    what the system has available), each is timed against the default alone, one after the
+    other, its copy freed before the next is made."""
     device = model.get_output_embeddings().weight.device
-    variants = {"default": (model, nullcontext())}
-    if onednn_available(device, model.dtype):
-        variants["onednn"] = (model, PackedLinears(model))
-    if gemv.available(device, model.dtype):
-        variants["gemv"] = (model, PackedLinears(model, kernels="gemv"))
+    packed = [kind for kind, ok in (("onednn", onednn_available(device, model.dtype)),
+                                    ("gemv", gemv.available(device, model.dtype))) if ok]
+    default = {"default": (model, nullcontext())}
     with _exact(model) if model.dtype != torch.float32 else nullcontext():
-        return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
+        if len(packed) < 2 or 2 * linear_bytes(model) <= (available_memory() if memory is None else memory) / 2:
+            variants = {**default, **{kind: (model, PackedLinears(model, kernels=kind)) for kind in packed}}
+            return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
+        costs: dict[str, dict[int, float]] = {}
+        for kind in packed:
+            pair = measure_costs({**default, kind: (model, PackedLinears(model, kernels=kind))}, list(SIZES),
+                                 prefix=prefix, reps=reps)  # the pair's packed copy is garbage once timed
+            costs.setdefault("default", pair["default"])
+            costs[kind] = pair[kind]
+        return costs
+
+
+def linear_bytes(model: PreTrainedModel) -> int:
+    """Bytes of the weights of the model's linear layers (what a packed variant copies)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give now (Linux's MemAvailable; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def measure_draft_scoring(hidden: int, rows: int, device: torch.device, reps: int = 20) -> dict[str, float]:
