@@ -35,6 +35,7 @@ from medusa.decoding.eagle_draft import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS
+from medusa.models.target import set_chat_template
 from medusa.runtime.kernels import KERNELS
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=count(1), default=48, help="how many prompts the target answers")
     ap.add_argument("--max-new-tokens", type=count(1), default=128, help="longest answer in tokens")
     ap.add_argument("--max-prompt-tokens", type=count(1), default=256, help="longer prompts are skipped")
+    ap.add_argument("--chat-template", default=None,
+                    help="Jinja chat template (file or text) the heads' data was generated with, for a tokenizer "
+                         "that has none, e.g. configs/chat_templates/question_answer.jinja for Gemma 3 270M (default: "
+                         "the tokenizer's own)")
     ap.add_argument("--vocab-size", type=count(0), default=8192, help="draft vocabulary size (0: score the full vocabulary)")
     ap.add_argument("--reference-answers", type=count(0), default=2000, help="reference answers counted for the draft vocabulary")
     ap.add_argument("--max-nodes", type=count(1), default=64, help="largest tree considered (candidates, root excluded)")
@@ -239,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                              kernels=args.kernels, draft_dtype=args.draft_dtype)
         heads = engine.heads
         heads.set_draft_vocab(None)
+        set_chat_template(engine.tokenizer, args.chat_template)
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise MedusaError(f"{args.model} has no chat template: pass --chat-template FILE, the template its heads' "
+                              "data was generated with (e.g. configs/chat_templates/question_answer.jinja)")
         prompts, reference = held_out_prompts(args, engine.tokenizer)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(args, engine, answers, reference)

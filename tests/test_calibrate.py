@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from tiny import tiny_model
+from transformers import AutoTokenizer
 
 import medusa
 from medusa.autotune.trees import candidate_ranks, choose_tree, interpolate, path_counts
@@ -179,3 +180,31 @@ def test_measure_cost_times_every_size_with_each_cache_kind():
         cost = measure_cost(model, [1, 3, 8], prefix=20, reps=2, **kind)
         assert sorted(cost) == [1, 3, 8]
         assert all(0 < ms < 10_000 for ms in cost.values()), kind
+
+
+def test_a_base_model_is_calibrated_with_the_template_its_heads_were_trained_with(tmp_path, capsys):
+    """A tokenizer without a chat template (a base model such as Gemma 3 270M) is one line naming
+    --chat-template; with the flag, the held-out prompts are the template's and the run writes
+    its calibration."""
+    target, model = _tiny_target(tmp_path)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    heads_dir = save_heads(init_heads_for(model, num_heads=2), tmp_path / "heads")
+    script = _script()
+    argv = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(_conversations(tmp_path)),
+            "--samples", "3", "--max-new-tokens", "12", "--vocab-size", "500", "--reference-answers", "6",
+            "--max-nodes", "4", "--device", "cpu", "--dtype", "float32", "--cost", "1:10,5:20"]
+    assert script.main(argv) == 1
+    assert "has no chat template: pass --chat-template FILE" in capsys.readouterr().err
+    assert not (heads_dir / "calibration.json").exists()
+    template = ROOT / "configs" / "chat_templates" / "question_answer.jinja"
+    seen = []
+    greedy = script.greedy_answers
+    script.greedy_answers = lambda engine, prompts, n: seen.extend(prompts) or greedy(engine, prompts, n)
+    assert script.main([*argv, "--chat-template", str(template)]) == 0
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = [tok.decode(p) for p in seen]
+    assert len(texts) == 3 and all("Question: Tell me about topic " in t and t.endswith("Answer:") for t in texts), texts
+    assert "cpu" in json.loads((heads_dir / "calibration.json").read_text())["trees"]
