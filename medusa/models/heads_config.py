@@ -28,8 +28,10 @@ MODEL_TYPE = "medusa_heads"
 PROJECTIONS = ("shared", "per_head")
 # "medusa": independent heads, one per future token (medusa.models.heads); "eagle": one
 # autoregressive decoder layer over the target's features (medusa.models.eagle_heads); "eagle3":
-# one layer over several of the target's layers fused, with its own vocabulary (medusa.models.eagle3_heads).
-KINDS = ("medusa", "eagle", "eagle3")
+# one layer over several of the target's layers fused, with its own vocabulary (medusa.models.eagle3_heads);
+# "block": a block of num_heads tokens drafted in one pass over fused layers (medusa.models.block_heads).
+KINDS = ("medusa", "eagle", "eagle3", "block")
+FUSED_KINDS = ("eagle3", "block")  # heads over several target layers fused, with their own draft vocabulary
 EAGLE_KINDS = ("eagle", "eagle3")  # heads that draft autoregressively, growing a dynamic tree per step
 # How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle_heads):
 # "norms" (the layer's own input norm, then the target's final norm: folders written before
@@ -49,8 +51,8 @@ class HeadsConfig:
     base_model: str | None = None
     kind: str = "medusa"  # folders written before kinds existed are Medusa heads
     eagle_layout: str = "norms"  # eagle heads only; folders written before layouts existed are "norms"
-    feature_layers: list[int] | None = None  # eagle3: the target layers whose inputs are fused
-    draft_vocab_size: int | None = None  # eagle3: rows of the head's own lm_head
+    feature_layers: list[int] | None = None  # eagle3, block: the target layers whose inputs are fused
+    draft_vocab_size: int | None = None  # eagle3, block: rows of the head's own lm_head
     # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -61,12 +63,14 @@ class HeadsConfig:
             raise MedusaError(f"unknown eagle layout {self.eagle_layout!r}: use one of {', '.join(EAGLE_LAYOUTS)}")
         if self.projection not in PROJECTIONS:
             raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
-        if self.kind == "eagle3":
+        if self.kind in FUSED_KINDS:
             if not self.feature_layers or len(self.feature_layers) < 2 or not self.draft_vocab_size:
-                raise MedusaError("eagle3 heads need feature_layers (two or more target layers) and a draft_vocab_size: "
-                                  "write the folder with train/train_heads.py --kind eagle3")
+                raise MedusaError(f"{self.kind} heads need feature_layers (two or more target layers) and a draft_vocab_size: "
+                                  f"write the folder with train/train_heads.py --kind {self.kind}")
             if not 0 < self.draft_vocab_size <= self.vocab_size:
-                raise MedusaError(f"eagle3 draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
+                raise MedusaError(f"{self.kind} draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
+        if self.kind == "block" and self.num_layers not in (1, 2):
+            raise MedusaError(f"block heads have 1 or 2 decoder layers, got num_layers {self.num_layers}")
         if self.num_heads < 1 or self.num_layers < 0:
             raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
 
@@ -74,7 +78,7 @@ class HeadsConfig:
         data = {"model_type": MODEL_TYPE, **asdict(self)}
         if self.kind != "eagle":
             del data["eagle_layout"]  # Medusa folders stay as they were
-        if self.kind != "eagle3":
+        if self.kind not in FUSED_KINDS:
             del data["feature_layers"], data["draft_vocab_size"]
         return data
 

@@ -1,4 +1,4 @@
-"""Loading heads of every kind (Medusa, EAGLE) from a folder or a state dict, checked and
+"""Loading heads of every kind (Medusa, EAGLE, EAGLE-3, block) from a folder or a state dict, checked and
 bound to their target, and fresh Medusa heads sized for a target."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.models.block_heads import BlockHeads
 from medusa.models.eagle3_heads import Eagle3Heads
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
@@ -60,10 +61,10 @@ def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model:
                 f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
                 "use heads trained for this model"
             )
-    if config.kind in ("eagle", "eagle3"):
+    if config.kind in ("eagle", "eagle3", "block"):
         if model is None:
             raise MedusaError(f"{where} holds {config.kind} heads, which are built on their target: pass the target model")
-        heads: nn.Module = (EagleHeads if config.kind == "eagle" else Eagle3Heads)(config, model)
+        heads: nn.Module = {"eagle": EagleHeads, "eagle3": Eagle3Heads, "block": BlockHeads}[config.kind](config, model)
         check_state(config, heads.state_dict(), state, where)
     else:
         with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections
