@@ -368,17 +368,20 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
     kind: str = arg("medusa", "heads kind: medusa (independent heads), eagle (one autoregressive decoder layer "
                               "over the target's last features; needs cache_dir) or eagle3 (one layer over several "
                               "target layers fused, its own draft vocabulary of train_vocab tokens; the target runs "
-                              "each step)", choices=("medusa", "eagle", "eagle3"))
+                              "each step) or block (num_heads tokens drafted in one pass over the same fused layers)",
+                  choices=("medusa", "eagle", "eagle3", "block"))
     num_heads: int = arg(4, "number of Medusa heads (head k predicts the token k+2 ahead); eagle: draft steps "
                             "unrolled in training (training-time test)", bounds=(1, None))
-    num_layers: int = arg(1, "residual blocks per head", bounds=(1, None))
+    num_layers: int = arg(1, "residual blocks per head; block: decoder layers (1 or 2)", bounds=(1, None))
     eagle_init: str = arg("last_layer", "eagle: how fresh heads start: last_layer (a copy of the target's last layer, "
                                         "fc takes the feature), last_layer_token (and adds the token's embedding at the "
                                         "feature's scale) or random", choices=("last_layer", "last_layer_token", "random"))
     eagle_layout: str = arg("norms", "eagle: norms (the layer's input norm and the target's final norm) or eagle1 "
                                      "(neither: vLLM's EAGLE-1 drafter, exportable with scripts/export_heads.py --to vllm)",
                             choices=("norms", "eagle1"))
-    feature_layers: list[int] | None = arg(None, "eagle3: the target layers whose inputs are fused (default: vLLM's "
+    block_anchors: int = arg(16, "block: blocks (anchor positions) drawn per sequence per step", bounds=(1, None))
+    block_decay: float = arg(4.0, "block: block position i's loss weight is exp(-i / block_decay)", bounds=(0, None))
+    feature_layers: list[int] | None = arg(None, "eagle3, block: the target layers whose inputs are fused (default: vLLM's "
                                                  "2, the middle one and the third from last)")
     projection: str = arg("shared", "vocabulary projection: shared (the target's frozen lm_head) or per_head",
                           choices=("shared", "per_head"))
@@ -417,8 +420,11 @@ class TrainConfig(RunFields, EvalFields, OptimFields, CacheFields, DataFields, T
             raise MedusaError(f"unknown cache_kernels {self.cache_kernels!r}: use default, onednn or gemv")
         if not 0 <= self.distill <= 1:
             raise MedusaError(f"distill must be in [0, 1], got {self.distill}")
-        if self.kind == "eagle3" and self.lora:
-            raise MedusaError("eagle3 heads read a frozen target's layers, but lora trains it: drop lora")
+        if self.kind in ("eagle3", "block") and self.lora:
+            raise MedusaError(f"{self.kind} heads read a frozen target's layers, but lora trains it: drop lora")
+        if self.kind == "block" and (self.block_anchors < 1 or not self.block_decay > 0 or self.num_layers > 2):
+            raise MedusaError(f"block heads need block_anchors >= 1, block_decay > 0 and num_layers 1 or 2, got "
+                              f"{self.block_anchors}, {self.block_decay} and {self.num_layers}")
         if self.kind == "eagle" and (self.lora or not self.cache_dir):
             raise MedusaError("eagle heads train on the feature cache of a frozen target: set cache_dir and drop lora")
         if self.max_steps <= 0 and self.num_epochs <= 0:

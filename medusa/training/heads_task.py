@@ -11,6 +11,8 @@
 * EAGLE-3 (``kind: eagle3``): one head over several target layers fused, with its own draft
   vocabulary, seven steps unrolled (``eagle3_ttt.py``); the frozen target runs each
   micro-batch, or once over the data with ``cache_dir`` (the fused layers' inputs cached).
+* Block (``kind: block``): a block of ``num_heads`` tokens drafted in one pass over the same
+  fused layers (``block_train.py``); it reads the cache EAGLE-3 heads of those layers wrote.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from torch import nn
 
 from medusa.config import TrainConfig, to_dict
 from medusa.errors import MedusaError
+from medusa.models.block_heads import init_block_for
 from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS, base_model_name, save_heads
+from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS, FUSED_KINDS, base_model_name, save_heads
 from medusa.models.loader import heads_from_state, init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
+from medusa.training.block_train import block_loss, block_weights
 from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
 from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
@@ -61,7 +65,8 @@ class HeadsTrainer(nn.Module):
         self.heads = heads
         self.cfg = cfg
         self.vocab = vocab  # [S] token ids the heads' softmax covers, None: all
-        self.weights = head_weights(cfg.num_heads, cfg.head_weight_decay, cfg.head_weights)
+        self.weights = (block_weights(cfg.num_heads, cfg.block_decay) if cfg.kind == "block"
+                        else head_weights(cfg.num_heads, cfg.head_weight_decay, cfg.head_weights))
         if cfg.lora:
             self.target = target  # trainable adapters inside
         else:
@@ -74,6 +79,11 @@ class HeadsTrainer(nn.Module):
         # A vocabulary subset only makes training cheaper: evaluation scores the full
         # vocabulary, as decoding does.
         vocab = self.vocab if self.training else None
+        if self.cfg.kind == "block":  # the fused layers from the cache, else from the frozen target now
+            if "features" not in batch:
+                batch = {**batch, **target_outputs(self._target(), batch["input_ids"], batch["attention_mask"],
+                                                   self.heads.feature_layers, self.cfg.teacher_topk)}
+            return block_loss(self.heads, batch, self.weights, self.cfg.block_anchors, self.cfg.distill, self.cfg.seed)
         if self.cfg.kind == "eagle3" and "features" in batch:  # the target's layers, from the cache
             return eagle3_loss(self.heads, batch, self.weights)
         if self.cfg.kind == "eagle3":  # the frozen target's layers, then the unrolled head
@@ -128,12 +138,12 @@ class HeadsTask:
             vocab = frequent_tokens(seen, cfg.train_vocab, target.get_output_embeddings().weight.shape[0],
                                     splits.fill).to(device)
         heads = self.heads(target, accelerator, vocab)
-        if cfg.kind == "eagle3":
+        if cfg.kind in FUSED_KINDS:
             vocab = None  # the heads' own lm_head is the draft vocabulary
         if cfg.lora:
             target = attach_lora(target, cfg)
             heads.bind(target.get_output_embeddings())
-        layers = tuple(heads.feature_layers) if cfg.kind == "eagle3" else None
+        layers = tuple(heads.feature_layers) if cfg.kind in FUSED_KINDS else None  # one cache for both kinds
         caches = open_caches(cfg, target, splits, accelerator, layers) if cfg.cache_dir else {}
         train = self.batches(splits.train, caches.get("train"), device)
         held_out = self.batches(splits.eval, caches.get("eval"), device) if splits.eval else None
@@ -141,9 +151,12 @@ class HeadsTask:
 
     def heads(self, target: nn.Module, accelerator: Any, vocab: torch.Tensor | None = None) -> MedusaHeads:
         """Fresh heads for the target, or the ``init_heads`` folder's; fp32 (master weights),
-        a shared projection staying the target's own. ``vocab``: eagle3's draft vocabulary."""
+        a shared projection staying the target's own. ``vocab``: eagle3's and block's draft vocabulary."""
         cfg = self.cfg
         if not cfg.init_heads:
+            if cfg.kind == "block":
+                return init_block_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target),
+                                      cfg.num_layers).float()
             if cfg.kind == "eagle3":
                 return init_eagle3_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target)).float()
             if cfg.kind == "eagle":
@@ -157,7 +170,7 @@ class HeadsTask:
         # calibrated for the old weights: recalibrate after training
         if cfg.kind in EAGLE_KINDS:
             heads.dynamic, heads.measured = {}, {}
-        else:
+        elif cfg.kind == "medusa":
             heads.trees = {}
         heads.config.base_model = base_model_name(target)
         heads.set_draft_vocab(None)
@@ -173,7 +186,7 @@ class HeadsTask:
         """Micro-batches from sequences (the target runs each step), from cached positions, or
         (eagle) from whole cached sequences."""
         cfg = self.cfg
-        if cache is not None and cfg.kind == "eagle3":
+        if cache is not None and cfg.kind in FUSED_KINDS:
             return Batches(sequences(cache), cfg.batch_size, lambda b: cached_batch(cache, b, device))
         if cache is not None and cfg.kind == "eagle":
             return Batches(sequences(cache), cfg.batch_size, lambda b: {"eagle": sequence_batch(cache, b, device)})
