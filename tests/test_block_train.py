@@ -97,6 +97,19 @@ def test_draft_from_a_fixed_buffer_equals_train_logits_of_the_last_block(arch, n
     assert torch.equal(heads.to_target(torch.tensor([0, 7, 49])), torch.tensor([10, 17, 59]))
 
 
+def test_draft_traces_as_one_graph():
+    # What a CUDA graph needs: no host sync, no branch on tensor values, fixed shapes. Dynamo's
+    # fullgraph tracing fails on any of them (the eager backend: no compiler needed).
+    _, heads = blocks("gemma3", 2)
+    feats, ids = inputs(heads, t=14)
+    with torch.no_grad():
+        ctx = heads.context_kv(heads.fuse(feats), torch.arange(14).expand(2, 14))
+        valid = (torch.arange(14) <= torch.tensor([[9], [12]])).expand(2, 14)
+        args = (ids[:, 10], torch.tensor([10, 13]), ctx, valid)
+        traced = torch.compile(heads.draft, fullgraph=True, backend="eager", dynamic=False)
+        assert torch.allclose(traced(*args), heads.draft(*args), atol=1e-6)
+
+
 def test_the_root_embedding_is_the_targets_own_with_gemmas_scale():
     model, heads = blocks("gemma3")
     ids = torch.tensor([[5, 9]])
