@@ -15,12 +15,12 @@ dtype, transformers' default attention, torch's kernels): the speed a user compa
 where another dtype runs ``generate`` faster (on one AMX Xeon float32 did). Their outputs are
 compared too, and may differ where the dtype or the attention differs.
 
-Engine modes mean what they mean in the library and the chat: ``medusa`` and ``eagle`` run heads
-of that kind, ``hybrid`` the loaded heads plus the lookup chain. A heads suffix picks the kind
-for any engine mode: ``hybrid@eagle``, ``hybrid@medusa`` (``medusa``/``eagle`` alone imply theirs).
-Heads of a kind that ``--heads`` did not load are loaded through ``medusa.load(target=...)`` on
-the same target: ``--eagle-heads`` / ``--medusa-heads``, else those shipped for the embedded
-model. So Medusa and EAGLE heads compare in one run. The default ``--modes`` is ``hf``,
+Engine modes mean what they mean in the library and the chat: ``medusa``, ``eagle``, ``eagle3``
+and ``block`` run heads of that kind, ``hybrid`` the loaded heads plus the lookup chain. A heads
+suffix picks the kind for any engine mode: ``hybrid@eagle``, ``hybrid@block`` (a kind's own mode
+alone implies it). Heads of a kind that ``--heads`` did not load are loaded through
+``medusa.load(target=...)`` on the same target: ``--eagle-heads`` / ``--medusa-heads`` /
+``--block-heads``, else those shipped for the embedded model (none are shipped of kind block). So Medusa and EAGLE heads compare in one run. The default ``--modes`` is ``hf``,
 ``baseline`` and the engine's default mode (``hybrid`` with heads).
 
 Any engine mode with ``+compile`` (``baseline+compile``, ``hybrid@eagle+compile``) runs the
@@ -65,6 +65,7 @@ from medusa.models.heads_config import EAGLE_KINDS
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import KERNELS
 
+SIZED_KINDS = (*EAGLE_KINDS, "block")  # heads whose tree is drafted per step, sized for the machine
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
 
 
@@ -212,21 +213,17 @@ def _static_tree(engine: Engine, tree: str | None) -> str | None:
 
 def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     """Nodes (root included) of the heads' tree: the static tree of Medusa heads, the dynamic
-    tree's budget of eagle heads."""
+    tree's budget of eagle heads, the block heads' proposal (chain and siblings)."""
     if engine.heads is None:
         return None
-    if engine.heads.config.kind in EAGLE_KINDS:
-        from medusa.decoding.eagle_draft import DynamicTree
-
-        if engine.plan.eagle is not None:
-            return engine.plan.eagle.nodes + 1
-        return DynamicTree.for_device(engine.heads.dynamic, engine.device, engine.model.dtype).nodes + 1
+    if engine.heads.config.kind in SIZED_KINDS:
+        return engine.proposer(engine.heads.config.kind).max_rows
     return len(engine.tree_paths(tree)) + 1
 
 
 def _sizes_reason(engine: Engine) -> str | None:
-    """How the eagle heads' trees were sized (None: no eagle heads)."""
-    if engine.heads is None or engine.heads.config.kind not in EAGLE_KINDS:
+    """How the eagle or block heads' trees were sized (None: neither)."""
+    if engine.heads is None or engine.heads.config.kind not in SIZED_KINDS:
         return None
     trees = engine.plan.decision("trees")
     return trees.reason if trees is not None else "calibrated for the device type"
@@ -321,7 +318,8 @@ def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
 
 
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
-HEAD_KINDS = ("medusa", "eagle", "eagle3")  # mode suffix @KIND: the engine mode on heads of that kind
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "block")  # mode suffix @KIND: the engine mode on heads of that kind
+UNSHIPPED = ("block",)  # kinds no heads ship for: their modes need --heads or --KIND-heads
 JACOBI = "+lookahead"  # mode hybrid's suffix: its pass also runs lookahead's window and pool n-grams
 _SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<jacobi>\{JACOBI})?"
                    rf"(?P<compiled>\{COMPILED})?$")
@@ -362,6 +360,9 @@ def _heads_source(bench: Bench, kind: str):
     main, given = bench.main, getattr(bench.args, f"{kind}_heads")
     if given is None and main.heads is not None and main.heads.config.kind == kind:
         return main.heads
+    if given is None and kind in UNSHIPPED:
+        raise MedusaError(f"modes on {kind} heads need a folder of them: pass --heads FOLDER or --{kind}-heads FOLDER "
+                          f"(no {kind} heads ship with this install)")
     return given or kind  # "medusa"/"eagle": medusa.load's shipped heads of that kind
 
 
@@ -539,9 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="Hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--heads", default=None, help="heads folder, Hub id, or 'init' (default: the heads shipped for the default model)")
     for kind in HEAD_KINDS:
+        shipped = "none: pass one for these modes" if kind in UNSHIPPED else f"the {kind} heads shipped for the default model"
         ap.add_argument(f"--{kind}-heads", default=None,
                         help=f"{kind} heads for modes {kind} and MODE@{kind} when --heads did not load {kind} heads "
-                             f"(default: the {kind} heads shipped for the default model)")
+                             f"(default: {shipped})")
     ap.add_argument("--draft", default=None,
                     help="draft model for draft and hf-assisted: folder, Hub id, or 'default' (the default when they run)")
     pc = ProposerConfig()  # the one place the per-mode defaults live
@@ -564,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=count(), default=MAX_NEW_TOKENS, help="longest answer in tokens")
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated, from: {', '.join(MODES)}, {', '.join(ENGINE_MODES)} (an engine mode may "
-                         f"carry @medusa or @eagle: the heads kind, and {COMPILED}); default: hf, baseline and the "
+                         f"carry @KIND, {', '.join(HEAD_KINDS)}: the heads kind, and {COMPILED}); default: hf, baseline and the "
                          "engine's default mode (hybrid with heads)")
     ap.add_argument("--tree", default=None, help="Medusa heads' tree (modes medusa, hybrid): a name in medusa/assets/trees "
                     "or a JSON file of paths (default: calibrated per device)")
@@ -620,7 +622,7 @@ def parse_modes(text: str | None, engine: Engine | None = None) -> list[str]:
     unknown = [m for m in modes if not known_mode(m)]
     if unknown:
         raise MedusaError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}, "
-                          f"{', '.join(ENGINE_MODES)} (an engine mode with @medusa or @eagle runs those heads, "
+                          f"{', '.join(ENGINE_MODES)} (an engine mode with @KIND, {', '.join(HEAD_KINDS)}, runs those heads, "
                           f"with {COMPILED} compiled)")
     return modes
 
@@ -665,10 +667,10 @@ def prepare(bench: Bench, modes: list[str]) -> None:
 
 
 def eagle_engine(bench: Bench) -> Engine | None:
-    """The engine the eagle modes ran on (loaded for them, else the main one with eagle heads)."""
+    """The engine the eagle (or block) modes ran on (loaded for them, else the main one with such heads)."""
     eager = [(kind, e) for (kind, compiled, _), e in bench.engines.items() if not compiled]
-    found = [e for kind, e in eager if kind in EAGLE_KINDS] + [e for _, e in eager if e.heads is not None
-                                                               and e.heads.config.kind in EAGLE_KINDS]
+    found = [e for kind, e in eager if kind in SIZED_KINDS] + [e for _, e in eager if e.heads is not None
+                                                               and e.heads.config.kind in SIZED_KINDS]
     return found[0] if found else None
 
 
@@ -679,8 +681,8 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, modes: "
           f"{', '.join(modes)}", file=sys.stderr)
     for engine in {id(e): e for e in bench.engines.values()}.values():
-        if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
-            print(f"eagle trees{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
+        if engine.heads is not None and engine.heads.config.kind in SIZED_KINDS:
+            print(f"{'block proposals' if engine.heads.config.kind == 'block' else 'eagle trees'}{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
     if runs_lookahead(modes):
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
     bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing

@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "EAGLE heads; its shipped Medusa heads with --mode medusa)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default' "
                                    "(default: none)")
-    p.add_argument("--mode", help="medusa or eagle (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
+    p.add_argument("--mode", help="medusa, eagle, eagle3 or block (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
                                   "lookahead (greedy only) or baseline "
                                   "(default: hybrid when heads are loaded, "
                                   "draft when --draft is given, else baseline)")
@@ -492,6 +492,22 @@ def _sizes(sizes: list[int]) -> str:
     return f"size{'s' if len(sizes) != 1 else ''} {', '.join(map(str, sizes))}"
 
 
+def block_line(args: argparse.Namespace, engine: Engine, mode: str) -> str:
+    """The banner's line for block heads: the block, its layers and vocabulary, the proposal's size."""
+    from medusa.decoding.proposers import Hybrid
+
+    c = engine.heads.config
+    proposer = engine.proposer(mode if mode in ("block", "hybrid") else "block")
+    block = proposer.heads if isinstance(proposer, Hybrid) else proposer
+    label = "sized here" if engine.plan.eagle is not None else "default"
+    shape = (f"top-1 chain of {block.nodes}" if block.topk == 1
+             else f"{block.nodes} nodes (chain {block.depth} deep, top-{block.topk} per depth)")
+    chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
+    return (f"heads   {args.heads} · block of {c.num_heads} tokens per drafter pass (layers "
+            f"{', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary) · "
+            f"proposal {label}: {shape}{chain}")
+
+
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
     from medusa.decoding.tree import compile_tree
 
@@ -520,6 +536,8 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
                 if c.kind == "eagle3" else f"eagle ({c.eagle_layout})")
         lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
+    elif engine.heads is not None and engine.heads.config.kind == "block":
+        lines.append(block_line(args, engine, mode))
     elif engine.heads is not None:
         c = engine.heads.config
         source = args.heads or "shipped"

@@ -1,12 +1,13 @@
 """Acceptance per draft depth of several heads, side by side, at an equal draft budget.
 
-    python scripts/head_acceptance.py --heads medusa --heads eagle --heads eagle3 \\
+    python scripts/head_acceptance.py --heads medusa --heads eagle --heads eagle3 --heads BLOCK_FOLDER \\
         --prompts runs/prompts/sharegpt-heldout.json --limit 12 --depth 7 [--json OUT]
 
 The target answers the prompts greedily once; then, teacher-forced along those answers, each
 heads folder drafts a chain of ``--depth`` top-1 tokens at every position (Medusa heads: head
 ``k``'s top-1 at depth ``k``, as far as they have heads; eagle and eagle3 heads: their own
-draft steps, fed their own predictions, as decoding does). Reported per depth ``d``: the share
+draft steps, fed their own predictions, as decoding does; block heads: block position ``d`` of
+the one drafter pass's top-1 chain, as far as the block reaches). Reported per depth ``d``: the share
 of positions whose first ``d`` drafted tokens are all the target's, so the mean tokens a chain
 of ``d`` adds per pass is their sum; and the drafting's milliseconds per position. No tree, no
 lookup chain: the heads alone. ``--heads`` takes a folder, a Hub id or a shipped kind
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/head_acceptance.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--heads", action="append", required=True,
-                    help="heads folder, Hub id or shipped kind (medusa, eagle, eagle3); repeatable")
+                    help="heads folder, Hub id or shipped kind (medusa, eagle, eagle3; block heads: a folder or "
+                         "Hub id); repeatable")
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
     from infer.bench import DEFAULT_PROMPTS
 
@@ -81,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             engine = medusa.load(target=base, heads=name, autotune=False)
             heads = engine.heads
             with torch.inference_mode(), engine.kernel_scope():
-                if heads.config.kind in EAGLE_KINDS:
-                    acc = acceptance_by_size(heads, engine.model, pairs, DynamicTree(nodes=args.depth, depth=args.depth, topk=1))
+                if heads.config.kind in (*EAGLE_KINDS, "block"):
+                    # a block drafts no deeper than its k tokens; eagle heads' chains go on
+                    depth = min(args.depth, heads.config.num_heads) if heads.config.kind == "block" else args.depth
+                    acc = acceptance_by_size(heads, engine.model, pairs, DynamicTree(nodes=depth, depth=depth, topk=1))
                     # accepted[n - 1]: mean tokens accepted with a chain of n; its increments: right through depth n
                     per_depth = [a - b for a, b in zip(acc.accepted, [0.0] + acc.accepted[:-1])]
                     ms = acc.draft_ms

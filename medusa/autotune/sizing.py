@@ -16,6 +16,11 @@ most expected tokens per second for mode eagle and, chain length included, for m
 proposal of n rows padded to its pass bucket (``passes.pass_bucket``), so it is sized with
 T(bucket(n)): a 14-row hybrid pass costs a 16-row one there, and the nodes that fill the
 bucket come free. Compiled engines off the CPU keep the calibrated sizes.
+
+Block heads (``kind: block``) are sized by the same code: a shape ``(depth, topk)`` is their
+top-1 chain of ``depth`` tokens with ``topk`` candidates per depth
+(:mod:`medusa.decoding.block_draft`), ``nodes`` the best of those verified, and mode eagle's
+size is mode block's (``Plan.eagle``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
+from medusa.decoding.block_draft import BlockProposer
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.passes import pass_bucket
@@ -42,6 +48,7 @@ PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an a
 # VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
 # (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
 REPS = 13
+SIZED_KINDS = (*EAGLE_KINDS, "block")  # heads whose proposal is drafted per step and sized here
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
                         logits=None, prefill_hidden=hidden[:-1])  # read, never changed, by the proposer
     out = {}
     for depth, topk in shapes:
-        proposer = EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
+        proposer = drafter(heads, device, depth, topk)
         times = []
         for _ in range(reps + 1):
             proposer.begin(state)  # the head's cache as a prefill leaves it (the last step's pairs dropped)
@@ -100,6 +107,14 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
             times.append(time.perf_counter() - t0)
         out[f"{depth}x{topk}"] = statistics.median(times[1:]) * 1e3
     return out
+
+
+def drafter(heads, device: torch.device, depth: int, topk: int):
+    """The proposer of ``heads``' kind drafting its largest proposal of shape ``(depth, topk)``:
+    an EAGLE tree expands ``topk`` nodes into ``topk`` children per level, a block ``topk`` per depth."""
+    if heads.config.kind == "block":
+        return BlockProposer(heads, device, DynamicTree(nodes=depth * topk, depth=depth, topk=topk))
+    return EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
 
 
 def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[int, int]]) -> dict:
@@ -114,20 +129,22 @@ def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[
 
 def heads_fingerprint(heads) -> str:
     """What of the heads the sizing's timings depend on (part of the cache key)."""
-    if heads.config.kind == "eagle3":  # its own lm_head: the draft vocabulary it always scores
+    if heads.config.kind in ("eagle3", "block"):  # its own lm_head: the draft vocabulary it always scores
         vocab = heads.config.draft_vocab_size
     else:
         vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
-    return f"{heads.config.kind} h{heads.config.hidden_size} v{vocab} {heads.fc.weight.dtype}" + (" int8" if heads.int8 else "")
+    block = f" k{heads.config.num_heads} l{heads.config.num_layers}" if heads.config.kind == "block" else ""
+    return (f"{heads.config.kind} h{heads.config.hidden_size} v{vocab}{block} {heads.fc.weight.dtype}"
+            + (" int8" if heads.int8 else ""))
 
 
 def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tuple[int, int], Acceptance]:
     """The acceptance curves to size ``heads``' trees from; empty where the heads are not eagle
-    heads, carry no curves, or their passes compile off the CPU (then the calibrated sizes
+    or block heads, carry no curves, or their passes compile off the CPU (then the calibrated sizes
     apply). A CPU engine with compiled passes is sized from the eager passes' costs at its padded
     sizes (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX
     Xeon (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
-    if heads is None or heads.config.kind not in EAGLE_KINDS or (compile and compile != "auto" and device.type != "cpu"):
+    if heads is None or heads.config.kind not in SIZED_KINDS or (compile and compile != "auto" and device.type != "cpu"):
         return {}
     return measured_curves(heads, device, dtype)
 

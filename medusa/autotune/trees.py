@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decoding.block_draft import BlockProposer
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.proposers import PromptLookup
 from medusa.decoding.state import DecodeState, StepOutcome
@@ -211,7 +212,8 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     too, and decoding with a chain of every length up to it beside the N best nodes is replayed
     (:func:`simulate`; chain length 0 is mode eagle)."""
     device = heads.fc.weight.device
-    proposer = EagleProposer(heads, device, size)
+    # block heads (medusa.decoding.block_draft) read the same features, rank their nodes alike
+    proposer = (BlockProposer if heads.config.kind == "block" else EagleProposer)(heads, device, size)
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)

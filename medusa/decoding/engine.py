@@ -48,12 +48,21 @@ def truncate(proposal: Proposal, rows: int) -> Proposal:
 
 
 def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
-    """``tree`` if it shapes something: a tree passed for eagle heads' modes, whose tree grows
-    per step (sized for the device), would be silently ignored, so it is an error."""
-    if tree is not None and heads is not None and heads.config.kind in EAGLE_KINDS and mode in (*EAGLE_KINDS, "hybrid"):
-        raise MedusaError("a tree (--tree) shapes the static tree of Medusa heads, but these are eagle heads, whose "
-                          "tree grows per step (sized for the device): drop the tree, or use Medusa heads (mode medusa)")
+    """``tree`` if it shapes something: a tree passed for eagle or block heads' modes, whose tree
+    is drafted per step (sized for the device), would be silently ignored, so it is an error."""
+    kinds = (*EAGLE_KINDS, "block")
+    if tree is not None and heads is not None and heads.config.kind in kinds and mode in (*kinds, "hybrid"):
+        raise MedusaError(f"a tree (--tree) shapes the static tree of Medusa heads, but these are {heads.config.kind} "
+                          "heads, whose tree is drafted per step (sized for the device): drop the tree, or use Medusa "
+                          "heads (mode medusa)")
     return tree
+
+
+def feature_layers(heads) -> tuple[int, ...] | None:
+    """The target layers whose inputs ``heads`` read (EAGLE-3 and block heads), None: the final
+    hidden state."""
+    layers = getattr(heads, "feature_layers", None) or getattr(getattr(heads, "config", None), "feature_layers", None)
+    return None if not layers else tuple(layers)
 
 
 class Engine:
@@ -112,8 +121,8 @@ class Engine:
         self._kernels = kernel_scope(model, plan.kernels, draft, heads)
         self.kernels = plan.kernels
         self.passes: PassStrategy = make_passes(model, compile, static_cache, plan.kernels, exact)
-        # EAGLE-3 heads read several of the target's layers: every pass returns those
-        self.passes.use_features(getattr(heads, "feature_layers", None))
+        # EAGLE-3 and block heads read several of the target's layers: every pass returns those
+        self.passes.use_features(feature_layers(heads))
 
     @property
     def default_mode(self) -> str:
@@ -191,7 +200,8 @@ class Engine:
         static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
         paths = self.tree_paths(tree) if static else None
         plan = self.plan  # sizes measured here (None: calibrated for the device type)
-        size = {"eagle": plan.eagle, "eagle3": plan.eagle, "hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode)
+        size = {"eagle": plan.eagle, "eagle3": plan.eagle, "block": plan.eagle, "hybrid": plan.hybrid,
+                "lookahead": plan.lookahead}.get(mode)
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead)
 

@@ -45,7 +45,8 @@ class Plan:
     (None: on in half precision, medusa/runtime/exact.py); ``max_rows``: rows verified per pass at
     most (None: any, or exact attention's cap), from the invariance probe in half precision;
     ``draft_dtype``: the heads' dtype (None: as they are); ``eagle``/``hybrid``: EAGLE trees sized
-    for this machine (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
+    for this machine, or with block heads the block's proposal (mode block's and mode hybrid's;
+    medusa/decoding/block_draft.py) (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
     G from the same pass costs (None: by device type)."""
 
     dtype: str | None = None

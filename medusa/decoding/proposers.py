@@ -6,6 +6,8 @@ Every decoding mode is one proposer behind the same engine loop:
 * ``MedusaProposer`` - the heads' top-k laid out by a static tree;
 * ``DraftModel`` - a small causal LM drafting a chain token by token;
 * ``PromptLookup`` - a chain copied from where the latest n-gram occurred before;
+* ``EagleProposer`` / ``BlockProposer`` - EAGLE heads' dynamic tree, block heads' one-pass
+  chain (:mod:`medusa.decoding.eagle_draft`, :mod:`medusa.decoding.block_draft`);
 * ``Hybrid`` - the heads' tree and the lookup chain side by side in one tree
   (:mod:`medusa.decoding.hybrid`);
 * ``LookaheadProposer`` - n-grams from the target's own Jacobi iterations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from medusa.decoding.block_draft import BlockProposer, block_size_for
 from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.hybrid import Hybrid
 from medusa.decoding.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
@@ -281,7 +284,8 @@ def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int
     return LookaheadProposer(device, size, text=config.lookahead_text)
 
 
-MODES = ("baseline", "medusa", "eagle", "eagle3", "draft", "lookup", "hybrid", "lookahead")
+MODES = ("baseline", "medusa", "eagle", "eagle3", "block", "draft", "lookup", "hybrid", "lookahead")
+HEADS_MODES = ("medusa", *EAGLE_KINDS, "block")  # the modes named after a heads kind (each needs heads of it)
 LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
 
 
@@ -295,7 +299,7 @@ class ProposerConfig:
     # > 0: end a draft chain after a token the draft gave less probability (0.4: transformers' default)
     draft_confidence: float = 0.4
     # modes "lookup"/"hybrid": tokens copied after a match (None: LOOKUP_TOKENS, or for hybrid with
-    # eagle heads the chain length sized with their tree for this device, medusa/autotune/sizing.py)
+    # eagle or block heads the chain length sized with their tree for this device, medusa/autotune/sizing.py)
     lookup_tokens: int | None = None
     lookup_ngram: int = 3  # longest n-gram looked up
     # mode hybrid: where the text has no match, draft the chain from the heads folder's n-gram
@@ -315,6 +319,23 @@ class ProposerConfig:
         return self.lookup_tokens or sized or LOOKUP_TOKENS
 
 
+def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: list[tuple[int, ...]] | None,
+                    size: DynamicTree | None, dtype: torch.dtype, hybrid: bool) -> tuple[Proposer, int]:
+    """The heads' own proposer (Medusa's static tree, EAGLE's dynamic tree, the block's chain)
+    and the lookup chain's length mode hybrid puts beside it (0: none, as sized)."""
+    kind = heads.config.kind
+    if kind == "medusa":
+        return MedusaProposer(heads, paths or [], device), config.chain()
+    if kind == "block":
+        size = size or block_size_for(heads, device, dtype, hybrid=hybrid)
+        guessed: Proposer = BlockProposer(heads, device, size=size, dtype=dtype)
+    else:
+        size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid)
+        guessed = EagleProposer(heads, device, size=size, dtype=dtype)
+    chain = config.chain(size.chain)
+    return guessed, 0 if hybrid and size.chain == 0 and not config.lookup_tokens else chain
+
+
 def make_proposer(
     mode: str,
     device: torch.device,
@@ -329,7 +350,8 @@ def make_proposer(
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
-    a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain; mode
+    a :class:`~medusa.decoding.eagle_draft.DynamicTree`, with mode hybrid's lookup chain; block heads
+    take one too, their chain and siblings, :mod:`medusa.decoding.block_draft`; mode
     lookahead a :class:`~medusa.decoding.lookahead.LookaheadSize`, else its default for the
     device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
     lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's)."""
@@ -337,24 +359,16 @@ def make_proposer(
         return Autoregressive(device)
     if mode == "lookahead":
         return _lookahead(device, config, size, max_rows)
-    if mode in ("medusa", *EAGLE_KINDS, "hybrid"):
+    if mode in (*HEADS_MODES, "hybrid"):
         if heads is None:
             raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
         kind = heads.config.kind
         if mode != "hybrid" and kind != mode:
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {kind} heads: "
                               f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
-        chain = config.chain()
-        if kind in EAGLE_KINDS:
-            size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=mode == "hybrid")
-            guessed: Proposer = EagleProposer(heads, device, size=size, dtype=dtype)
-            chain = config.chain(size.chain)
-            if mode == "hybrid" and size.chain == 0 and not config.lookup_tokens:
-                return guessed  # sized without a chain: the chain's rows cost more than it adds here
-        else:
-            guessed = MedusaProposer(heads, paths or [], device)
-        if mode != "hybrid":
-            return guessed
+        guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
+        if mode != "hybrid" or chain == 0:
+            return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
         table = heads.ngrams if config.answer_ngrams else None
         jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
         return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table),
