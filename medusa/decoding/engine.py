@@ -52,8 +52,9 @@ def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
     is drafted per step (sized for the device), would be silently ignored, so it is an error."""
     kinds = (*EAGLE_KINDS, "block")
     if tree is not None and heads is not None and heads.config.kind in kinds and mode in (*kinds, "hybrid"):
+        grows = "grows" if heads.config.kind in EAGLE_KINDS else "is drafted"
         raise MedusaError(f"a tree (--tree) shapes the static tree of Medusa heads, but these are {heads.config.kind} "
-                          "heads, whose tree is drafted per step (sized for the device): drop the tree, or use Medusa "
+                          f"heads, whose tree {grows} per step (sized for the device): drop the tree, or use Medusa "
                           "heads (mode medusa)")
     return tree
 
