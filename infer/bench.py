@@ -62,6 +62,7 @@ from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
 from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.target import set_chat_template
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import KERNELS
 
@@ -560,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
+    ap.add_argument("--chat-template", default=None,
+                    help="Jinja chat template (file or text) the prompts are formatted with, for a model whose tokenizer "
+                         "has none or whose heads were trained on another, e.g. configs/chat_templates/"
+                         "question_answer.jinja for Gemma 3 270M (default: the tokenizer's own)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="MT-Bench jsonl or ShareGPT json (default: MT-Bench, 80 questions)")
     ap.add_argument("--limit", type=count(), default=None, help="use the first N prompts (default: all)")
     ap.add_argument("--per-category", type=count(), default=None, help="use the first N prompts of each category (default: all)")
@@ -648,6 +653,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     engine = medusa.load(model=args.model, heads=args.heads, draft=draft, device=args.device, dtype=args.dtype,
                          tree=None, static_cache=args.static_cache, compile=args.compile, proposers=proposers,
                          kernels=args.kernels, draft_dtype=args.draft_dtype, autotune=AUTOTUNE[args.autotune])
+    set_chat_template(engine.tokenizer, args.chat_template)  # every engine of the run encodes with the main one's
     sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                          seed=args.seed, acceptance=args.acceptance)
     return Bench(args=args, sampling=sampling, max_new_tokens=args.max_new_tokens, tree=args.tree,

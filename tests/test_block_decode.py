@@ -251,6 +251,14 @@ def test_bench_and_chat_run_block_heads(tmp_path, capsys):
     ref = [p["tokens"] for p in modes["baseline"]["per_prompt"]]
     for name in ("block", "hybrid@block", "medusa"):
         assert [p["tokens"] for p in modes[name]["per_prompt"]] == ref, name
+    # --chat-template formats the prompts (a base model's heads are trained on one, e.g. Gemma 3 270M's)
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}w9 {{ m['content'] }} w8{% endfor %}")
+    plain = bench.load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off"]))
+    asked = bench.load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off", "--chat-template", str(template)]))
+    assert asked.main.tokenizer.chat_template == template.read_text()
+    assert bench.encode(asked.main, "w1 w2") == asked.main.tokenizer("w9 w1 w2 w8")["input_ids"]
+    assert bench.encode(plain.main, "w1 w2") != bench.encode(asked.main, "w1 w2")
     capsys.readouterr()
     # block modes without block heads, and a folder of another kind as block heads: one line each
     for extra, said in ((["--heads", "init"], "modes on block heads need a folder of them: pass --heads FOLDER or "
