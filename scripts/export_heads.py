@@ -27,6 +27,7 @@ from medusa.errors import MedusaError
 from medusa.hub.export import (
     LAYOUTS,
     check_eagle_exportable,
+    check_kind_exportable,
     export_heads,
     target_for,
     target_lm_head,
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = resolve_heads_folder(args.heads)
         config, state = read_heads(folder)
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
+        check_kind_exportable(config)
         lm_head, target_config = None, None
         if config.kind == "eagle":
             check_eagle_exportable(config, args.to)  # before loading the target

@@ -482,3 +482,24 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
         export_heads(config, state, tmp_path / "dv", "vllm", draft_vocab=[1, 2], target_config=model.config.to_dict())
     with pytest.raises(MedusaError, match="hidden size"):
         export_heads(config, state, tmp_path / "hs", "vllm", target_config={**model.config.to_dict(), "hidden_size": 32})
+
+
+def test_block_heads_are_refused_in_one_line(target, tmp_path, capsys):
+    """No serving engine reads the block layout: the API, the script and the vLLM export path say
+    so in one line, and write nothing."""
+    from medusa.hub.vllm_client import export_for_vllm
+    from medusa.models.block_heads import init_block_for
+
+    _, model = target
+    folder = save_heads(init_block_for(model, block_size=4, vocab=torch.arange(64)), tmp_path / "block")
+    config, state = read_heads(folder)
+    assert config.kind == "block"
+    for layout in ("vllm", "fasterdecoding"):
+        with pytest.raises(MedusaError, match="block heads have no vLLM or FasterDecoding export") as err:
+            export_heads(config, state, tmp_path / layout, layout, target_config=model.config.to_dict())
+        assert "\n" not in str(err.value) and not (tmp_path / layout).exists()
+    assert export_script().main([str(folder), "--to", "vllm", "--output", str(tmp_path / "x")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "mode block" in lines[0]
+    with pytest.raises(MedusaError, match="block heads have no"):
+        export_for_vllm(folder, None, tmp_path / "y")

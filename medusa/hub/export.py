@@ -364,6 +364,14 @@ def vllm_eagle3_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> di
     return out
 
 
+def check_kind_exportable(config: HeadsConfig) -> None:
+    """Block heads have no serving engine's layout to export to: one line saying so, before
+    anything (a target) is loaded."""
+    if config.kind == "block":
+        raise MedusaError("block heads have no vLLM or FasterDecoding export (neither serves this layout): "
+                          "decode them with this engine (mode block, or hybrid)")
+
+
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
                  lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  draft_vocab: list[int] | torch.Tensor | None = None,
@@ -379,6 +387,7 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    check_kind_exportable(config)
     if config.kind == "eagle3":
         if layout != "vllm":
             raise MedusaError(f"eagle3 heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")

@@ -18,7 +18,13 @@ from typing import IO, Any
 import torch
 
 from medusa.errors import MedusaError
-from medusa.hub.export import check_eagle_exportable, export_heads, target_lm_head, target_text_config
+from medusa.hub.export import (
+    check_eagle_exportable,
+    check_kind_exportable,
+    export_heads,
+    target_lm_head,
+    target_text_config,
+)
 from medusa.hub.hub import read_heads, resolve_heads_folder
 from medusa.hub.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
 from medusa.runtime.files import atomic_file, cache_root
@@ -119,6 +125,7 @@ def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> di
     from checkpoint: {'token_map'}") and its EAGLE-1 drafter has none, so the engine compares with
     its draft vocabulary off."""
     config, state = read_heads(resolve_heads_folder(heads))
+    check_kind_exportable(config)
     lm_head, target_config = None, None
     if config.kind == "eagle":
         check_eagle_exportable(config, "vllm")
