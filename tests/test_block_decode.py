@@ -29,6 +29,7 @@ from medusa.runtime import hf as kv
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")
 SIBLINGS = DynamicTree(nodes=7, depth=4, topk=2)  # the chain of 4 and 3 runner-ups at its best places
+CHAIN = DynamicTree(nodes=4, depth=4, topk=1)  # the top-1 chain alone (CUDA's default: no host read)
 
 
 def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
@@ -52,9 +53,10 @@ def test_random_block_heads_decode_exactly(arch):
     for seed in range(2):
         ids = prompt(seed)
         ref = hf_greedy(model, ids, 24)
-        for mode in ("block", "hybrid", BlockProposer(heads, engine.device, SIBLINGS)):
+        for mode in ("block", "hybrid", BlockProposer(heads, engine.device, SIBLINGS),
+                     BlockProposer(heads, engine.device, CHAIN)):
             assert engine.generate(ids, max_new_tokens=24, mode=mode).tokens == ref, (arch, mode)
-    # one pass drafts the chain of the whole block, target ids of the draft vocabulary
+    # one pass drafts a proposal of the block's rows, target ids of the draft vocabulary
     proposer = engine.proposer("block")
     drafted = proposer.propose(started(engine, proposer, prompt(3))).tokens[1:].tolist()
     assert len(drafted) == 4 and all(t % 3 == 0 for t in drafted), drafted
@@ -89,10 +91,11 @@ def test_block_heads_forced_right_are_accepted_in_full(arch):
     ids = prompt(5)
     forced, ref = oracle(model, ids, 30)
     engine = Engine(model, heads=forced)
-    for mode in ("block", "hybrid", BlockProposer(forced, engine.device, SIBLINGS)):
+    for mode in ("block", "hybrid", BlockProposer(forced, engine.device, SIBLINGS),
+                 BlockProposer(forced, engine.device, DynamicTree(nodes=6, depth=6, topk=1))):
         res = engine.generate(ids, max_new_tokens=30, mode=mode)
         assert res.tokens == ref, (arch, mode)
-        # a block of 6 right: up to 7 tokens a pass (the siblings' chain is 4 deep: 5)
+        # a block of 6 right (its chain outscores any sibling): up to 7 tokens a pass (SIBLINGS: 4 deep, 5)
         assert res.stats.tau > 3.5 and max(res.stats.accepted) >= 5, (arch, mode, res.stats.accepted)
 
 
@@ -205,7 +208,7 @@ def test_the_draft_step_never_reads_the_device():
         torch.zeros(1, device="meta").item()
     with pytest.raises(NotImplementedError, match="meta tensor"):
         torch.zeros(2, device="meta").tolist()
-    for size in (None, SIBLINGS):
+    for size in (CHAIN, SIBLINGS):
         model = tiny_model("gemma3")
         torch.manual_seed(0)
         heads = init_block_for(model, 4, vocab=torch.arange(0, 96, 2))
@@ -228,7 +231,12 @@ def test_the_draft_step_never_reads_the_device():
 def test_block_sizes_default_to_the_whole_chain():
     model = tiny_model("llama")
     heads = init_block_for(model, 6)
-    assert block_size_for(heads, torch.device("cpu")) == DynamicTree(nodes=6, depth=6, topk=1)
+    # the whole chain's rows: siblings where drafting may read back (more tokens per pass there),
+    # the top-1 chain on CUDA (no host read while drafting)
+    assert block_size_for(heads, torch.device("cpu")) == DynamicTree(nodes=6, depth=6, topk=4)
+    assert block_size_for(heads, torch.device("cuda")) == DynamicTree(nodes=6, depth=6, topk=1)
+    heads.dynamic = {"cpu": {"nodes": 3, "depth": 6, "topk": 1}}  # calibrated: it wins
+    assert block_size_for(heads, torch.device("cpu")) == DynamicTree(nodes=3, depth=6, topk=1)
     proposer = BlockProposer(heads, torch.device("cpu"), DynamicTree(nodes=20, depth=9, topk=3))
     assert (proposer.depth, proposer.topk, proposer.nodes, proposer.max_rows) == (6, 3, 18, 19)
 
@@ -278,7 +286,8 @@ def test_bench_and_chat_run_block_heads(tmp_path, capsys):
                       "--max-new-tokens", "12", "--dtype", "float32"]) == 0
     said = capsys.readouterr()
     assert re.search(r"heads .* block of 4 tokens per drafter pass \(layers 0, 1, \d+-token draft vocabulary\) · "
-                     r"proposal default: top-1 chain of 4 \+ \d+-token lookup chain", said.err), said.err
+                     r"proposal default: 4 nodes \(chain 4 deep, top-4 per depth\) \+ \d+-token lookup chain",
+                     said.err), said.err
     assert "mode    hybrid" in said.err
     assert chat.main(["--model", str(folder), "--heads", str(block), "--prompt", "w1 w2 w3", "--mode", "medusa",
                       "--max-new-tokens", "12", "--dtype", "float32"]) == 1

@@ -14,9 +14,9 @@ cumulative draft log-probability (the chain to depth ``d - 1`` plus the node's o
 the ``nodes`` best, prefix-closed, are verified, sized as an EAGLE tree is
 (:class:`~medusa.decoding.eagle_draft.DynamicTree`: ``depth`` the chain's length, ``topk`` the
 candidates per depth, ``nodes`` the budget; medusa/autotune/sizing.py sizes it from this
-machine's pass costs). With ``topk`` 1 (the default without calibration) the proposal is the
-chain of ``min(nodes, depth)`` tokens, and drafting reads nothing back to the host: the
-engine's one sync per step reads the drafted ids with the verification's outcome.
+machine's pass costs; without calibration :func:`block_size_for` picks). With ``topk`` 1 the
+proposal is the chain of ``min(nodes, depth)`` tokens, and drafting reads nothing back to the
+host: the engine's one sync per step reads the drafted ids with the verification's outcome.
 
 Capture-ready structure (for a CUDA graph; no graph is captured here): a step's drafting work -
 the buffer write of the accepted positions' features (``update``, in chunks of a fixed
@@ -37,6 +37,7 @@ from medusa.decoding.state import DecodeState, Proposal, StepOutcome
 from medusa.decoding.tree import chain, tree_key
 
 INITIAL_CAPACITY = 256  # context slots allocated per drafter layer before the first doubling
+DEFAULT_TOPK = 4  # candidates per depth of an uncalibrated proposal off CUDA (block_size_for)
 
 Path_ = tuple[int, ...]
 
@@ -44,13 +45,16 @@ Path_ = tuple[int, ...]
 def block_size_for(heads: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32,
                    hybrid: bool = False) -> DynamicTree:
     """The proposal size calibrated for these heads on this device (``heads.dynamic``, as for
-    EAGLE heads), else the top-1 chain of the whole block (what the drafter was trained to
-    emit; a pass-cost sizing of the plan replaces it, medusa/autotune/sizing.py)."""
+    EAGLE heads; a pass-cost sizing of the plan replaces it, medusa/autotune/sizing.py), else
+    ``k`` nodes (the rows of the block's whole chain): on a CUDA device the top-1 chain, whose
+    drafting reads nothing back to the host (capture-ready); elsewhere the ``k`` best of the
+    top-``DEFAULT_TOPK`` per depth, which accept more tokens per pass at those rows
+    (docs/benchmarks/2026-11-29-epyc-zen4-gemma3-block-bench.json)."""
     calibrated = getattr(heads, "dynamic", None) or {}
     if any(key in calibrated for key in (tree_key(device.type, dtype), device.type)):
         return DynamicTree.for_device(calibrated, device, dtype, hybrid=hybrid)
     k = heads.block_size
-    return DynamicTree(nodes=k, depth=k, topk=1)
+    return DynamicTree(nodes=k, depth=k, topk=1 if device.type == "cuda" else DEFAULT_TOPK)
 
 
 def block_paths(depth: int, topk: int) -> list[Path_]:
