@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, reference = held_out_prompts(args, engine.tokenizer)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(args, engine, answers, reference)
-        if heads.config.kind in EAGLE_KINDS:
+        if heads.config.kind in (*EAGLE_KINDS, "block"):  # block heads: sized as a DynamicTree too
             return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
         ranks = head_ranks(args, engine, prompts, answers)
         counts_paths = path_counts(ranks)

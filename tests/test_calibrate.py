@@ -208,3 +208,31 @@ def test_a_base_model_is_calibrated_with_the_template_its_heads_were_trained_wit
     texts = [tok.decode(p) for p in seen]
     assert len(texts) == 3 and all("Question: Tell me about topic " in t and t.endswith("Answer:") for t in texts), texts
     assert "cpu" in json.loads((heads_dir / "calibration.json").read_text())["trees"]
+
+
+def test_block_heads_are_calibrated_and_decode_with_the_calibrated_size(tmp_path):
+    """Block heads go through the same calibration as EAGLE heads (acceptance curves per proposal
+    shape, the pass-cost curve): calibration.json gets their sizes, and a loaded engine's block
+    proposer takes them (the sizes the loader reads for EAGLE heads, now for block heads too)."""
+    from medusa.decoding.eagle_draft import DynamicTree
+    from medusa.models.block_heads import init_block_for
+
+    target, model = _tiny_target(tmp_path)
+    heads_dir = save_heads(init_block_for(model, block_size=4), tmp_path / "block")
+    args = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(_conversations(tmp_path)),
+            "--samples", "3", "--max-new-tokens", "16", "--vocab-size", "500", "--reference-answers", "6",
+            "--max-nodes", "8", "--device", "cpu", "--dtype", "float32", "--cost", "1:10,9:12"]
+    assert _script().main(args) == 0
+    path = heads_dir / "calibration.json"
+    record = json.loads(path.read_text())
+    assert set(record["dynamic"]) == set(record["measured"]) == {"cpu"}
+    assert record["measured"]["cpu"]["cost_ms"] == {"1": 10.0, "9": 12.0}
+    assert set(record["measured"]["cpu"]["curves"])  # one acceptance curve per proposal shape
+    size = DynamicTree(nodes=3, depth=3, topk=1)  # random heads pick nothing worth testing: set one
+    record["dynamic"] = {"cpu": dataclasses.asdict(size)}
+    path.write_text(json.dumps(record))
+    eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype="float32", kernels="default",
+                      autotune=False)
+    assert eng.heads.dynamic["cpu"] == dataclasses.asdict(size)
+    proposer = eng.proposer("block")
+    assert (proposer.size, proposer.depth, proposer.nodes) == (size, 3, 3)

@@ -98,6 +98,8 @@ class BlockHeads(OnTarget, nn.Module):
         self._ids: tuple[torch.Tensor | None] | None = None  # draft_vocab, once read from d2t (None: not yet)
         self.register_load_state_dict_post_hook(lambda module, keys: module._forget_ids())
         self.ngrams = None  # the loader sets a folder's n-gram table here
+        self.dynamic: dict[str, dict[str, int]] = {}  # calibrated proposal sizes (calibration.json), as EAGLE heads'
+        self.measured: dict[str, dict] = {}
         self.int8 = False
         self.bind(target)
 
