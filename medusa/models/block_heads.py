@@ -54,85 +54,38 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     repeat_kv,
     rotate_half,
 )
 
 from medusa.errors import MedusaError
-from medusa.models.eagle3_heads import Eagle3Heads, default_feature_layers, drafter_config
-from medusa.models.eagle_heads import OnTarget
+from medusa.models.eagle3_heads import FusedDrafter, default_feature_layers
 from medusa.models.heads_config import HeadsConfig
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class BlockHeads(OnTarget, nn.Module):
-    """A block drafter over a target (see the module docstring)."""
+class BlockHeads(FusedDrafter):
+    """A block drafter over a target (see the module docstring); the fused features, the draft
+    vocabulary and its wiring are EAGLE-3 heads' (:class:`~medusa.models.eagle3_heads.FusedDrafter`)."""
 
     kind = "block"
 
     def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
         super().__init__()
-        if config.kind != "block":
-            raise MedusaError(f"BlockHeads need a config of kind 'block', got {config.kind!r}")
-        self.config = config
-        layers = target.config.get_text_config().num_hidden_layers
-        bad = [i for i in config.feature_layers if not 0 <= i < layers]
-        if bad:
-            raise MedusaError(f"block feature_layers {bad} are not layers of this {layers}-layer target: "
-                              f"use heads trained for this model (layers 0..{layers - 1})")
-        h, s = config.hidden_size, config.draft_vocab_size
-        self.layer_config = drafter_config(target, s)
+        self._fused_init(config, target)
+        h = config.hidden_size
         self.layer_config.num_hidden_layers = config.num_layers
-        self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)
         self.hidden_norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h))  # the input of block positions 1..k-1
         self.layers = nn.ModuleList([LlamaDecoderLayer(self.layer_config, layer_idx=i) for i in range(config.num_layers)])
-        self.norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, s, bias=False)
-        self.register_buffer("d2t", torch.zeros(s, dtype=torch.long))  # draft id j -> target id j + d2t[j]
-        self.rotary = LlamaRotaryEmbedding(self.layer_config)
-        self._target: tuple[PreTrainedModel, ...] = ()
-        self._ids: tuple[torch.Tensor | None] | None = None  # draft_vocab, once read from d2t (None: not yet)
-        self.register_load_state_dict_post_hook(lambda module, keys: module._forget_ids())
-        self.ngrams = None  # the loader sets a folder's n-gram table here
-        self.dynamic: dict[str, dict[str, int]] = {}  # calibrated proposal sizes (calibration.json), as EAGLE heads'
-        self.measured: dict[str, dict] = {}
-        self.int8 = False
         self.bind(target)
-
-    # -- wiring (the draft vocabulary is handled exactly as EAGLE-3 heads handle theirs) -------
-    def bind(self, target: PreTrainedModel) -> BlockHeads:
-        weight = target.get_input_embeddings().weight
-        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
-            raise MedusaError(
-                f"block heads expect a target with vocab {self.config.vocab_size} x hidden {self.config.hidden_size}, "
-                f"but its embedding is {tuple(weight.shape)[0]} x {tuple(weight.shape)[1]}: use heads trained for this model")
-        self._target = (target,)
-        return self
-
-    set_vocab = Eagle3Heads.set_vocab
-    set_draft_vocab = Eagle3Heads.set_draft_vocab
-    draft_vocab = Eagle3Heads.draft_vocab
-    _forget_ids = Eagle3Heads._forget_ids
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.config.feature_layers)
 
     @property
     def block_size(self) -> int:
         """``k``: the tokens one pass drafts (``x_{t+2} .. x_{t+k+1}``)."""
         return self.config.num_heads
-
-    def _apply(self, fn, *args, **kwargs):  # .to()/.cuda(): the id map follows, the rotary stays float32
-        out = super()._apply(fn, *args, **kwargs)
-        rotary = self.rotary
-        rotary.inv_freq = rotary.original_inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
-        self._forget_ids()
-        return out
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids (any shape) -> target token ids, on the device (no sync)."""

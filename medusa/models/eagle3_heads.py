@@ -88,28 +88,27 @@ class Eagle3Layer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))  # the pre-norm output
 
 
-class Eagle3Heads(OnTarget, nn.Module):
-    """An EAGLE-3 draft head over a target (see the module docstring).
+class FusedDrafter(OnTarget, nn.Module):
+    """What heads over the target's fused layers share (EAGLE-3's, and the block drafter's in
+    :mod:`medusa.models.block_heads`): the ``feature_layers`` checked against the target, ``fc``
+    (``L*H -> H``), the final norm, ``lm_head`` over the heads' own draft vocabulary with its
+    ``d2t`` id map, the rotary embedding, the target held by reference, and the calibration
+    fields the loader fills. Subclasses add their layers in ``__init__`` and then ``bind``."""
 
-    ``config.num_heads`` is how many steps training unrolled; ``config.feature_layers`` the
-    target layers whose inputs are fused; ``config.draft_vocab_size`` the rows of ``lm_head``."""
+    kind = ""
 
-    kind = "eagle3"
-
-    def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
-        super().__init__()
-        if config.kind != "eagle3":
-            raise MedusaError(f"Eagle3Heads need a config of kind 'eagle3', got {config.kind!r}")
+    def _fused_init(self, config: HeadsConfig, target: PreTrainedModel) -> None:
+        if config.kind != self.kind:
+            raise MedusaError(f"{type(self).__name__} need a config of kind {self.kind!r}, got {config.kind!r}")
         self.config = config
         layers = target.config.get_text_config().num_hidden_layers
         bad = [i for i in config.feature_layers if not 0 <= i < layers]
         if bad:
-            raise MedusaError(f"eagle3 feature_layers {bad} are not layers of this {layers}-layer target: "
+            raise MedusaError(f"{self.kind} feature_layers {bad} are not layers of this {layers}-layer target: "
                               f"use heads trained for this model (layers 0..{layers - 1})")
         h, s = config.hidden_size, config.draft_vocab_size
         self.layer_config = drafter_config(target, s)
         self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(self.layer_config)])
         self.norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
         self.lm_head = nn.Linear(h, s, bias=False)
         self.register_buffer("d2t", torch.zeros(s, dtype=torch.long))  # draft id i -> target id i + d2t[i]
@@ -117,18 +116,17 @@ class Eagle3Heads(OnTarget, nn.Module):
         self._target: tuple[PreTrainedModel, ...] = ()
         self._ids: tuple[torch.Tensor | None] | None = None  # draft_vocab, once read from d2t (None: not yet)
         self.register_load_state_dict_post_hook(lambda module, keys: module._forget_ids())
-        self.dynamic: dict[str, dict[str, int]] = {}  # calibrated dynamic-tree sizes, as EagleHeads
+        self.dynamic: dict[str, dict[str, int]] = {}  # calibrated sizes (calibration.json), as EagleHeads
         self.measured: dict[str, dict] = {}
-        self.ngrams: NgramTable | None = None
+        self.ngrams: NgramTable | None = None  # the loader sets a folder's n-gram table here
         self.int8 = False
-        self.bind(target)
 
     # -- wiring -------------------------------------------------------------------------
-    def bind(self, target: PreTrainedModel) -> Eagle3Heads:
+    def bind(self, target: PreTrainedModel) -> FusedDrafter:
         weight = target.get_input_embeddings().weight
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise MedusaError(
-                f"eagle3 heads expect a target with vocab {self.config.vocab_size} x hidden {self.config.hidden_size}, "
+                f"{self.kind} heads expect a target with vocab {self.config.vocab_size} x hidden {self.config.hidden_size}, "
                 f"but its embedding is {tuple(weight.shape)[0]} x {tuple(weight.shape)[1]}: use heads trained for this model")
         self._target = (target,)
         return self
@@ -171,6 +169,22 @@ class Eagle3Heads(OnTarget, nn.Module):
         rotary.inv_freq = rotary.original_inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
         self._forget_ids()
         return out
+
+
+
+class Eagle3Heads(FusedDrafter):
+    """An EAGLE-3 draft head over a target (see the module docstring).
+
+    ``config.num_heads`` is how many steps training unrolled; ``config.feature_layers`` the
+    target layers whose inputs are fused; ``config.draft_vocab_size`` the rows of ``lm_head``."""
+
+    kind = "eagle3"
+
+    def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
+        super().__init__()
+        self._fused_init(config, target)
+        self.layers = nn.ModuleList([Eagle3Layer(self.layer_config)])
+        self.bind(target)
 
     # -- compute ------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
