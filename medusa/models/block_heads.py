@@ -60,7 +60,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from medusa.errors import MedusaError
-from medusa.models.eagle3_heads import FusedDrafter, default_feature_layers
+from medusa.models.eagle3_heads import FusedDrafter, fused_config
 from medusa.models.heads_config import HeadsConfig
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -188,13 +188,7 @@ def init_block_for(target: PreTrainedModel, block_size: int = 8, vocab: torch.Te
     random, ``mask_embedding`` at the scale of the target's embedded tokens, ``lm_head`` the
     target's rows of ``vocab`` (sorted target ids; None: all)."""
     emb = target.get_output_embeddings().weight
-    v, h = emb.shape
-    layers = feature_layers or default_feature_layers(target.config.get_text_config().num_hidden_layers)
-    if len(layers) < 2:
-        raise MedusaError(f"block heads fuse at least two target layers, got feature_layers {layers}")
-    ids = torch.arange(v) if vocab is None else torch.as_tensor(vocab, dtype=torch.long).unique()
-    config = HeadsConfig(hidden_size=h, vocab_size=v, num_heads=block_size, num_layers=num_layers, kind="block",
-                         base_model=base_model, feature_layers=list(layers), draft_vocab_size=int(ids.numel()))
+    config, ids = fused_config(target, "block", block_size, num_layers, vocab, feature_layers, base_model)
     heads = BlockHeads(config, target)
     with torch.no_grad():
         heads.fc.weight.normal_(std=0.02)

@@ -217,18 +217,26 @@ class Eagle3Heads(FusedDrafter):
         raise MedusaError("eagle3 heads draft in float32 or bfloat16: use draft_dtype='bfloat16' (int8 is for eagle heads)")
 
 
+def fused_config(target: PreTrainedModel, kind: str, num_heads: int, num_layers: int, vocab: torch.Tensor | None,
+                 feature_layers: list[int] | None, base_model: str | None) -> tuple[HeadsConfig, torch.Tensor]:
+    """The config of fresh heads of ``kind`` over ``target``'s fused layers (default: vLLM's
+    picks), and their draft vocabulary as sorted target ids (``vocab``; None: all)."""
+    v, h = target.get_output_embeddings().weight.shape
+    layers = feature_layers or default_feature_layers(target.config.get_text_config().num_hidden_layers)
+    if len(layers) < 2:
+        raise MedusaError(f"{kind} heads fuse at least two target layers, got feature_layers {layers}")
+    ids = torch.arange(v) if vocab is None else torch.as_tensor(vocab, dtype=torch.long).unique()
+    config = HeadsConfig(hidden_size=h, vocab_size=v, num_heads=num_heads, num_layers=num_layers, kind=kind,
+                         base_model=base_model, feature_layers=list(layers), draft_vocab_size=int(ids.numel()))
+    return config, ids
+
+
 def init_eagle3_for(target: PreTrainedModel, num_steps: int = 7, vocab: torch.Tensor | None = None,
                     feature_layers: list[int] | None = None, base_model: str | None = None) -> Eagle3Heads:
     """Fresh EAGLE-3 heads for ``target``: the layer at its default initialisation, ``fc``
     small random, ``lm_head`` the target's rows of ``vocab`` (sorted target ids; None: all)."""
     emb = target.get_output_embeddings().weight
-    v, h = emb.shape
-    layers = feature_layers or default_feature_layers(target.config.get_text_config().num_hidden_layers)
-    if len(layers) < 2:
-        raise MedusaError(f"eagle3 heads fuse at least two target layers, got feature_layers {layers}")
-    ids = torch.arange(v) if vocab is None else torch.as_tensor(vocab, dtype=torch.long).unique()
-    config = HeadsConfig(hidden_size=h, vocab_size=v, num_heads=num_steps, num_layers=1, kind="eagle3",
-                         base_model=base_model, feature_layers=list(layers), draft_vocab_size=int(ids.numel()))
+    config, ids = fused_config(target, "eagle3", num_steps, 1, vocab, feature_layers, base_model)
     heads = Eagle3Heads(config, target)
     with torch.no_grad():
         heads.fc.weight.normal_(std=0.02)
