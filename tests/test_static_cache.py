@@ -1,6 +1,7 @@
 """The static KV cache and the compiled verification pass decode exactly like the dynamic cache."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -426,3 +427,38 @@ def test_a_pass_that_cannot_be_saved_is_still_used_with_a_warning(tmp_path):
         assert eng.precompile("baseline") == [1]
     assert eng.passes.saved.traced == [1] and eng.passes.saved.fallback is None
     assert eng.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
+
+
+@pytest.mark.slow
+def test_passes_compiled_after_the_same_random_seed_stay_apart():
+    # Torch keys the cache entry of a graph it cannot hash (ours, with opaque ops) by a nonce from
+    # Python's `random`: after the same seed (transformers' set_seed, a training script) two
+    # different graphs drew the same key, and the second pass failed on the first's entry
+    # (KeyError on a shape symbol) or could load it. Each compile now stays apart, exact, and
+    # leaves the user's random stream where it was.
+    import random
+
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch, num_hidden_layers=3 if arch == "qwen2" else 2)
+        random.seed(0)
+        eng = Engine(model, compile=True)
+        assert eng.precompile("baseline") == [1]
+        assert eng.passes.saved.fallback is None and eng.passes.saved.traced == [1]
+        after = random.random()
+        random.seed(0)
+        assert after == random.random()
+        assert eng.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
+
+
+def test_the_single_use_entries_saved_passes_leave_are_pruned_after_a_day(tmp_path, monkeypatch):
+    from medusa.decoding.compiled import prune_nonces
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    entries = {}
+    for key, age_days in (("0.5817", 2), ("0.9921", 0), ("a6dkmnjwoatib7l7", 2)):  # nonces, then a real key
+        (tmp_path / "aotautograd" / key).mkdir(parents=True)
+        entries[key] = tmp_path / "aotautograd" / key / "entry"
+        entries[key].write_bytes(b"graph")
+        os.utime(entries[key], (time.time() - age_days * 86400,) * 2)
+    assert prune_nonces() == [entries["0.5817"]]
+    assert [k for k, f in entries.items() if f.exists()] == ["0.9921", "a6dkmnjwoatib7l7"]

@@ -39,6 +39,7 @@ import io
 import json
 import os
 import platform
+import random
 import re
 import time
 import warnings
@@ -195,6 +196,7 @@ class SavedPasses:
             self.folder.mkdir(parents=True, exist_ok=True)
             _save(graph, path)
             prune(self.folder)
+            prune_nonces()
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only cache, a backend that cannot serialize
             warnings.warn(f"medusa: the compiled pass for {rows} rows could not be saved to {path} ({_first_line(e)}); "
                           "this process uses it, the next compiles it again", RuntimeWarning, stacklevel=2)
@@ -206,7 +208,13 @@ class SavedPasses:
     def _compile(self, model: PreTrainedModel, rows: int, cache_arg: str | None):
         compiler = torch.compile(kv.forward, backend=self.backend, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe, **self.options})
-        return compiler.aot_compile((example_pass(model, rows, cache_arg, self.layers), {"cache_arg": cache_arg, "layers": self.layers}))
+        state = random.getstate()
+        random.seed()  # prune_nonces: a key from fresh entropy, whatever the user seeded
+        try:
+            return compiler.aot_compile((example_pass(model, rows, cache_arg, self.layers),
+                                         {"cache_arg": cache_arg, "layers": self.layers}))
+        finally:
+            random.setstate(state)  # the user's stream goes on where it was
 
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason
@@ -219,14 +227,26 @@ class SavedPasses:
         return self._traced_fn
 
 
-def prune(folder: Path, days: float = STALE_DAYS) -> list[Path]:
-    """Delete the saved passes in ``folder`` that no process wrote or loaded for ``days`` (a
-    load touches its file); returns them. Each update of torch, transformers or this package,
+def prune_nonces(days: float = 1.0) -> list[Path]:
+    """Delete the single-use entries the saved passes leave in inductor's cache. Torch cannot hash
+    these graphs (opaque ops), so under ``aot_compile`` it keys their AOTAutograd entries by a
+    nonce drawn from Python's ``random`` (folders named ``0.<digits>``): after the same seed (a
+    script's ``set_seed``) two graphs drew the same key, and the second pass then loaded the
+    first's entry (a wrong graph) or failed on its shape guards (``KeyError: 't4'``).
+    ``_compile`` draws each nonce from fresh entropy, so no entry is ever looked up again."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return prune(Path(cache_dir()) / "aotautograd", days, pattern="0.*/*")
+
+
+def prune(folder: Path, days: float = STALE_DAYS, pattern: str = "pass-*.bin") -> list[Path]:
+    """Delete the saved passes (or other ``pattern``) in ``folder`` that no process wrote or
+    loaded for ``days`` (a load touches its file); returns them. Each update of torch, transformers or this package,
     each model config and thread count leaves files under a fingerprint no process asks for
     again, ~5 MB per pass size for a small model. A file another process removes or replaces
     meanwhile is left alone; one pruned just before another process loads it is compiled again."""
     cutoff, gone = time.time() - days * 86400, []
-    for file in folder.glob("pass-*.bin"):
+    for file in folder.glob(pattern):
         try:
             if file.stat().st_mtime < cutoff:
                 file.unlink()
