@@ -156,6 +156,31 @@ def test_the_dtype_rule(native, rows, ratio, want):
     assert dtype == want and reason.startswith(want)
 
 
+@pytest.mark.parametrize("one_row, tree, want", [
+    (1.06, 0.53, "float32"),  # the AMX Xeon of 2026-11-29: trees cheaper in bfloat16, a decoded token not
+    (0.50, 0.40, "bfloat16"),
+    (0.55, 0.62, "float32"),
+])
+def test_bfloat16_must_cut_both_one_row_and_tree_passes(cache, monkeypatch, one_row, tree, want):
+    # The timings are stand-ins (the probe itself is timed above); what is tested is which
+    # passes the rule asks about and that the dearer ratio decides.
+    import medusa.autotune.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
+    monkeypatch.setattr(probes, "linear_invariant_rows", lambda *a, **k: 32)
+    asked = []
+
+    def seconds(model, dtypes, rows=16, reps=15):
+        asked.append(rows)
+        return {"float32": 1.0, "bfloat16": one_row if rows == 1 else tree}
+
+    monkeypatch.setattr(probes, "linear_seconds", seconds)
+    model = tiny_model("llama")
+    decision = Planner(True).dtype(model, asked=False, compile=False)
+    assert sorted(asked) == [1, 16] and decision.value == want and decision.reason.startswith(want)
+    assert model.dtype == getattr(torch, want)
+
+
 def test_capability_on_the_cpus_seen():
     cpu = torch.device("cpu")
     assert native_bf16(cpu, {"avx2"}) == (False, native_bf16(cpu, {"avx2"})[1])

@@ -10,12 +10,16 @@ never from a close timing:
 2. **Exactness.** The model's linear-layer shapes in bfloat16 (weights of ones, inputs that show
    any change of summation order: :func:`medusa.autotune.device.linear_invariant_rows`) must give
    every row of passes of up to ``MIN_ROWS`` rows bitwise its one-row result. Deterministic.
-3. **A large speed gap.** The linear layers' shapes with synthetic inputs, 16 rows (a tree),
-   timed in both dtypes alternately, each shape's fastest round kept
-   (:func:`medusa.autotune.device.linear_seconds`): bfloat16 only when it costs at most
-   ``GAP`` (60%) of float32's. Noise from other processes only adds time and the minimum discards
-   it; what remains moves a ratio by a few percent, far from 0.6 on the machines seen (AMX:
-   well under it; emulated bf16: above 1).
+3. **A large speed gap.** The linear layers' shapes with synthetic inputs, at one row (plain
+   decoding, a step with nothing drafted) and at 16 rows (a tree), timed in both dtypes
+   alternately, each shape's fastest round kept (:func:`medusa.autotune.device.linear_seconds`):
+   bfloat16 only when it costs at most ``GAP`` (60%) of float32's at both sizes. Noise from other
+   processes only adds time and the minimum discards it; what remains moves a ratio by a few
+   percent. The one-row ratio is the one far from 0.6: on an Emerald Rapids Xeon with AMX (one
+   thread, SmolLM2-135M's shapes) bfloat16 cost 1.05-1.08x float32's at one row and 0.53-0.62x
+   at 16, so the 16-row ratio alone straddled the gap from one run to the next, and its pick
+   would have changed outputs between runs for trees only AMX makes cheaper; emulated bf16 is
+   above 1 at both.
 
 All three hold: bfloat16, and after converting, the model itself is probed for its exact passes
 (the engine verifies at most that many rows). Any fails: float32. Only float32-loaded targets are
@@ -28,6 +32,7 @@ import torch
 
 GAP = 0.6  # bfloat16's linear layers must cost at most this share of float32's
 MIN_ROWS = 8  # bfloat16 only if passes this large are exact: smaller trees would not pay
+RATIO_ROWS = (1, 16)  # the pass sizes whose linear-layer cost bfloat16 must cut (the dearer ratio counts)
 
 
 def native_bf16(device: torch.device, flags: set[str]) -> tuple[bool, str]:
@@ -47,7 +52,7 @@ def dtype_rule(native: bool, why: str, invariant_rows: int | None = None, ratio:
                ) -> tuple[str, str]:
     """``(dtype, reason)`` by the rule of the module docstring. ``invariant_rows``: the linear
     probe's exact rows in bfloat16 (None: not probed); ``ratio``: bfloat16's linear cost over
-    float32's (None: not timed). A step that was not taken counts as failed."""
+    float32's, the dearer of ``RATIO_ROWS`` (None: not timed). A step that was not taken counts as failed."""
     if not native:
         return "float32", f"float32: {why}"
     if invariant_rows is None or invariant_rows < MIN_ROWS:
@@ -56,6 +61,6 @@ def dtype_rule(native: bool, why: str, invariant_rows: int | None = None, ratio:
     if ratio is None or ratio > GAP:
         shown = "not timed" if ratio is None else f"{ratio:.2f}x float32's"
         return "float32", f"float32: {why} and exact bfloat16 up to {invariant_rows} rows, but its linear layers cost " \
-                          f"{shown} (bfloat16 needs at most {GAP}x)"
+                          f"{shown} at one row or 16 (bfloat16 needs at most {GAP}x at both)"
     return "bfloat16", (f"bfloat16: {why}, exact up to {invariant_rows} rows, linear layers at {ratio:.2f}x "
                         f"float32's cost (at most {GAP}x needed)")

@@ -23,7 +23,7 @@ import torch
 
 from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
-from medusa.autotune.dtype import MIN_ROWS, dtype_rule, native_bf16
+from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
 from medusa.autotune.sizing import heads_fingerprint, measure_sizes, sizable, sizes_from
 from medusa.decoding.passes import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
@@ -88,14 +88,15 @@ class Planner:
 
         def measure() -> dict:
             rows = probes.linear_invariant_rows(lm, dtype=torch.bfloat16)
-            ratio = None
-            if rows >= MIN_ROWS:
-                cost = probes.linear_seconds(lm, (torch.float32, torch.bfloat16))
-                ratio = cost["bfloat16"] / cost["float32"]
-            dtype, reason = dtype_rule(native, why, rows, ratio)
-            return {"dtype": dtype, "reason": reason, "linear_rows": rows, "ratio": ratio}
+            ratios = {}
+            if rows >= MIN_ROWS:  # one-row passes (plain decoding, a step whose draft is empty) and a tree's
+                for n in RATIO_ROWS:
+                    cost = probes.linear_seconds(lm, (torch.float32, torch.bfloat16), rows=n)
+                    ratios[str(n)] = cost["bfloat16"] / cost["float32"]
+            dtype, reason = dtype_rule(native, why, rows, max(ratios.values(), default=None))
+            return {"dtype": dtype, "reason": reason, "linear_rows": rows, "ratios": ratios}
 
-        entry, cached = self.entry(key("dtype", lm.device, lm), ("dtype", "reason"), measure)
+        entry, cached = self.entry(key("dtype", lm.device, lm), ("dtype", "reason", "ratios"), measure)
         if entry is None:
             return Decision("dtype", "float32", DEFAULT_REASON)
         if entry["dtype"] == "bfloat16":
