@@ -108,7 +108,10 @@ class Planner:
         """The linear kernels, and (half precision, packed) the rows they keep exact."""
         if asked is not None:
             return Decision("kernels", asked, "asked for"), None
-        if not onednn_available(lm.device, lm.dtype) and not gemv.available(lm.device, lm.dtype):
+        # gemv's first use builds it: before the timing, or the C compiler, another process, reads
+        # as load on the machine and the pick is marked busy, to be timed again at the next load
+        has_gemv = gemv.available(lm.device, lm.dtype)
+        if not onednn_available(lm.device, lm.dtype) and not has_gemv:
             where = f"this CPU and torch build in {lm.dtype}" if lm.device.type == "cpu" else f"{lm.device}"
             return Decision("kernels", "default", f"no packed oneDNN linears on {where}"), None
         half = lm.dtype != torch.float32
