@@ -28,7 +28,10 @@ same mode on a twin engine with a compiled verification pass, beside the eager o
 compiled pass size is compiled in the warm-up, outside the timing (the seconds are printed
 and kept in the results' ``meta``). ``hybrid+lookahead`` (``hybrid@eagle3+lookahead``) runs
 hybrid with lookahead decoding's window and pool n-grams in the same pass
-(``ProposerConfig.hybrid_lookahead``; docs/lookahead.md), beside plain ``hybrid``.
+(``ProposerConfig.hybrid_lookahead``; docs/lookahead.md), beside plain ``hybrid``. A
+``:KERNELS`` suffix runs a mode with those linear kernels instead of the plan's pick
+(``hybrid:default``, ``'hybrid:gemv>3'``: quote the ``>`` in a shell), its trees sized for them,
+beside the others.
 
 With ``--temperature`` above 0 every mode samples (``hf`` through transformers' own
 sampling with the same temperature, top-p and top-k); outputs then differ run to run by
@@ -64,7 +67,7 @@ from medusa.errors import MedusaError, require_extra
 from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import set_chat_template
 from medusa.runtime import hf as kv
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg, split_kernels
 
 SIZED_KINDS = (*EAGLE_KINDS, "block")  # heads whose tree is drafted per step, sized for the machine
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
@@ -154,13 +157,13 @@ class Bench:
     sampling: SamplingConfig
     max_new_tokens: int
     tree: str | None
-    engines: dict[tuple[str | None, bool, bool], Engine] = field(default_factory=dict)
+    engines: dict[tuple[str | None, bool, bool, str | None], Engine] = field(default_factory=dict)
     plain_targets: dict[str, torch.nn.Module] = field(default_factory=dict)
     compile_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def main(self) -> Engine:
-        return self.engines[None, False, False]
+        return self.engines[None, False, False, None]
 
     def shorter(self, max_new_tokens: int) -> Bench:
         return dataclasses.replace(self, max_new_tokens=max_new_tokens)
@@ -323,17 +326,18 @@ HEAD_KINDS = ("medusa", "eagle", "eagle3", "block")  # mode suffix @KIND: the en
 UNSHIPPED = ("block",)  # kinds no heads ship for: their modes need --heads or --KIND-heads
 JACOBI = "+lookahead"  # mode hybrid's suffix: its pass also runs lookahead's window and pool n-grams
 _SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<jacobi>\{JACOBI})?"
-                   rf"(?P<compiled>\{COMPILED})?$")
+                   rf"(?P<compiled>\{COMPILED})?(?::(?P<kernels>[a-z0-9>]+))?$")
 
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """An engine mode as the bench names it: ``BASE[@KIND][+lookahead][+compile]``."""
+    """An engine mode as the bench names it: ``BASE[@KIND][+lookahead][+compile][:KERNELS]``."""
 
     base: str  # the engine's mode (medusa, eagle, hybrid, ...)
     kind: str | None  # heads kind it runs on (None: the heads --heads loaded)
     compiled: bool
     lookahead: bool = False  # hybrid only: with lookahead's window and pool (ProposerConfig.hybrid_lookahead)
+    kernels: str | None = None  # linear kernels other than the plan's pick (medusa.runtime.kernels.split_kernels)
 
 
 def mode_spec(name: str) -> ModeSpec | None:
@@ -342,8 +346,13 @@ def mode_spec(name: str) -> ModeSpec | None:
     found = _SPEC.match(name)
     if found is None or found["base"] not in ENGINE_MODES or (found["jacobi"] and found["base"] != "hybrid"):
         return None
+    if found["kernels"] is not None:
+        try:
+            split_kernels(found["kernels"])
+        except ValueError:
+            return None
     kind = found["kind"] or (found["base"] if found["base"] in HEAD_KINDS else None)
-    return ModeSpec(found["base"], kind, bool(found["compiled"]), bool(found["jacobi"]))
+    return ModeSpec(found["base"], kind, bool(found["compiled"]), bool(found["jacobi"]), found["kernels"])
 
 
 def runs_lookahead(modes: list[str]) -> bool:
@@ -371,12 +380,13 @@ def engine_for(bench: Bench, spec: ModeSpec) -> Engine:
     """The engine ``spec`` runs on, loaded through ``medusa.load`` on the bench's target (once)."""
     main = bench.main
     heads = main.heads if spec.kind is None else _heads_source(bench, spec.kind)
-    slot = (None if heads is main.heads else spec.kind, spec.compiled, spec.lookahead)
+    slot = (None if heads is main.heads else spec.kind, spec.compiled, spec.lookahead, spec.kernels)
     if slot not in bench.engines:
         a = bench.args
         proposers = dataclasses.replace(main.proposer_config, hybrid_lookahead=spec.lookahead)
         engine = medusa.load(target=main, heads=heads, static_cache=a.static_cache, compile=spec.compiled or a.compile,
-                             proposers=proposers, draft_dtype=a.draft_dtype, autotune=AUTOTUNE[a.autotune])
+                             proposers=proposers, draft_dtype=a.draft_dtype, autotune=AUTOTUNE[a.autotune],
+                             kernels=spec.kernels)
         if spec.kind is not None and engine.heads.config.kind != spec.kind:
             flag = f"--{spec.kind}-heads" if getattr(a, f"{spec.kind}_heads") else "--heads"
             raise MedusaError(f"{flag} {getattr(a, f'{spec.kind}_heads') or a.heads} holds "
@@ -605,9 +615,9 @@ def machine_flags(ap: argparse.ArgumentParser) -> None:
                          "MODE+compile (e.g. hybrid@eagle+compile) runs compiled beside the eager MODE in one run")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the faster exact one on "
                     "this device, measured once and cached)")
-    ap.add_argument("--kernels", choices=KERNELS, default=None,
-                    help="engine modes' linear kernels: torch's default, packed oneDNN weights on a CPU, or gemv "
-                         "(this package's float32 CPU kernels) (default: the fastest here, measured once); hf "
+    ap.add_argument("--kernels", type=kernels_arg, default=None,
+                    help="engine modes' linear kernels: torch's default, packed oneDNN weights on a CPU, gemv "
+                         "(this package's float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) (default: the fastest here, measured once); hf "
                          "modes always run stock transformers")
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
@@ -657,7 +667,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     sampling = SamplingConfig().override(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                          seed=args.seed, acceptance=args.acceptance)
     return Bench(args=args, sampling=sampling, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                 engines={(None, False, False): engine})
+                 engines={(None, False, False, None): engine})
 
 
 def prepare(bench: Bench, modes: list[str]) -> None:
@@ -674,7 +684,7 @@ def prepare(bench: Bench, modes: list[str]) -> None:
 
 def eagle_engine(bench: Bench) -> Engine | None:
     """The engine the eagle (or block) modes ran on (loaded for them, else the main one with such heads)."""
-    eager = [(kind, e) for (kind, compiled, _), e in bench.engines.items() if not compiled]
+    eager = [(kind, e) for (kind, compiled, _, _), e in bench.engines.items() if not compiled]
     found = [e for kind, e in eager if kind in SIZED_KINDS] + [e for _, e in eager if e.heads is not None
                                                                and e.heads.config.kind in SIZED_KINDS]
     return found[0] if found else None
@@ -705,7 +715,7 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
 def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str | None) -> dict:
     """What the results were measured with (the engines' plans from ``engine.describe()``)."""
     a, engine, eagle = bench.args, bench.main, eagle_engine(bench)
-    compiled = next((e for (_, on, _), e in bench.engines.items() if on), None)
+    compiled = next((e for (_, on, _, _), e in bench.engines.items() if on), None)
     return {"model": a.model or "embedded default", "heads": a.heads or "default", "max_new_tokens": a.max_new_tokens,
             "draft": None if engine.draft is None else (a.draft or "default"), "draft_tokens": a.draft_tokens,
             "adaptive_draft": a.adaptive_draft, "draft_confidence": a.draft_confidence,
@@ -720,6 +730,7 @@ def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str
             "tree_sizes": _sizes_reason(eagle or engine),
             "compiled_tree_sizes": _sizes_reason(compiled) if compiled is not None else None,
             "lookahead": _lookahead_reason(engine) if runs_lookahead(modes) else None,
+            "kernel_plans": {k[3]: e.describe() for k, e in bench.engines.items() if k[3] is not None} or None,
             "fastest_transformers": fastest}
 
 

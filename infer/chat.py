@@ -34,7 +34,7 @@ from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import set_chat_template
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg
 
 # 2 (bad usage) comes from argparse itself.
 EXIT_OK, EXIT_USER_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -392,9 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays eager); on: static KV cache and a torch.compile'd pass (CUDA graphs on CUDA), "
                         "every pass size compiled before the first message (minutes the first time on a CPU, "
                         "then saved); off: eager")
-    p.add_argument("--kernels", choices=KERNELS,
-                   help="linear kernels: torch's default, packed oneDNN weights on a CPU, or gemv (this package's "
-                        "float32 CPU kernels) (default: the fastest here, measured once and cached)")
+    p.add_argument("--kernels", type=kernels_arg,
+                   help="linear kernels: torch's default, packed oneDNN weights on a CPU, gemv (this package's "
+                        "float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) (default: the fastest here, measured once and cached)")
     p.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"),
                    help="the heads' dtype: drafts only, the target verifies every token in --dtype (default: the "
                         "target's, or bfloat16 beside a float32 target where it measures faster here; int8: eagle "

@@ -28,7 +28,7 @@ import os
 import sys
 
 from medusa.config import HelpFormatter, count
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", help="compile the pass sizes of this mode (default: hybrid with heads, else baseline)")
     p.add_argument("--sizes", help="comma-separated pass sizes to compile instead of a mode's, e.g. 8,12,16 "
                                    "(default: the mode's)")
-    p.add_argument("--kernels", choices=KERNELS,
+    p.add_argument("--kernels", type=kernels_arg,
                    help="linear kernels, as the decoding process runs them (default: the pick measured on this machine)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the target's dtype, as the decoding process runs it (default: the pick measured on this machine)")

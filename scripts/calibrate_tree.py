@@ -36,7 +36,7 @@ from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS
 from medusa.models.target import set_chat_template
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "this machine's)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as medusa.load picks on this device)")
-    ap.add_argument("--kernels", choices=KERNELS, default=None,
+    ap.add_argument("--kernels", type=kernels_arg, default=None,
                     help="the engine's linear kernels (default: the faster on this device, as medusa.load picks)")
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype while drafting (default: as medusa.load picks on this device; "

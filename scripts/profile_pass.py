@@ -34,7 +34,7 @@ import medusa
 from medusa.config import HelpFormatter, count
 from medusa.decoding.passes import kernel_scope
 from medusa.runtime import hf as kv
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg
 
 CLASSES = ("vocabulary projection", "linear layers", "attention", "KV cache writes", "norms, rotary, elementwise",
            "Python and dispatch")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/profile_pass.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--kernels", default=None, choices=KERNELS,
+    ap.add_argument("--kernels", default=None, type=kernels_arg,
                     help="linear kernels (default: the machine plan's pick)")
     ap.add_argument("--rows", default="1,16", help="pass sizes to profile, comma-separated")
     ap.add_argument("--prefix", type=count(1), default=200, help="cached tokens before the pass")

@@ -16,7 +16,7 @@ from medusa.autotune.planner import Planner, adopt_draft_dtype
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Decision, Plan
 from medusa.errors import MedusaError
-from medusa.runtime.kernels import int8_available
+from medusa.runtime.int8 import int8_available
 
 PROMPT = [1, 5, 9, 12, 40, 7, 7, 3, 22, 5, 9, 17]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

@@ -117,6 +117,50 @@ def test_the_pick_takes_gemv_only_when_it_is_the_cheapest_and_clearly_faster():
     assert decide_kernels({"default": {1: 40.0, 16: 60.0}, "gemv": {1: 39.0, 16: 58.0}})[0] == "default"
 
 
+def test_the_pick_splits_by_pass_size_where_the_default_wins_the_small_passes():
+    # float32 on the AMX Xeon (2026-11-29): MKL the faster up to 3 rows, gemv from 4 on
+    xeon = {"default": {1: 46.9, 2: 51.7, 3: 53.9, 4: 72.9, 8: 87.5, 16: 101.0},
+            "onednn": {1: 54.6, 2: 61.3, 3: 62.8, 4: 65.6, 8: 73.5, 16: 89.2},
+            "gemv": {1: 55.6, 2: 61.5, 3: 62.4, 4: 62.4, 8: 67.7, 16: 78.7}}
+    pick, reason = decide_kernels(xeon)
+    assert pick == "gemv>3" and "above 3 rows" in reason and "T(4)=62.4" in reason
+    # a split needs the default to be the cheaper at every size up to it
+    assert decide_kernels({**xeon, "default": {**xeon["default"], 2: 70.0}})[0] == "gemv>1"
+    assert decide_kernels({**xeon, "default": {**xeon["default"], 1: 56.0, 16: 140.0}})[0] == "gemv"
+    # never in half precision, where a pass's rows must be exact with one kernel
+    assert ">" not in decide_kernels({k: v for k, v in xeon.items() if k != "gemv"}, 32, half=True)[0]
+
+
+def test_a_split_runs_torch_kernels_up_to_its_rows_and_gemv_above():
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        stock_small = model(input_ids=ids[:, :3]).logits
+        packed = PackedLinears(model, kernels="gemv", stock_rows=3)
+        with packed:
+            small, small_calls = gemv_calls(lambda: model(input_ids=ids[:, :3]).logits)
+            large, large_calls = gemv_calls(lambda: model(input_ids=ids).logits)
+        stock_large = model(input_ids=ids).logits
+    assert small_calls == 0 and torch.equal(small, stock_small)  # torch's kernels, bit for bit
+    assert large_calls > 0
+    torch.testing.assert_close(large, stock_large, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_flags_take_splits_and_refuse_the_rest_in_one_line(capsys):
+    from infer import bench
+    from medusa.runtime.kernels import kernels_key, split_kernels
+
+    assert split_kernels("gemv>3") == ("gemv", 3) and split_kernels("onednn") == ("onednn", None)
+    assert kernels_key("gemv>3").startswith("gemv>3-p") and kernels_key("default") == "default"
+    assert bench.mode_spec("hybrid@eagle3+compile:gemv>3").kernels == "gemv>3"
+    assert bench.mode_spec("hybrid:default").kernels == "default" and bench.mode_spec("hybrid").kernels is None
+    assert bench.mode_spec("hybrid:mkl") is None and bench.mode_spec("hf:gemv") is None
+    with pytest.raises(SystemExit):
+        bench.main(["--kernels", "gemv>0", "--limit", "1"])
+    err = capsys.readouterr().err
+    assert "unknown kernels 'gemv>0'" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("memory", [None, 1])  # None: this machine's; 1 byte: no room for two copies
 def test_the_pick_times_every_kernel_and_holds_one_packed_copy_when_memory_is_short(memory, monkeypatch):
     """With room, the packed variants are timed round-robin beside each other; without, each is

@@ -107,7 +107,8 @@ def test_inputs_of_more_rows_than_stock_above_run_the_stock_kernels():
     assert "mkldnn::_linear_pointwise" in prefill
 
 
-@pytest.mark.parametrize("kernels", ["onednn", "gemv"])  # gemv: medusa/runtime/gemv.py (tests/test_gemv.py)
+# gemv: medusa/runtime/gemv.py (tests/test_gemv.py); "gemv>3": torch's kernels for passes of 1-3 rows, gemv above
+@pytest.mark.parametrize("kernels", ["onednn", "gemv", "gemv>3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
 def test_greedy_with_packed_kernels_equals_target_greedy(arch, kernels, one_thread):
     model = tiny_model(arch)
@@ -137,14 +138,15 @@ def test_the_model_is_stock_between_streamed_chunks():
     assert stock(model)
 
 
-def test_kernel_errors_are_one_line():
+@pytest.mark.parametrize("kernels", ["mkl", "gemv>", "gemv>0", "default>3", "gemv>x", "gemv>3>4"])
+def test_kernel_errors_are_one_line(kernels):
     model = tiny_model("llama")
-    with pytest.raises(MedusaError, match="unknown kernels 'mkl'") as err:
-        Engine(model, plan=Plan(kernels="mkl"))
-    assert "\n" not in str(err.value)
+    with pytest.raises(MedusaError, match=f"unknown kernels '{kernels}'") as err:
+        Engine(model, plan=Plan(kernels=kernels))
+    assert "\n" not in str(err.value) and "gemv>3" in str(err.value)  # the message shows a split's spelling
 
 
-@pytest.mark.parametrize("kernels", ["onednn", "gemv"])
+@pytest.mark.parametrize("kernels", ["onednn", "gemv", "gemv>3"])
 @pytest.mark.parametrize("backend", ["aot_eager", True])
 def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, kernels, tmp_path, monkeypatch):
     """Under torch.compile each packed layer is the custom op medusa::packed_linear (inductor
@@ -325,7 +327,7 @@ def test_half_precision_kernel_pick_keeps_packed_weights_only_where_exact(tmp_pa
 
 
 def test_int8_rows_multiply_like_their_dequantized_weights_on_any_view():
-    from medusa.runtime.kernels import INT8_K_MULTIPLE, Int8Rows, int8_available, int8_linears
+    from medusa.runtime.int8 import INT8_K_MULTIPLE, Int8Rows, int8_available, int8_linears
 
     assert int8_available() and not int8_available("meta")
     g = torch.Generator().manual_seed(0)

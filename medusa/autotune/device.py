@@ -12,7 +12,8 @@
   float32; oneDNN with the weight in its plain layout for bfloat16) against packed oneDNN
   weights (medusa/runtime/kernels.py) and, in float32, this package's gemv kernels
   (medusa/runtime/gemv.py), on the model's own pass; in half precision packed kernels must
-  also pass the invariance probe.
+  also pass the invariance probe. In float32 the pick may split by pass size ("gemv>3": torch's
+  kernel for the passes of 1-3 rows where it is the faster one, gemv above).
 - :func:`measure_draft_scoring` / :func:`decide_draft_dtype`: the heads' dtype. Drafting only
   proposes and the target verifies every token in its own dtype, so heads may draft in
   bfloat16 beside a float32 target without touching an output token; their main cost is scoring
@@ -41,6 +42,9 @@ from medusa.runtime.kernels import (
 )
 
 SIZES = (1, 16)  # a plain decoding step and a typical tree
+# float32 also times the sizes between, where a split's boundary may fall: an empty draft (1),
+# hybrid's lookup chain (2-3), small trees (4, 8)
+SPLIT_SIZES = (1, 2, 3, 4, 8, 16)
 MARGIN = 0.9  # packed kernels (bf16 heads) must cost under 90% of the default's: timings on a shared machine are noisy
 PROBE_ROWS = 64  # the largest pass the engine verifies (a calibrated tree or a drafted chain)
 PROBE_PREFIX = 170  # rows see 171-234 keys: both sides of a head boundary of exact attention (medusa/runtime/exact.py)
@@ -193,29 +197,52 @@ LABELS = {"onednn": "oneDNN", "gemv": "gemv (this package's float32)"}
 def decide_kernels(cost_ms: dict[str, dict[int, float]], invariant_rows: int | None = None,
                    half: bool = False) -> tuple[str, str]:
     """``(kernels, reason)``: the packed kernels (oneDNN's, or for float32 the gemv kernels of
-    medusa/runtime/gemv.py) whose one-token pass plus 16-node pass costs least, if that is under
-    ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU) and, for a
+    medusa/runtime/gemv.py) whose passes of the timed sizes cost least together, if that is
+    under ``MARGIN`` of the default kernels' (torch's own: MKL for float32 on a CPU) and, for a
     ``half``-precision model, passes of at least ``MIN_ROWS`` rows stay exact with them
-    (``invariant_rows``); else the default."""
+    (``invariant_rows``); else the default. In float32 a candidate may also split by size
+    (``"gemv>3"``: the default kernels for passes of 1-3 rows, gemv above) where the default is
+    the cheaper one for every size up to the split."""
     packed = [k for k in ("gemv", "onednn") if k in cost_ms]
     if not packed:
         return "default", "default linear kernels: this device has no packed oneDNN linears"
-    detail = " vs ".join(f"{k} T(1)={c[1]:.1f} T(16)={c[16]:.1f} ms" for k, c in cost_ms.items())
-    total = {k: sum(c.values()) for k, c in cost_ms.items()}
-    best = min(packed, key=total.__getitem__)
-    if total[best] >= MARGIN * total["default"]:
+    detail = " vs ".join(f"{k} " + " ".join(f"T({n})={ms:.1f}" for n, ms in sorted(c.items())) + " ms"
+                         for k, c in cost_ms.items())
+    total = {k: sum(cost_ms[k].values()) for k in packed}
+    if not half:
+        total.update(_splits(cost_ms, packed))
+    best = min(total, key=total.__getitem__)
+    default = sum(cost_ms["default"].values())
+    if total[best] >= MARGIN * default:
         return "default", f"default linear kernels: packed ones ({', '.join(LABELS[k] for k in packed)}) are not " \
                           f"faster here by measurement, {detail}"
     if half and (invariant_rows is None or invariant_rows < MIN_ROWS):
         return "default", (f"default linear kernels: {LABELS[best]}'s are faster here ({detail}) but not exact: "
                            f"a pass of {(invariant_rows or 1) + 1} rows differs from its one-token passes")
     exact = f", exact up to {invariant_rows} rows" if half else ""
-    return best, f"{LABELS[best]} linear kernels: faster here by measurement{exact}, {detail}"
+    base, _, rows = best.partition(">")
+    label = f"{LABELS[base]} above {rows} rows, the default's up to {rows}" if rows else LABELS[best]
+    return best, f"{label} linear kernels: faster here by measurement{exact}, {detail}"
+
+
+def _splits(cost_ms: dict[str, dict[int, float]], packed: list[str]) -> dict[str, float]:
+    """``{"gemv>3": total ms, ...}``: each packed kernel split after each timed size up to which
+    the default kernels are the cheaper at every size (the default's costs there, the packed
+    kernel's above)."""
+    sizes = sorted(cost_ms["default"])
+    out = {}
+    for k in packed:
+        for i, r in enumerate(sizes[:-1]):
+            if any(cost_ms["default"][n] >= cost_ms[k][n] for n in sizes[:i + 1]):
+                break
+            out[f"{k}>{r}"] = sum(cost_ms["default"][n] for n in sizes[:i + 1]) + sum(cost_ms[k][n] for n in sizes[i + 1:])
+    return out
 
 
 def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7,
                     memory: int | None = None) -> dict[str, dict[int, float]]:
-    """Pass cost by new-token count with the default, with packed oneDNN linears (for a
+    """Pass cost by new-token count (``SIZES``; ``SPLIT_SIZES`` in float32, where a pick may
+    split by size) with the default, with packed oneDNN linears (for a
     half-precision model with exact attention, as its engine runs it) and, for a float32 model
     where they build, the gemv kernels; timed round-robin. Each packed variant holds a copy of
     the linear weights: where two copies would take more than half of ``memory`` (bytes; None:
@@ -225,13 +252,14 @@ def measure_kernels(model: PreTrainedModel, prefix: int = 128, reps: int = 7,
     packed = [kind for kind, ok in (("onednn", onednn_available(device, model.dtype)),
                                     ("gemv", gemv.available(device, model.dtype))) if ok]
     default = {"default": (model, nullcontext())}
+    sizes = list(SPLIT_SIZES if model.dtype == torch.float32 else SIZES)
     with _exact(model) if model.dtype != torch.float32 else nullcontext():
         if len(packed) < 2 or 2 * linear_bytes(model) <= (available_memory() if memory is None else memory) / 2:
             variants = {**default, **{kind: (model, PackedLinears(model, kernels=kind)) for kind in packed}}
-            return measure_costs(variants, list(SIZES), prefix=prefix, reps=reps)
+            return measure_costs(variants, sizes, prefix=prefix, reps=reps)
         costs: dict[str, dict[int, float]] = {}
         for kind in packed:
-            pair = measure_costs({**default, kind: (model, PackedLinears(model, kernels=kind))}, list(SIZES),
+            pair = measure_costs({**default, kind: (model, PackedLinears(model, kernels=kind))}, sizes,
                                  prefix=prefix, reps=reps)  # the pair's packed copy is garbage once timed
             costs.setdefault("default", pair["default"])
             costs[kind] = pair[kind]

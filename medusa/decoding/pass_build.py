@@ -30,7 +30,7 @@ from medusa.decoding.compiled import build_lock, lock_holder
 from medusa.decoding.passes import PassStrategy, kernel_scope, make_passes, use_exact
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact
-from medusa.runtime.kernels import KERNELS
+from medusa.runtime.kernels import kernels_arg
 
 
 @dataclass
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Compile the given pass sizes of a target on this CPU and save them.")
     p.add_argument("--model", required=True, help="the target's folder or Hub id")
     p.add_argument("--sizes", required=True, help="comma-separated pass sizes (e.g. 8,12,16)")
-    p.add_argument("--kernels", default="default", choices=KERNELS)
+    p.add_argument("--kernels", default="default", type=kernels_arg)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--exact", choices=("on", "off"), help="exact attention (default: on in half precision)")
     p.add_argument("--threads", type=int, help="torch threads, as the decoding process runs")

@@ -35,7 +35,7 @@ from medusa.runtime import gemv
 from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
-from medusa.runtime.kernels import KERNELS, PackedLinears, onednn_available
+from medusa.runtime.kernels import PackedLinears, onednn_available, split_kernels
 from medusa.runtime.opaque import opaque_ops
 
 AUTO = "auto"
@@ -101,30 +101,33 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
 
 def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | None = None, heads=None):
     """The context in which the engine's passes run its linear kernels: ``"default"`` (torch's),
-    ``"onednn"`` (packed oneDNN linears for the target, draft model and heads) or ``"gemv"``
-    (this package's float32 kernels, oneDNN for bfloat16 heads; medusa/runtime/kernels.py).
-    Compiled passes trace inside it."""
-    if kernels not in KERNELS:
-        raise MedusaError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-    if kernels == "default":
+    ``"onednn"`` (packed oneDNN linears for the target, draft model and heads), ``"gemv"``
+    (this package's float32 kernels, oneDNN for bfloat16 heads), or a packed one above some rows
+    with torch's below (``"gemv>3"``; medusa/runtime/kernels.py). Compiled passes trace inside it."""
+    try:
+        base, stock_rows = split_kernels(kernels)
+    except ValueError as err:
+        raise MedusaError(str(err)) from None
+    if base == "default":
         return contextlib.nullcontext()
     device = model.get_output_embeddings().weight.device
-    if kernels == "gemv":
+    if base == "gemv":
         if device.type != "cpu" or model.dtype != torch.float32:
-            raise MedusaError(f"kernels='gemv' runs float32 models on a CPU, not {model.dtype} on {device.type}: "
+            raise MedusaError(f"kernels={kernels!r} runs float32 models on a CPU, not {model.dtype} on {device.type}: "
                               "use kernels='onednn' or 'default'")
         reason = gemv.unavailable_reason()
         if reason is not None:
             raise MedusaError(reason)
     elif not onednn_available(device, model.dtype):
-        raise MedusaError(f"kernels='onednn' needs a CPU and torch build with oneDNN {model.dtype} linears, "
+        raise MedusaError(f"kernels={kernels!r} needs a CPU and torch build with oneDNN {model.dtype} linears, "
                           f"not {device.type} here: use kernels='default'")
     # Half precision: packed kernels only for decoding passes (at most PACKED_ROWS rows),
     # where they were measured bit-identical to torch's; a long prefill runs torch's own, so
     # the engine's prompt cache is stock transformers' (kernels.PackedLinears).
     half = model.dtype in (torch.bfloat16, torch.float16)
     packed_heads = None if getattr(heads, "int8", False) else heads  # int8 heads run their own kernel
-    return PackedLinears(model, draft, packed_heads, stock_above=PACKED_ROWS if half else None, kernels=kernels)
+    return PackedLinears(model, draft, packed_heads, stock_above=PACKED_ROWS if half else None, kernels=base,
+                         stock_rows=stock_rows)
 
 
 def _rows(proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache
 from medusa.errors import MedusaError
 from medusa.models.heads_config import HeadsConfig, checked_draft_vocab
 from medusa.runtime import hf as kv
-from medusa.runtime.kernels import Int8Rows, int8_available, int8_linears
+from medusa.runtime.int8 import Int8Rows, int8_available, int8_linears
 from medusa.runtime.ngrams import NgramTable
 
 
@@ -197,7 +197,7 @@ class EagleHeads(OnTarget, nn.Module):
     def to_int8(self) -> EagleHeads:
         """Draft on int8 weights (``medusa.load(draft_dtype="int8")``, CPU only): the head runs
         in bfloat16 and its linears and the draft vocabulary's rows multiply through int8 copies
-        with one scale per row (:func:`medusa.runtime.kernels.int8_linears`). Drafts only
+        with one scale per row (:func:`medusa.runtime.int8.int8_linears`). Drafts only
         propose, so the target's output is unchanged; the float weights stay for saving."""
         device = self.fc.weight.device
         if not int8_available(device):

@@ -28,6 +28,12 @@ Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
 (stacked siblings ``medusa::stacked_linear``), an extern call between the elementwise work it
 fuses. Eager passes call the kernels directly (a custom op's dispatch costs ~5 us a call).
 
+A kernel per pass size: ``kernels="gemv>3"`` runs products of 1-3 rows by torch's own kernel
+and larger ones by gemv. On the AMX Xeon torch's float32 kernel (MKL) is the faster one for a
+one-token pass but leaves the bandwidth from 4 rows on, where gemv stays near it (16-node passes
+~0.8x MKL's): a split takes the cheaper kernel at each size, and the machine plan picks it by the
+same timing as the others (medusa/autotune/device.py: ``decide_kernels``; docs/performance.md).
+
 Exactness: in float32 oneDNN and gemv round differently from MKL (all within ~1e-6 of float64
 here), so they are not bit-identical to stock transformers; identity to ``generate`` is measured
 by the bench (docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's
@@ -38,6 +44,7 @@ the exactness probe too (medusa/autotune/device.py).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import itertools
@@ -53,8 +60,9 @@ KERNELS = ("default", "onednn", "gemv")
 PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # 1: Tensor.to_mkldnn (plain layout); 2: _reorder_linear_weight (blocked); 3: sibling layers
 # (q/k/v, gate/up) stacked into one product (_Siblings); 4: the gemv kernels (float32 layers,
-# medusa/runtime/gemv.py) join the pick; 5: gemv prefetches under products of 7+ rows. Cache keys.
-PACKING_VERSION = 5
+# medusa/runtime/gemv.py) join the pick; 5: gemv prefetches under products of 7+ rows; 6: the
+# pick times 1-16 rows and may split kernels by pass size ("gemv>3"). Cache keys.
+PACKING_VERSION = 6
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
@@ -89,10 +97,38 @@ def _probe(dtype: torch.dtype) -> bool:
     return bool(torch.equal(out.float(), torch.full((1, 2), 2.0)))
 
 
+def split_kernels(kernels: str) -> tuple[str, int | None]:
+    """``(kernels, stock_rows)`` of a kernels name: ``"gemv>3"`` is ``("gemv", 3)``, gemv for
+    products of more than 3 rows and torch's own kernel for 1-3; a plain name splits nothing
+    (``None``). ValueError (one line) for a name that is neither."""
+    base, split, rows = kernels.partition(">")
+    if base not in KERNELS or (split and (base not in PACKED or not rows.isdigit() or int(rows) < 1)):
+        raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}, or a packed one for "
+                         "passes above some rows, torch's below (e.g. 'gemv>3')")
+    return base, int(rows) if split else None
+
+
+def kernels_arg(value: str) -> str:
+    """``--kernels`` for argparse: a name :func:`split_kernels` takes, else a one-line usage error."""
+    try:
+        split_kernels(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
 def kernels_key(kernels: str) -> str:
     """``kernels`` as cache keys name it: packed ones carry :data:`PACKING_VERSION`, so a pick or
     a size measured with another packing is measured again."""
-    return f"{kernels}-p{PACKING_VERSION}" if kernels in PACKED else kernels
+    return f"{kernels}-p{PACKING_VERSION}" if split_kernels(kernels)[0] in PACKED else kernels
+
+
+def stock(x: torch.Tensor, stock_above: int | None, stock_rows: int | None) -> bool:
+    """Whether a product of ``x`` runs torch's own kernel: more rows than ``stock_above`` (a
+    prompt's prefill) or at most ``stock_rows`` (a split's small passes, :func:`split_kernels`)."""
+    width = x.shape[-1]
+    return (stock_above is not None and x.numel() > stock_above * width) or \
+        (stock_rows is not None and x.numel() <= stock_rows * width)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -196,9 +232,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _packed_forward(layer: nn.Linear, bias: torch.Tensor | None, stock_above: int | None,
+def _packed_forward(layer: nn.Linear, bias: torch.Tensor | None, stock_above: int | None, stock_rows: int | None,
                     x: torch.Tensor) -> torch.Tensor:
-    if stock_above is not None and x.numel() > stock_above * x.shape[-1]:
+    if stock(x, stock_above, stock_rows):
         return nn.functional.linear(x, layer.weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.medusa.packed_linear(x, layer.weight, bias)
@@ -238,7 +274,8 @@ class _Siblings:
     ``FUSED_ROWS`` rows, and larger inputs run torch's own kernels layer by layer (a short
     prompt's prefill); the exactness probe (medusa/autotune/device.py) checks the passes the engine runs."""
 
-    def __init__(self, layers: list[nn.Linear], max_rows: int | None, kind: str = "onednn") -> None:
+    def __init__(self, layers: list[nn.Linear], max_rows: int | None, kind: str = "onednn",
+                 stock_rows: int | None = None) -> None:
         with torch.no_grad():
             self.packed = pack_as(kind, torch.cat([layer.weight.detach() for layer in layers]))
             self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
@@ -246,13 +283,14 @@ class _Siblings:
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
         self.max_rows = max_rows
+        self.stock_rows = stock_rows  # inputs of at most this many rows: torch's kernel, layer by layer
         self._input: torch.Tensor | None = None  # held until every slice is taken, so its id stays its own
         self._version: int | None = None
         self._parts: list[torch.Tensor | None] = []
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         layer = self.layers[index]
-        if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
+        if stock(x, self.max_rows, self.stock_rows):
             return nn.functional.linear(x, layer.weight, layer.bias)
         if torch.compiler.is_compiling():  # one call per group after the compiler's CSE (stacked_linear)
             return torch.ops.medusa.stacked_linear(x, self.layers[0].weight, sum(self.sizes)).split(self.sizes, -1)[index]
@@ -309,13 +347,14 @@ class PackedLinears:
     prefill). In bfloat16 the packed kernels matched torch's bit for bit for 1-288 rows on an
     AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
     layers differed from 289 rows), so an engine that promises stock transformers' tokens
-    packs only its decoding passes. ``fuse``: layers called on one input (q/k/v, gate/up:
+    packs only its decoding passes. ``stock_rows``: inputs of at most this many rows run the
+    stock ``F.linear`` too (a split's small passes: :func:`split_kernels`). ``fuse``: layers called on one input (q/k/v, gate/up:
     :class:`_Siblings`) run as one product, in eager passes and compiled ones alike
     (``medusa::stacked_linear``); they then have no packed copy of their own.
     Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
 
     def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True,
-                 kernels: str = "onednn") -> None:
+                 kernels: str = "onednn", stock_rows: int | None = None) -> None:
         if kernels not in PACKED:
             raise ValueError(f"PackedLinears runs {' or '.join(PACKED)} kernels, not {kernels!r}")
         if kernels == "gemv":
@@ -336,12 +375,12 @@ class PackedLinears:
         addresses = [layer.weight.data_ptr() for layer, _, _, _ in self._packed]
         # One forward per layer, made once: a compiled pass guards on each layer's forward, and a
         # new object at every entry would recompile it at every step.
-        self._forwards = [(layer, functools.partial(_packed_forward, layer, bias, stock_above))
+        self._forwards = [(layer, functools.partial(_packed_forward, layer, bias, stock_above, stock_rows))
                           for layer, _, _, bias in self._packed]
         for group in groups:
             half = group[0].weight.dtype in (torch.bfloat16, torch.float16)
             limit = min(FUSED_ROWS, stock_above or FUSED_ROWS) if half else stock_above
-            siblings = _Siblings(group, limit, kind_of(kernels, group[0].weight))
+            siblings = _Siblings(group, limit, kind_of(kernels, group[0].weight), stock_rows)
             self._forwards += [(layer, functools.partial(siblings.forward, i)) for i, layer in enumerate(group)]
             _STACKED.setdefault(group[0].weight.data_ptr(), []).append((owner, siblings))
             addresses.append(group[0].weight.data_ptr())
@@ -374,77 +413,3 @@ def _release(owner: int, addresses: list[int]) -> None:
                 registry[address] = kept
             else:
                 registry.pop(address, None)
-
-
-# -- int8 drafting weights --------------------------------------------------------------
-# Drafts only propose (the target verifies every token in its own dtype), so a draft head may
-# multiply by int8 weights: torch's weight-only int8 kernel (per-output-row bfloat16 scales)
-# reads half the bytes of bfloat16 and, at the 1-4 rows a drafting level has, ran 1.7-3.4x
-# faster than a bfloat16 product on one AMX Xeon (docs/benchmarks/2026-11-27-amx-xeon-compiled-buckets.md).
-
-
-def int8_available(device: torch.device | str = "cpu") -> bool:
-    """Whether this torch build runs ``torch._weight_int8pack_mm`` on ``device`` (CPU only)."""
-    return torch.device(device).type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and _probe_int8()
-
-
-@functools.cache
-def _probe_int8() -> bool:
-    try:
-        rows = Int8Rows.of(torch.eye(4, INT8_K_MULTIPLE, dtype=torch.bfloat16))
-        out = rows.matmul(torch.ones(3, INT8_K_MULTIPLE, dtype=torch.bfloat16))
-    except (RuntimeError, NotImplementedError):
-        return False
-    return bool(torch.allclose(out.float(), torch.ones(3, 4), atol=1e-2))
-
-
-# The kernel steps through K 16 values at a time with aligned vector loads (AVX-512; 8 on AVX2):
-# an input width that is not a multiple of 16 reads past its rows, and an input that does not
-# start on a 32-byte boundary faults, so Int8Rows takes only such widths and realigns inputs.
-INT8_K_MULTIPLE = 16
-_ALIGN = 64
-
-
-class Int8Rows:
-    """A ``[N, K]`` weight as int8 rows and one bfloat16 scale per row (symmetric, max-abs);
-    ``K`` a multiple of ``INT8_K_MULTIPLE``."""
-
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
-        self.q, self.scales = q, scales
-
-    @classmethod
-    @torch.no_grad()
-    def of(cls, weight: torch.Tensor) -> Int8Rows:
-        if weight.shape[-1] % INT8_K_MULTIPLE:
-            raise ValueError(f"int8 rows need a width that is a multiple of {INT8_K_MULTIPLE}, got {weight.shape[-1]}")
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).to(torch.bfloat16)
-        q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        return cls(q, scales)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[..., K]``, in bfloat16."""
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if not flat.is_contiguous() or flat.data_ptr() % _ALIGN:  # a view into a larger tensor
-            flat = flat.clone(memory_format=torch.contiguous_format)
-        return torch._weight_int8pack_mm(flat, self.q, self.scales).reshape(*x.shape[:-1], self.q.shape[0])
-
-
-def _int8_forward(rows: Int8Rows, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    out = rows.matmul(x)
-    return out if bias is None else out + bias
-
-
-def int8_linears(module: nn.Module) -> int:
-    """Run every ``nn.Linear`` of ``module`` on int8 copies of its weights (the float weights
-    stay, so ``state_dict`` is unchanged); returns how many. Not for modules an engine packs
-    (:class:`PackedLinears` replaces and deletes ``forward`` too). Raises ValueError for a layer
-    whose input width is not a multiple of ``INT8_K_MULTIPLE``, before changing any."""
-    layers = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    narrow = [m.in_features for m in layers if m.in_features % INT8_K_MULTIPLE]
-    if narrow:
-        raise ValueError(f"int8 weights need input widths that are multiples of {INT8_K_MULTIPLE}, got {narrow[0]}")
-    for layer in layers:
-        bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
-        layer.forward = functools.partial(_int8_forward, Int8Rows.of(layer.weight), bias)
-    return len(layers)
