@@ -124,7 +124,7 @@ def load(
     dtype, EAGLE tree sizes. ``True`` measures what the cache (``plan.json``) lacks, once per
     machine; ``"cached"`` uses what is cached and the defaults for the rest, measuring nothing;
     ``False`` measures nothing, writes nothing, and uses :meth:`Plan.default`. ``dtype``,
-    ``kernels`` (``"default"``, ``"onednn"`` or ``"gemv"``) and ``draft_dtype`` (the heads' dtype, drafts
+    ``kernels`` (``"default"``, ``"onednn"``, ``"gemv"`` or a split such as ``"gemv>3"``) and ``draft_dtype`` (the heads' dtype, drafts
     only: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``) override their step.
     ``engine.describe()`` says what was picked, why, and what measuring it cost.
 

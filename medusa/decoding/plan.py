@@ -41,7 +41,7 @@ class Decision:
 class Plan:
     """What the engine runs with. ``dtype``: the target's dtype ("float32", "bfloat16", ...; the
     target must already be in it: ``medusa.load`` converts it); ``kernels``: the linear kernels
-    ("default", "onednn" or "gemv", medusa/runtime/kernels.py); ``exact``: batch-invariant attention
+    ("default", "onednn", "gemv" or a split such as "gemv>3", medusa/runtime/kernels.py); ``exact``: batch-invariant attention
     (None: on in half precision, medusa/runtime/exact.py); ``max_rows``: rows verified per pass at
     most (None: any, or exact attention's cap), from the invariance probe in half precision;
     ``draft_dtype``: the heads' dtype (None: as they are); ``eagle``/``hybrid``: EAGLE trees sized
