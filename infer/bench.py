@@ -617,8 +617,8 @@ def machine_flags(ap: argparse.ArgumentParser) -> None:
                     "this device, measured once and cached)")
     ap.add_argument("--kernels", type=kernels_arg, default=None,
                     help="engine modes' linear kernels: torch's default, packed oneDNN weights on a CPU, gemv "
-                         "(this package's float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) (default: the fastest here, measured once); hf "
-                         "modes always run stock transformers")
+                         "(this package's float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) "
+                         "(default: the fastest here, measured once); hf modes always run stock transformers")
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype (drafts only: the target verifies in --dtype); default: the target's, "
                          "or bfloat16 beside a float32 target where it measures faster here; int8: eagle heads on "

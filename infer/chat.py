@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then saved); off: eager")
     p.add_argument("--kernels", type=kernels_arg,
                    help="linear kernels: torch's default, packed oneDNN weights on a CPU, gemv (this package's "
-                        "float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) (default: the fastest here, measured once and cached)")
+                        "float32 CPU kernels), or gemv above N rows and torch's below (gemv>N) (default: the "
+                        "fastest here, measured once and cached)")
     p.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"),
                    help="the heads' dtype: drafts only, the target verifies every token in --dtype (default: the "
                         "target's, or bfloat16 beside a float32 target where it measures faster here; int8: eagle "

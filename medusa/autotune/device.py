@@ -233,7 +233,7 @@ def _splits(cost_ms: dict[str, dict[int, float]], packed: list[str]) -> dict[str
     out = {}
     for k in packed:
         for i, r in enumerate(sizes[:-1]):
-            if any(cost_ms["default"][n] >= cost_ms[k][n] for n in sizes[:i + 1]):
+            if cost_ms["default"][r] >= cost_ms[k][r]:  # the smaller sizes all passed this test
                 break
             out[f"{k}>{r}"] = sum(cost_ms["default"][n] for n in sizes[:i + 1]) + sum(cost_ms[k][n] for n in sizes[i + 1:])
     return out
