@@ -29,8 +29,8 @@ Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
 fuses. Eager passes call the kernels directly (a custom op's dispatch costs ~5 us a call).
 
 A kernel per pass size: ``kernels="gemv>3"`` runs products of 1-3 rows by torch's own kernel
-and larger ones by gemv. On the AMX Xeon torch's float32 kernel (MKL) is the faster one for a
-one-token pass but leaves the bandwidth from 4 rows on, where gemv stays near it (16-node passes
+and larger ones by gemv. On the AMX Xeon torch's float32 kernel (MKL) is about as fast as gemv
+for a one-token pass but leaves the bandwidth from 4 rows on, where gemv stays near it (16-node passes
 ~0.8x MKL's): a split takes the cheaper kernel at each size, and the machine plan picks it by the
 same timing as the others (medusa/autotune/device.py: ``decide_kernels``; docs/performance.md).
 
@@ -348,9 +348,9 @@ class PackedLinears:
     AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
     layers differed from 289 rows), so an engine that promises stock transformers' tokens
     packs only its decoding passes. ``stock_rows``: inputs of at most this many rows run the
-    stock ``F.linear`` too (a split's small passes: :func:`split_kernels`). ``fuse``: layers called on one input (q/k/v, gate/up:
-    :class:`_Siblings`) run as one product, in eager passes and compiled ones alike
-    (``medusa::stacked_linear``); they then have no packed copy of their own.
+    stock ``F.linear`` too (a split's small passes: :func:`split_kernels`). ``fuse``: layers
+    called on one input (q/k/v, gate/up: :class:`_Siblings`) run as one product, in eager passes
+    and compiled ones alike (``medusa::stacked_linear``); they have no packed copy of their own.
     Entering twice (nested) is allowed; the layers are restored when the outermost exits."""
 
     def __init__(self, *modules: nn.Module | None, stock_above: int | None = None, fuse: bool = True,
