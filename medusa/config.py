@@ -352,6 +352,8 @@ class RunFields:
     save_every: int = arg(500, "checkpoint every N steps (0: never)", bounds=(0, None))
     keep_checkpoints: int = arg(2, "checkpoints kept (older ones are deleted)", bounds=(1, None))
     resume: bool = arg(False, "continue from the latest checkpoint in the output folder's checkpoints/")
+    overwrite: bool = arg(False, "start a new run in an output folder that holds an earlier run's checkpoints, "
+                                 "deleting them (without it, or --resume, such a folder is refused)")
     max_minutes: float = arg(0.0, "stop after this many minutes of training (after at least one step) and save "
                                   "what there is (0: no limit)", bounds=(0, None))
     wandb: bool = arg(True, "log to Weights & Biases through accelerate (offline unless WANDB_MODE=online; "

@@ -507,3 +507,42 @@ def test_export_heads_with_a_damaged_heads_folder_says_one_line(files, tmp_path)
     proc = run_python([str(REPO / "scripts" / "export_heads.py"), str(heads), "--to", "vllm", "--output",
                        str(tmp_path / "out")], CLI_ENV)
     assert_one_line(proc, "config.json")
+
+
+# -- nothing lost: checkpoints of an earlier run, caches keyed by content, writes that cannot happen ----
+def test_a_fresh_run_into_a_folder_of_an_earlier_runs_checkpoints_is_refused_or_overwritten(trained, tmp_path):
+    # An earlier run's step-4000/4500 sort after a fresh run's step-500: rotating by name deleted the
+    # new checkpoint at once and left `latest` naming the old run. Refused in one line; --overwrite
+    # starts a clean run whose own checkpoints are kept and named by `latest`.
+    from medusa.training.checkpoints import latest_checkpoint
+    from medusa.training.loop import train
+
+    setup, root = trained
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (4000, 4500):  # the earlier run's checkpoints, copied under higher step numbers
+        shutil.copytree(root / "run" / "checkpoints" / "step-0000003", run / "checkpoints" / f"step-{step:07d}")
+    (run / "checkpoints" / "latest").write_text("step-0004500")
+    AcceleratorState._reset_state(True)
+    with pytest.raises(MedusaError) as err:
+        train(run_config(setup, run, max_steps=2, keep_checkpoints=1, cache_dir=str(root / "features")))
+    one_line(err, "checkpoints", "step-0004500", "--resume", "--overwrite")
+    assert (run / "checkpoints" / "step-0004500").is_dir()  # nothing was touched
+    AcceleratorState._reset_state(True)
+    train(run_config(setup, run, max_steps=3, keep_checkpoints=1, overwrite=True, cache_dir=str(root / "features")))
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-0000002"] and latest_checkpoint(run) == run / "checkpoints" / "step-0000002"
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(trained, tmp_path):
+    # A resumed run rewriting steps before a stale later checkpoint keeps what it just wrote.
+    from medusa.training.loop import train
+
+    setup, root = trained
+    run = shutil.copytree(root / "run", tmp_path / "run")
+    shutil.copytree(run / "checkpoints" / "step-0000003", run / "checkpoints" / "step-0000009")  # not the latest
+    AcceleratorState._reset_state(True)
+    train(run_config(setup, run, resume=True, max_steps=5, keep_checkpoints=1, cache_dir=str(root / "features")))
+    names = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert "step-0000004" in names and "step-0000003" not in names  # the last step (5) writes the heads
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000004"

@@ -32,6 +32,36 @@ LATEST = "latest"
 RECORD = "trainer.json"
 
 
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return None
+
+
+def claim_output(output_dir: Path, resume: bool, overwrite: bool, main: bool) -> None:
+    """Make ``output_dir/checkpoints`` this run's before it writes any: a fresh run (no
+    ``resume``) into a folder holding an earlier run's checkpoints is refused in one line, since
+    rotating them would delete its own newest checkpoint and ``latest`` would name the old run;
+    with ``overwrite`` the earlier checkpoints are deleted (by the main process) instead."""
+    root = output_dir / CHECKPOINTS
+    if resume or not root.is_dir():
+        return
+    earlier = sorted((p for p in root.iterdir() if p.name == LATEST or (p.is_dir() and p.name.startswith("step-"))),
+                     key=lambda p: (_step_of(p) or -1, p.name))
+    if not earlier:
+        return
+    if not overwrite:
+        newest = next((p.name for p in reversed(earlier) if p.name != LATEST), LATEST)
+        raise MedusaError(f"{root} holds an earlier run's checkpoints ({newest}): pass --resume to continue it, "
+                          "--overwrite to delete them and start again, or another --output")
+    if main:
+        log.warning("--overwrite: deleting the earlier run's %d checkpoint(s) in %s",
+                    sum(p.name != LATEST for p in earlier), root)
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete checkpoint (the ``latest`` pointer's, else the newest whole one
     before it), or None."""
@@ -119,8 +149,11 @@ def save_checkpoint(accelerator: Any, step: int, cfg: Any, out: Path) -> Path:
         tmp.rename(final)
         with atomic_file(root / LATEST) as pointer:
             pointer.write_text(final.name)
-        done = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in done[: max(0, len(done) - cfg.keep_checkpoints)]:
+        # Rotate by step number among the checkpoints before this one: the one just written is
+        # never deleted, and those after it (a future a resumed run is rewriting) are left alone.
+        earlier = sorted((s, p) for p in root.glob("step-*") if p.is_dir() and (s := _step_of(p)) is not None
+                         and s < step)
+        for _, old in earlier[: max(0, len(earlier) - (cfg.keep_checkpoints - 1))]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

@@ -34,6 +34,7 @@ from medusa.models.target import load_target, set_chat_template
 from medusa.training.batches import Batches
 from medusa.training.checkpoints import (
     CHECKPOINTS,
+    claim_output,
     latest_checkpoint,
     load_checkpoint,
     resume_point,
@@ -122,6 +123,7 @@ def setup(cfg: Any) -> Run:
     task = TASKS[type(cfg)](cfg)
     accelerator = make_accelerator(cfg, tracking=wandb_enabled(cfg))
     main, out = accelerator.is_main_process, cfg.output_path()
+    claim_output(out, cfg.resume, cfg.overwrite, main)
     if main:
         (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         log.info("accelerate: %d process(es), %s, %s", accelerator.num_processes, accelerator.distributed_type.name,
