@@ -124,6 +124,9 @@ class Engine:
         self.passes: PassStrategy = make_passes(model, compile, static_cache, plan.kernels, exact)
         # EAGLE-3 and block heads read several of the target's layers: every pass returns those
         self.passes.use_features(feature_layers(heads))
+        # Steps of generations in several threads (and the scheduler's batched steps) take turns
+        # on the model, its kernel patches and the caches: one step at a time.
+        self._lock = threading.RLock()
 
     @property
     def default_mode(self) -> str:
@@ -175,6 +178,11 @@ class Engine:
         ids = as_token_list(input_ids)
         if not ids:
             raise MedusaError("input_ids is empty: give at least one prompt token")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise MedusaError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab}: encode the "
+                              "prompt with this model's tokenizer")
         if max_new_tokens < 1:
             raise MedusaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         # Defaults come from SamplingConfig alone; the keyword arguments override them.
@@ -190,6 +198,34 @@ class Engine:
             raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
         stop = threading.Event()
         return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
+
+    def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
+                    **kwargs) -> Generator[str, None, GenerationResult]:
+        """:meth:`stream` as text: an iterator of the pieces the accepted tokens make printable
+        (:class:`~medusa.decoding.text.TextStream`: leading spaces and characters split over
+        tokens come out right), joined equal to ``tokenizer.decode(result.tokens)``; the
+        generator's return value is the :class:`GenerationResult`. The arguments are checked
+        here, before the first piece; closing the iterator stops decoding."""
+        from medusa.decoding.text import TextStream
+
+        if self.tokenizer is None:
+            raise MedusaError("stream_text needs the engine's tokenizer: build the Engine with tokenizer=")
+        generation = self.stream(input_ids, **kwargs)
+        text = TextStream(self.tokenizer, skip_special_tokens=skip_special_tokens)
+
+        def pieces() -> Generator[str, None, GenerationResult]:
+            try:
+                for chunk in generation:
+                    if piece := text.push(chunk):
+                        yield piece
+            finally:
+                generation.stop()  # a consumer that stops early (close(), a break) ends the decoding
+            if rest := text.flush():
+                yield rest
+            assert generation.result is not None
+            return generation.result
+
+        return pieces()
 
     def proposer(self, mode: str | Proposer, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
         """The proposer for a mode name (None: :attr:`default_mode`); a Proposer object passed as
@@ -286,6 +322,9 @@ class Engine:
             start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
             if state.share is not None and state.share.owned_by(state):
                 cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
+                # every holder trusts only the common prefix from now on, before the cache is
+                # touched: a prefill that fails (Ctrl-C, out of memory) leaves them consistent
+                share.narrow(start)
                 kv.crop(cache, start)
             else:  # its cache was taken by another generation since: branch off a copy
                 cache = kv.copy_prefix(state.cache, start, self.model)
@@ -307,8 +346,14 @@ class Engine:
         """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted.
         ``min_rows``: a compiled pass of fewer rows runs padded to that size's bucket (the
         proposer's usual size: a tree cut short by the budget reuses the usual graph)."""
+        logits, hidden, side = self.passes.verify(state.cache, state.length, proposal, min_rows)
+        return self._advance(state, proposal, logits, hidden, side)
+
+    def _advance(self, state: DecodeState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor,
+                 side: torch.Tensor | None) -> StepOutcome:
+        """Accept what the target agrees with in ``proposal``'s verified rows (``logits`` ``[N, V]``,
+        ``hidden`` ``[N, H]``, already in ``state.cache`` after ``state.length``) and advance ``state``."""
         tree, start = proposal.tree, state.length
-        logits, hidden, side = self.passes.verify(state.cache, start, proposal, min_rows)
         acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
@@ -328,47 +373,44 @@ class Engine:
     def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
              prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig,
              ) -> Generator[tuple[list[int], int], None, GenerationResult]:
-        """The one decode loop: prefill, then propose -> verify -> emit until a stop reason."""
-        stats = GenerationStats()
-        t0 = time.perf_counter()
-        with self._kernels:  # entered per step, never across a yield: the caller may use the model
-            passes = self.passes.for_generation(lambda: self.pass_sizes(proposer))
-            state = self._prefill(ids, prior, stats, sampling, max_new_tokens, passes)
-        stats.prefill_seconds = time.perf_counter() - t0
-        emitted: list[int] = []
-        chunk, reason = cut_chunk([int(state.root)], self.eos, max_new_tokens)
-        state.tokens.append(int(state.root))
-        emitted += chunk
-        stats.new_tokens = len(emitted)
+        """The one decode loop: prefill, then propose -> verify -> emit until a stop reason. Each
+        step holds the engine's lock, never across a yield: generations in several threads
+        interleave their steps (the caller may also use the model between them)."""
+        run = Decoding(self, ids, proposer, max_new_tokens, prior, stop, sampling)
+        with self._lock, self._kernels:
+            chunk = run.prefill()
         yield chunk, 0
-        with self._kernels:
-            proposer.begin(state)
-        least = min(getattr(proposer, "min_rows", 1), self.max_rows or PASS_BUCKETS[-1])
-        while reason is None:
-            reason = self._stop_reason(state, stop)
-            if reason is not None:
-                break
-            with self._kernels:
-                t1 = time.perf_counter()
-                proposal = self._propose(proposer, state, max_new_tokens - len(emitted))
+        with self._lock, self._kernels:
+            run.begin()
+        while True:
+            with self._lock, self._kernels:
+                proposal = run.propose()
+                if proposal is None:
+                    break
                 t2 = time.perf_counter()
-                outcome = self.step(state, proposal, least)
-                t3 = time.perf_counter()
-                proposer.update(state, outcome)
-                stats.draft_seconds += t2 - t1
-                stats.verify_seconds += t3 - t2
-                stats.update_seconds += time.perf_counter() - t3
-            chunk, reason = cut_chunk(outcome.tokens, self.eos, max_new_tokens - len(emitted))
-            emitted += chunk
-            stats.steps += 1
-            stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
-            stats.new_tokens = len(emitted)
+                outcome = self.step(run.state, proposal, run.least)
+                run.stats.verify_seconds += time.perf_counter() - t2
+                chunk, drafted = run.advance(outcome)
             if chunk:
-                # All but the step's last token were drafted (fewer if the chunk was cut).
-                yield chunk, min(len(chunk), len(outcome.tokens) - 1)
-        self._trim(state, len(ids) + len(emitted))
-        stats.seconds = time.perf_counter() - t0
-        return GenerationResult(tokens=emitted, stats=stats, finish_reason=reason, state=state)
+                yield chunk, drafted
+        return run.result()
+
+    @torch.inference_mode()
+    def step_many(self, runs: Sequence[Decoding], proposals: Sequence[Proposal]) -> list[StepOutcome]:
+        """Verify each run's proposal in one packed target pass (their rows side by side, attention
+        per sequence: medusa/runtime/packed.py) and advance each state; the same outcomes as a
+        :meth:`step` of each alone wherever the linear kernels are row-count invariant
+        (docs/exactness.md#batches). Passes that cannot pack (static caches) run one by one."""
+        pack = [i for i, r in enumerate(runs) if self.passes.packs and not kv.is_static(r.state.cache)]
+        outcomes: list[StepOutcome | None] = [None] * len(runs)
+        if len(pack) > 1:
+            items = [(runs[i].state.cache, runs[i].state.length, proposals[i]) for i in pack]
+            for i, out in zip(pack, self.passes.verify_many(items)):
+                outcomes[i] = self._advance(runs[i].state, proposals[i], *out)
+        for i, r in enumerate(runs):
+            if outcomes[i] is None:
+                outcomes[i] = self.step(r.state, proposals[i], r.least)
+        return outcomes
 
     def _stop_reason(self, state: DecodeState, stop: threading.Event) -> str | None:
         """Why the loop must stop before the next step (None: go on)."""
@@ -402,6 +444,71 @@ class Engine:
             state.length = len(state.tokens) - 1
             kv.crop(state.cache, state.length)
         state.valid, state.budget = state.length, None
+
+
+class Decoding:
+    """One generation's own half of the decode loop: prefill, then propose -> (a target pass
+    verifies the proposal, alone or packed beside other sequences') -> advance, until a stop
+    reason. :meth:`Engine._run` drives one alone; :class:`medusa.serving.scheduler.Scheduler`
+    drives many, one packed pass per step. The caller holds the engine's lock and kernel scope."""
+
+    def __init__(self, engine: Engine, ids: list[int], proposer: Proposer, max_new_tokens: int,
+                 prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig) -> None:
+        self.engine, self.ids, self.proposer, self.max_new_tokens = engine, ids, proposer, max_new_tokens
+        self.prior, self.stop, self.sampling = prior, stop, sampling
+        self.stats = GenerationStats()
+        self.emitted: list[int] = []
+        self.reason: str | None = None
+        self.state: DecodeState | None = None
+        self.least = min(getattr(proposer, "min_rows", 1), engine.max_rows or PASS_BUCKETS[-1])
+        self._t0 = time.perf_counter()
+
+    def prefill(self) -> list[int]:
+        """Run the prompt; the first token's chunk (empty if nothing may be emitted)."""
+        engine = self.engine
+        passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
+        self.state = state = engine._prefill(self.ids, self.prior, self.stats, self.sampling, self.max_new_tokens,
+                                             passes)
+        self.stats.prefill_seconds = time.perf_counter() - self._t0
+        chunk, self.reason = cut_chunk([int(state.root)], engine.eos, self.max_new_tokens)
+        state.tokens.append(int(state.root))
+        self.emitted += chunk
+        self.stats.new_tokens = len(self.emitted)
+        return chunk
+
+    def begin(self) -> None:
+        self.proposer.begin(self.state)
+
+    def propose(self) -> Proposal | None:
+        """This step's proposal, or None when the generation is over (:attr:`reason` says why)."""
+        if self.reason is None:
+            self.reason = self.engine._stop_reason(self.state, self.stop)
+        if self.reason is not None:
+            return None
+        t1 = time.perf_counter()
+        proposal = self.engine._propose(self.proposer, self.state, self.max_new_tokens - len(self.emitted))
+        self.stats.draft_seconds += time.perf_counter() - t1
+        return proposal
+
+    def advance(self, outcome: StepOutcome) -> tuple[list[int], int]:
+        """Record a verified step: the tokens it emits and how many of them were drafted."""
+        t3 = time.perf_counter()
+        self.proposer.update(self.state, outcome)
+        self.stats.update_seconds += time.perf_counter() - t3
+        chunk, self.reason = cut_chunk(outcome.tokens, self.engine.eos, self.max_new_tokens - len(self.emitted))
+        self.emitted += chunk
+        self.stats.steps += 1
+        self.stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
+        self.stats.new_tokens = len(self.emitted)
+        # All but the step's last token were drafted (fewer if the chunk was cut).
+        return chunk, (min(len(chunk), len(outcome.tokens) - 1) if chunk else 0)
+
+    def result(self) -> GenerationResult:
+        """The finished generation (its state trimmed to what was emitted, for a later turn)."""
+        self.engine._trim(self.state, len(self.ids) + len(self.emitted))
+        self.stats.seconds = time.perf_counter() - self._t0
+        return GenerationResult(tokens=self.emitted, stats=self.stats, finish_reason=self.reason or "stopped",
+                                state=self.state)
 
 
 def cut_chunk(chunk: list[int], eos: Collection[int], room: int) -> tuple[list[int], str | None]:

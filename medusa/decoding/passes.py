@@ -31,7 +31,7 @@ from medusa.decoding.compiled import SavedPasses, example_pass
 from medusa.decoding.state import Proposal
 from medusa.errors import MedusaError
 from medusa.models.target import context_window
-from medusa.runtime import gemv
+from medusa.runtime import gemv, packed
 from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
@@ -154,6 +154,7 @@ class PassStrategy:
     """
 
     name, static, compiled = "eager", False, False
+    packs = True  # several sequences' rows can share one pass (verify_many)
     saved: SavedPasses | None = None
     features: tuple[int, ...] | None = None  # passes return these layers' inputs, not the final hidden state
 
@@ -186,11 +187,27 @@ class PassStrategy:
         tokens (``[n, V]``, ``[n, H]``) and its side rows' logits (``[E, V]``, None without side
         rows); their keys and values are left in ``cache`` after ``start``."""
         tokens, depth, ancestor = _rows(proposal)
-        chain = proposal.is_chain and proposal.side is None
-        mask = None if chain else kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
+        # an explicit mask for chains too: a packed batch gives each sequence this same mask
+        # (verify_many), so a sequence's attention is the same call alone and in a batch
+        mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
         logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
                                       cache_arg=self.cache_arg, layers=self.features)
         return _split(proposal, logits, hidden)
+
+    def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
+        """:meth:`verify` of each ``(cache, start, proposal)`` in one packed pass (only where
+        :attr:`packs`): each sequence's rows see its own cache and the mask it gets alone."""
+        segments, tokens, positions, at = [], [], [], 0
+        for cache, start, proposal in items:
+            toks, depth, ancestor = _rows(proposal)
+            mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
+            segments.append(packed.Segment(cache, slice(at, at + toks.shape[0]), mask))
+            tokens.append(toks)
+            positions.append(start + depth)
+            at += toks.shape[0]
+        logits, hidden = packed.forward(self.model, torch.cat(tokens)[None], torch.cat(positions)[None], segments,
+                                        layers=self.features)
+        return [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items)]
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
         """Compile (or load, where saved) the pass of each of ``sizes``; the sizes done."""
@@ -207,6 +224,7 @@ class StaticPasses(PassStrategy):
     kinds: a handful of graphs whatever the proposals are)."""
 
     name, static = "static", True
+    packs = False  # static layers are written at their own cumulative length: one sequence a pass
     slot_step: int | None = None
     pads = False
 

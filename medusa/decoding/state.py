@@ -35,13 +35,18 @@ class CacheShare:
     def owned_by(self, state: DecodeState) -> bool:
         return self.owner is not None and self.owner() is state
 
+    def narrow(self, start: int) -> None:
+        """Every holder trusts at most the first ``start`` positions (a generation is about to
+        write after them)."""
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None:
+                holder.valid = min(holder.valid, start)
+
     def take(self, state: DecodeState, start: int) -> None:
         """``state``'s generation keeps the first ``start`` positions and writes after them."""
-        alive = [ref for ref in self.holders if ref() is not None]
-        for ref in alive:
-            holder = ref()
-            holder.valid = min(holder.valid, start)
-        self.holders = alive + [weakref.ref(state)]
+        self.narrow(start)
+        self.holders = [ref for ref in self.holders if ref() is not None] + [weakref.ref(state)]
         self.owner = weakref.ref(state)
 
 

@@ -1,0 +1,123 @@
+"""Several sequences in one target pass: packed rows, attention per sequence.
+
+A batched step puts every sequence's new rows (its tree, chain or lone root) one after the other
+in a single ``[1, R]`` input, so the linear layers - the weights every pass reads, most of a
+step's cost on a CPU - run once for all of them. Attention cannot be packed that way: each
+sequence has its own KV cache and its own mask. So during a packed pass:
+
+- :class:`PackedCache` stands in for the model's cache: ``update`` writes each sequence's slice
+  of the new keys and values into that sequence's own cache and remembers what each returned;
+- the model's attention implementation is swapped, for the pass only, for
+  :func:`packed_attention`, which runs the original implementation (SDPA, or the exact
+  attention in half precision) once per sequence, on that sequence's query rows, its cache and
+  the very mask a pass of that sequence alone would have been given, and concatenates the rows.
+
+Per sequence, attention is therefore the same call on the same tensors as at batch 1; the rows
+of the linear layers are the same rows, so a step's outputs equal each sequence's own pass
+wherever the linear kernels give a row the same bits whatever the row count (the gemv kernels in
+float32, bfloat16 ``F.linear`` on AMX; docs/exactness.md#batches).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from medusa.runtime import hf as kv
+
+NAME = "medusa_packed"
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a packed pass: its ``cache``, its ``rows`` ``[start, stop)`` of the
+    packed input, and ``mask``: the additive mask a pass of this sequence alone gets
+    (:func:`medusa.runtime.hf.tree_attention_mask`: a tensor ``[1, 1, n, past + n]`` or one per
+    layer type)."""
+
+    cache: Cache
+    rows: slice
+    mask: torch.Tensor | dict[str, torch.Tensor]
+
+
+class PackedCache(Cache):
+    """The cache a packed pass hands the model: each layer's ``update`` goes to the segments'
+    own caches; ``current[layer]`` keeps what each returned (``[1, Hkv, L_i, D]``) for
+    :func:`packed_attention`."""
+
+    def __init__(self, segments: list[Segment], layers: int) -> None:
+        super().__init__(layers=[])
+        self.segments = segments
+        self.current: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states [1, Hkv, R, D]: row slices are views; each cache copies them into its buffer
+        self.current[layer_idx] = [s.cache.update(key_states[..., s.rows, :], value_states[..., s.rows, :], layer_idx)
+                                   for s in self.segments]
+        return key_states, value_states  # unread: packed_attention reads ``current``
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class _Active(threading.local):
+    pack: PackedCache | None = None
+    original: str = "sdpa"
+    layer_types: list[str] | None = None
+
+
+_active = _Active()
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature over a packed pass: query ``[1, H, R, D]``; returns
+    ``[1, R, H, D]``: each segment's rows from the original implementation on its own cache."""
+    pack, layer = _active.pack, module.layer_idx
+    function = ALL_ATTENTION_FUNCTIONS[_active.original]
+    kind = None if _active.layer_types is None else _active.layer_types[layer]
+    outs = []
+    for segment, (k, v) in zip(pack.segments, pack.current[layer]):
+        mask = segment.mask[kind] if isinstance(segment.mask, dict) else segment.mask
+        out, _ = function(module, query[:, :, segment.rows], k, v, mask, **kwargs)  # [1, n_i, H, D]
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(NAME, packed_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # never used: packed passes hand over prepared masks
+
+
+def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: list[Segment],
+            layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the packed rows ``input_ids`` ``[1, R]`` (``position_ids`` ``[1, R]``: each
+    row's position in its own sequence); each segment's keys and values are appended to its own
+    cache. Returns ``(logits [R, V], hidden [R, H])`` like :func:`medusa.runtime.hf.forward`."""
+    config = kv.text_config(model)
+    configs = {id(c): c for c in (model.config, config)}.values()
+    pack = PackedCache(segments, config.num_hidden_layers)
+    first = segments[0].mask
+    dummy = torch.zeros(1, 1, input_ids.shape[1], input_ids.shape[1], dtype=model.dtype, device=input_ids.device)
+    mask = {k: dummy for k in first} if isinstance(first, dict) else dummy
+    saved = [c._attn_implementation_internal for c in configs]
+    _active.pack, _active.original = pack, config._attn_implementation
+    _active.layer_types = getattr(config, "layer_types", None)
+    for c in configs:
+        c._attn_implementation_internal = NAME
+    try:
+        return kv.forward(model, input_ids, position_ids, pack, mask, layers=layers)
+    finally:
+        for c, was in zip(configs, saved):
+            c._attn_implementation_internal = was
+        _active.pack = None
