@@ -546,3 +546,83 @@ def test_rotation_never_deletes_the_checkpoint_just_written(trained, tmp_path):
     names = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     assert "step-0000004" in names and "step-0000003" not in names  # the last step (5) writes the heads
     assert (run / "checkpoints" / "latest").read_text() == "step-0000004"
+
+
+def _byte_alphabet() -> list[str]:
+    # GPT-2's byte-level alphabet: every byte as one printable character
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    return [chr(b) for b in keep] + [chr(256 + i) for i in range(256 - len(keep))]
+
+
+def tiny_llama_gguf(path: Path, shift: float = 0.0) -> Path:
+    """A real (tiny) llama GGUF file transformers converts in about a second, over 1 MiB: its
+    last tensor, ``output_norm.weight``, lies past the first MiB and is moved by ``shift``."""
+    from gguf import GGUFWriter
+
+    h, ffn, kv, vocab = 64, 2048, 32, 258
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1), w.add_context_length(256), w.add_embedding_length(h), w.add_feed_forward_length(ffn)
+    w.add_head_count(4), w.add_head_count_kv(2), w.add_rope_dimension_count(16), w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab), w.add_file_type(0), w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default")
+    w.add_token_list(_byte_alphabet() + ["ab", "<|end|>"]), w.add_token_types([1] * vocab)
+    w.add_token_scores([0.0] * vocab), w.add_token_merges(["a b"]), w.add_bos_token_id(0), w.add_eos_token_id(vocab - 1)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, h), "blk.0.attn_norm.weight": (h,), "blk.0.ffn_down.weight": (h, ffn),
+              "blk.0.ffn_gate.weight": (ffn, h), "blk.0.ffn_up.weight": (ffn, h), "blk.0.ffn_norm.weight": (h,),
+              "blk.0.attn_k.weight": (kv, h), "blk.0.attn_output.weight": (h, h), "blk.0.attn_q.weight": (h, h),
+              "blk.0.attn_v.weight": (kv, h), "output_norm.weight": (h,)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.05 + (shift if name == "output_norm.weight" else 0))
+                     .astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def _same_name_and_size(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = tiny_llama_gguf(tmp_path / "a" / "model.gguf"), tiny_llama_gguf(tmp_path / "b" / "model.gguf", shift=1.0)
+    assert a.stat().st_size == b.stat().st_size > 1 << 20
+    assert a.read_bytes()[: 1 << 20] == b.read_bytes()[: 1 << 20] and a.read_bytes() != b.read_bytes()
+    return a, b
+
+
+def test_two_gguf_files_of_one_name_and_size_are_two_converted_models(tmp_path):
+    # Keyed by name, size and first MiB, the second file loaded the first one's converted weights.
+    from medusa.models.target import load_target
+
+    a, b = _same_name_and_size(tmp_path)
+    norms = [load_target(str(f), device="cpu", cache_dir=tmp_path / "cache")[0].model.norm.weight.detach().clone()
+             for f in (a, b, a)]
+    assert len(list((tmp_path / "cache" / "models" / "gguf").iterdir())) == 2
+    assert torch.allclose(norms[1] - norms[0], torch.ones_like(norms[0]))  # b's own tensors
+    assert torch.equal(norms[2], norms[0])  # and a's again, from its cached folder
+
+
+def test_the_llama_cpp_f32_cache_is_keyed_by_content(tmp_path):
+    from gguf import GGUFReader
+
+    from medusa.models.gguf_f32 import f32_gguf
+
+    a, b = _same_name_and_size(tmp_path)
+    out_a, out_b = (f32_gguf(str(f), cache_dir=tmp_path / "cache") for f in (a, b))
+    assert out_a != out_b
+    norm = [next(t.data for t in GGUFReader(p).tensors if t.name == "output_norm.weight") for p in (out_a, out_b)]
+    np.testing.assert_allclose(norm[1] - norm[0], 1.0, atol=1e-6)
+
+
+def test_a_file_digest_is_remembered_until_the_file_changes(tmp_path):
+    import hashlib
+    import os
+
+    from medusa.runtime.files import content_digest
+
+    a, b = _same_name_and_size(tmp_path)
+    assert content_digest(a, tmp_path / "cache") == hashlib.sha256(a.read_bytes()).hexdigest()
+    (memo,) = (tmp_path / "cache" / "digests").iterdir()
+    assert json.loads(memo.read_text())["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
+    # Overwritten in place with another file of its size, its mtime put back (as `cp -p` would):
+    # the changed ctime says the remembered digest is stale.
+    stat = a.stat()
+    a.write_bytes(b.read_bytes())
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert content_digest(a, tmp_path / "cache") == hashlib.sha256(b.read_bytes()).hexdigest()

