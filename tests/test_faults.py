@@ -626,3 +626,51 @@ def test_a_file_digest_is_remembered_until_the_file_changes(tmp_path):
     a.write_bytes(b.read_bytes())
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert content_digest(a, tmp_path / "cache") == hashlib.sha256(b.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("fault", ["lock path is a folder", "plan.json is a folder", "cache root is a file"])
+def test_an_unwritable_measurement_cache_warns_once_and_the_load_goes_on(tmp_path, caplog, fault):
+    # The module promises a bad cache never stops a load; an unwritable one ended it with an
+    # IsADirectoryError traceback, and a failed write left its temporary file behind.
+    import medusa.runtime.files as files
+    from medusa.autotune.cache import FILE, PlanCache
+    from medusa.autotune.planner import Planner
+
+    root = tmp_path / "cache"
+    if fault == "cache root is a file":
+        root.write_text("")
+    else:
+        (root / (FILE + ".lock" if fault == "lock path is a folder" else FILE)).mkdir(parents=True)
+    files._UNWRITABLE.clear()
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"dtype": "float32", "reason": "measured"}
+
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        planner = Planner(True, PlanCache(root))
+        for name in ("one", "two"):
+            entry, was_cached = planner.entry(name, ("dtype",), measure, timed=False)
+            assert entry["dtype"] == "float32" and not was_cached
+    said = [m for m in _cache_warnings(caplog) if "cannot write" in m]
+    assert len(said) == 1 and FILE in said[0] and "MEDUSA_CACHE" in said[0] and "\n" not in said[0]
+    assert len(calls) == 2
+    if root.is_dir():
+        assert not [p.name for p in root.iterdir() if p.name.endswith(".tmp")]  # no temporary left
+
+
+def test_an_unwritable_cache_root_still_loads_and_decodes(files, tmp_path, monkeypatch, caplog):
+    # Every cache under an unusable MEDUSA_CACHE at once (the plan, file digests): load() measures,
+    # warns and decodes.
+    import medusa.runtime.files as files_module
+
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    files_module._UNWRITABLE.clear()
+    with caplog.at_level(logging.WARNING, logger="medusa.cache"):
+        engine = medusa.load(model=str(files["target"]), heads=str(files["heads"]), device="cpu", kernels="default")
+        tokens = engine.generate(PROMPT, max_new_tokens=8, mode="medusa").tokens
+    assert tokens == hf_greedy(engine.model, PROMPT, 8)
+    said = [m for m in _cache_warnings(caplog) if "cannot write" in m]
+    assert len(said) == 1 and "\n" not in said[0]  # one line for the folder, however many writes failed

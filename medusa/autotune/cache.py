@@ -11,7 +11,8 @@ Writes are atomic (a temporary file, then ``os.replace``) and merge under an exc
 entry, so two processes filling the cache at once leave a valid file with both entries. A file
 or entry that cannot be read (garbage, half written by a tool that did not write atomically,
 another schema) is dropped with one warning line (the ``medusa.cache`` logger, as every damaged cache) and
-measured again; it never stops a load.
+measured again; it never stops a load. A file that cannot be written (a read-only or full disk,
+an unusable lock path) is one warning per process: the load goes on with what it measured.
 
 Timings taken while other processes used a good part of the CPUs are off (a pick flipped that
 way once), so a timed entry records the share of the machine others used (the load probe,
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from medusa.runtime.files import cache_root, log
+from medusa.runtime.files import cache_root, cache_write_failed, log
 
 SCHEMA = 1  # the one version of the file and its keys: bump it when an entry's meaning changes
 FILE = "plan.json"
@@ -168,15 +169,22 @@ class PlanCache:
         return entry
 
     def put(self, name: str, entry: dict) -> None:
-        """Merge ``entry`` into the file under the lock, atomically."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(FILE + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                entries = self.entries()
-                entries[name] = entry
-                tmp = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
-                os.replace(tmp, self.path)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        """Merge ``entry`` into the file under the lock, atomically. A cache that cannot be
+        written (a read-only or full disk, a lock path taken by a folder) is one warning per
+        process and the load goes on with what it measured; no temporary file is left behind."""
+        tmp = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_name(FILE + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    entries = self.entries()
+                    entries[name] = entry
+                    tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
+                    os.replace(tmp, self.path)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+        except OSError as err:
+            cache_write_failed(self.path, err)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
