@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:  # the heavy imports wait until the banner has been printed
-    from transformers import PreTrainedTokenizerBase
-
     from medusa.decoding.engine import Engine, Generation, GenerationResult
     from medusa.decoding.sampling import SamplingConfig
 
 from medusa.config import HelpFormatter, count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
+from medusa.decoding.text import TextStream
 from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import set_chat_template
 from medusa.runtime.kernels import kernels_arg
@@ -76,27 +75,6 @@ def say(text: str, stream: TextIO | None = None) -> None:
     stream = stream or sys.stderr
     stream.write(text + "\n")
     stream.flush()
-
-
-class StreamDecoder:
-    """Token ids to text as they arrive, through the tokenizers library's ``DecodeStream``:
-    a space SentencePiece attaches to the following token prints right, and bytes of a
-    multi-byte character split over tokens are held back until the character is complete."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            from medusa.errors import MedusaError
-
-            raise MedusaError(f"{type(tokenizer).__name__} has no fast (tokenizers) backend, which streaming needs: "
-                              "load the model's tokenizer.json")
-        self.backend = backend
-        self.stream = DecodeStream(skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        return self.stream.step(self.backend, token) or ""
 
 
 # -- Ctrl-C while decoding ---------------------------------------------------------------
@@ -200,7 +178,7 @@ class Chat:
         # The generation writes into the previous state's cache: until it ends cleanly there
         # is no state to reuse (an interruption anywhere leaves None, a full prefill next).
         self.state = None
-        decoder = StreamDecoder(self.engine.tokenizer)
+        decoder = TextStream(self.engine.tokenizer)  # leading spaces, characters split over tokens
         stopper = StopOnInterrupt(generation)
         try:
             with stopper:
@@ -224,7 +202,7 @@ class Chat:
             out.write("\n")
             say(self.style.error(f"error: {OOM_HINT}"))
             return EXIT_OOM
-        out.write("\n")
+        out.write(decoder.flush() + "\n")
         out.flush()
         result = generation.result
         assert result is not None
@@ -235,10 +213,9 @@ class Chat:
         say(self.style.dim(self.stats_line(result)))
         return EXIT_INTERRUPTED if result.finish_reason == "stopped" else EXIT_OK
 
-    def render(self, decoder: StreamDecoder, chunk: list[int], proposed: int) -> str:
+    def render(self, decoder: TextStream, chunk: list[int], proposed: int) -> str:
         """The chunk's text; the first ``proposed`` tokens were drafted (coloured with --show-accepted)."""
-        drafted = "".join(decoder.push(t) for t in chunk[:proposed])
-        return self.style.drafted(drafted) + "".join(decoder.push(t) for t in chunk[proposed:])
+        return self.style.drafted(decoder.push(chunk[:proposed])) + decoder.push(chunk[proposed:])
 
     def count(self, result: GenerationResult) -> None:
         s = result.stats

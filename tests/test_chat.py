@@ -18,7 +18,8 @@ import pexpect
 import pytest
 from tiny import tiny_model
 
-from infer.chat import Chat, StreamDecoder, Style, main, parse_args
+from infer.chat import Chat, Style, main, parse_args
+from medusa.decoding.text import TextStream
 from medusa.models.heads_config import save_heads
 from medusa.models.loader import init_heads_for
 
@@ -308,12 +309,12 @@ def test_oldest_turns_are_dropped_to_fit_the_context(engine, capsys):
     assert drops >= 1 and len(chat.conversation.turns) < len(messages)
 
 
-def test_stream_decoder_prints_multibyte_characters_and_spaces_whole(engine):
+def test_the_chat_prints_multibyte_characters_and_spaces_whole(engine):
     tok = engine.tokenizer
     text = "Café naïve — 你好, 世界! 🙂🚀  two  spaces\n new line"
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    decoder = StreamDecoder(tok)
-    pieces = [decoder.push(t) for t in ids]
+    decoder = TextStream(tok)  # the chat's decoder
+    pieces = [decoder.push([t]) for t in ids]
     assert len(ids) > len(text.split())  # some characters span several tokens
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)

@@ -227,6 +227,34 @@ class Engine:
 
         return pieces()
 
+    def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
+                    **kwargs) -> Generator[str, None, GenerationResult]:
+        """:meth:`stream` as text: an iterator of the pieces the accepted tokens make printable
+        (:class:`~medusa.decoding.text.TextStream`: leading spaces and characters split over
+        tokens come out right), joined equal to ``tokenizer.decode(result.tokens)``; the
+        generator's return value is the :class:`GenerationResult`. The arguments are checked
+        here, before the first piece; closing the iterator stops decoding."""
+        from medusa.decoding.text import TextStream
+
+        if self.tokenizer is None:
+            raise MedusaError("stream_text needs the engine's tokenizer: build the Engine with tokenizer=")
+        generation = self.stream(input_ids, **kwargs)
+        text = TextStream(self.tokenizer, skip_special_tokens=skip_special_tokens)
+
+        def pieces() -> Generator[str, None, GenerationResult]:
+            try:
+                for chunk in generation:
+                    if piece := text.push(chunk):
+                        yield piece
+            finally:
+                generation.stop()  # a consumer that stops early (close(), a break) ends the decoding
+            if rest := text.flush():
+                yield rest
+            assert generation.result is not None
+            return generation.result
+
+        return pieces()
+
     def proposer(self, mode: str | Proposer, tree: str | Sequence[Sequence[int]] | None = None) -> Proposer:
         """The proposer for a mode name (None: :attr:`default_mode`); a Proposer object passed as
         ``mode`` is used as is."""
