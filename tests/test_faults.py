@@ -674,3 +674,118 @@ def test_an_unwritable_cache_root_still_loads_and_decodes(files, tmp_path, monke
     assert tokens == hf_greedy(engine.model, PROMPT, 8)
     said = [m for m in _cache_warnings(caplog) if "cannot write" in m]
     assert len(said) == 1 and "\n" not in said[0]  # one line for the folder, however many writes failed
+
+
+# -- what the user names: a path that is not there, a pinned Hub revision -------------------------
+def test_the_torch_floor_has_safe_weights_only_loading():
+    # torch.load(weights_only=True), used on FasterDecoding .pt heads, could still run code before 2.6.
+    from packaging.requirements import Requirement
+
+    lines = (REPO / "pyproject.toml").read_text().splitlines()
+    (torch_req,) = [Requirement(line.strip().strip('",')) for line in lines if line.strip().startswith('"torch')]
+    assert not torch_req.specifier.contains("2.5.1") and torch_req.specifier.contains("2.6.0")
+
+
+def test_a_path_that_is_not_there_is_no_such_folder_not_a_hub_id(files, tmp_path, monkeypatch):
+    from medusa.hub.hub import load_heads_from
+    from medusa.models.target import hub_reference, load_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()  # a training output's parent: out/heads is not written yet
+    for source in ("out/heads", "./heads", "../heads", "runs/a/heads", str(tmp_path / "gone"), "~/gone-heads"):
+        assert hub_reference(source) is None, source
+        with pytest.raises(MedusaError) as err:
+            load_heads_from(source)
+        one_line(err, source, "no such folder")
+        with pytest.raises(MedusaError) as err:
+            load_target(source, device="cpu")
+        one_line(err, source, "no such folder")
+    with pytest.raises(MedusaError) as err:
+        load_heads_from("out/heads")
+    one_line(err, "out/ exists here")
+    assert hub_reference("tester/heads") == ("tester/heads", None)
+    assert hub_reference("tester/heads@v1.0") == ("tester/heads", "v1.0")
+    assert hub_reference("tester/heads@refs/pr/3") == ("tester/heads", "refs/pr/3")
+    assert hub_reference("tester/heads@" + "ab" * 20) == ("tester/heads", "ab" * 20)
+    assert hub_reference("tester/heads@") is None and hub_reference("tester/a b") is None
+
+
+def test_a_hub_download_fetches_only_the_top_level_configs_and_weights():
+    # The patterns as huggingface_hub applies them (fnmatch, where "*" also matches "/").
+    from huggingface_hub.utils import filter_repo_objects
+
+    from medusa.hub.hub import HUB_IGNORE, HUB_PATTERNS
+
+    repo = ["config.json", "model.safetensors", "calibration.json", "ngrams.safetensors", "README.md",
+            "medusa_lm_head.pt", "checkpoints/step-500/model.safetensors", "checkpoints/step-500/trainer.json",
+            "onnx/model.safetensors", "old/v1/config.json"]
+    got = list(filter_repo_objects(repo, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORE))
+    assert got == ["config.json", "model.safetensors", "calibration.json", "ngrams.safetensors"]
+
+
+def _cached_repo(cache: Path, repo_id: str, files: list[Path], commit: str, refs: tuple[str, ...]) -> None:
+    """One commit of ``repo_id`` in huggingface_hub's cache layout: blobs, a snapshot of
+    relative symlinks, and each of ``refs`` (a branch or tag) naming it."""
+    import hashlib
+    import os
+
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    for src in files:
+        blob = storage / "blobs" / hashlib.sha256(src.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(src.read_bytes())
+        link = storage / "snapshots" / commit / src.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (storage / "refs" / ref).write_text(commit)
+
+
+PINNED_CHILD = """
+import json, sys
+import torch
+from medusa.hub.hub import load_heads_from
+from medusa.models.target import load_target
+out = {}
+for ref in sys.argv[1:]:
+    if ref.startswith("tester/heads"):
+        out[ref] = load_heads_from(ref).state_dict()["blocks.0.0.linear.weight"].flatten()[:4].tolist()
+    else:
+        out[ref] = load_target(ref, device="cpu")[0].model.norm.weight[:4].tolist()
+print(json.dumps(out))
+"""
+
+
+def test_hub_revisions_of_heads_and_targets_can_be_pinned(tmp_path):
+    from medusa.models.heads_config import save_heads
+
+    cache = tmp_path / "hf-cache"
+    old_c, new_c = "1" * 40, "2" * 40
+    expected = {}
+    for seed, commit, refs in ((1, old_c, ("v1",)), (2, new_c, ("main",))):
+        model = tiny_model("llama", seed=seed, vocab_size=96)
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float(seed))
+        target = target_folder(tmp_path / f"t{seed}", seed=seed)
+        model.save_pretrained(target)
+        heads = save_heads(random_heads(model, seed=seed), tmp_path / f"h{seed}")
+        _cached_repo(cache, "tester/tiny", sorted(p for p in target.iterdir() if p.is_file()), commit, refs)
+        _cached_repo(cache, "tester/heads", sorted(p for p in heads.iterdir() if p.is_file()), commit, refs)
+        expected[seed] = (load_file_first(heads), float(seed))
+    refs = ["tester/heads", "tester/heads@v1", f"tester/heads@{old_c}", "tester/tiny", "tester/tiny@v1",
+            f"tester/tiny@{old_c}"]
+    proc = run_python(["-c", PINNED_CHILD, *refs], {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for ref, seed in zip(refs, (2, 1, 1, 2, 1, 1)):
+        if ref.startswith("tester/heads"):
+            np.testing.assert_allclose(got[ref], expected[seed][0], rtol=1e-6)
+        else:
+            assert got[ref] == [expected[seed][1]] * 4, ref
+
+
+def load_file_first(heads: Path) -> list[float]:
+    from safetensors.torch import load_file
+
+    return load_file(heads / "model.safetensors")["blocks.0.0.linear.weight"].flatten()[:4].tolist()

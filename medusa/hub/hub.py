@@ -4,8 +4,9 @@ Loading (``medusa.load(heads=...)`` goes through :func:`load_heads_from`):
 
 - a local folder in our layout (``config.json`` + ``model.safetensors``) or in
   FasterDecoding's Medusa-1 layout (see :mod:`medusa.hub.export`);
-- a Hub id ``USER/NAME``: fetched with ``huggingface_hub.snapshot_download`` into its usual
-  cache (JSON and safetensors files only); ``HF_HUB_OFFLINE=1`` uses the cache alone.
+- a Hub id ``USER/NAME`` (``USER/NAME@REV``: pinned to a branch, tag or commit): fetched with
+  ``huggingface_hub.snapshot_download`` into its usual cache (the top-level JSON and safetensors
+  files only); ``HF_HUB_OFFLINE=1`` uses the cache alone.
 
 Publishing builds a folder with exactly ``README.md`` (model card), ``config.json`` and
 ``model.safetensors`` and uploads it with ``HfApi.upload_folder``. The token comes from
@@ -38,21 +39,20 @@ from medusa.models.heads_config import (
     read_heads_config,
 )
 from medusa.models.loader import apply_calibration, check_state, heads_from_state
+from medusa.models.target import hub_reference, no_such_folder
 from medusa.runtime.files import read_json, read_tensors, refuse_foreign
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 CARD_NAME = "README.md"
 PUBLISH_FILES = (CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CALIBRATION_NAME, NGRAMS_NAME)
-# What a Hub download fetches: configs and safetensors, never pickles or anything runnable.
+# What a Hub download fetches: the top-level configs and safetensors, never pickles or anything
+# runnable, and nothing in subfolders (a repository's checkpoints/, onnx/ or older versions).
+# huggingface_hub matches these with fnmatch, whose "*" also matches "/": hence the ignore pattern.
 HUB_PATTERNS = ["*.json", "*.safetensors"]
+HUB_IGNORE = ["*/*"]
 
 
 # -- resolving a heads argument ----------------------------------------------------------------
-def is_hub_id(source: str) -> bool:
-    """``USER/NAME`` with Hub-legal characters, and not an existing local path."""
-    return bool(HUB_ID.match(source)) and not Path(source).expanduser().exists() and ".." not in source
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -66,10 +66,17 @@ def fetch_from_hub(repo_id: str, revision: str | None = None, cache_dir: str | P
     plain tensors only.
     """
     from huggingface_hub import is_offline_mode, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     def download(patterns: list[str]) -> Path:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
+                                      ignore_patterns=HUB_IGNORE))
 
     try:
         folder = download(HUB_PATTERNS)
@@ -77,6 +84,9 @@ def fetch_from_hub(repo_id: str, revision: str | None = None, cache_dir: str | P
             folder = download([FD_PICKLE])
     except GatedRepoError:
         raise MedusaError(f"Hub repository {repo_id} is gated: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise MedusaError(f"heads {repo_id!r} have no revision {revision!r} on the Hub: pass an existing branch, tag "
+                          "or commit after @") from None
     except RepositoryNotFoundError:
         raise MedusaError(
             f"heads {repo_id!r}: no such local folder, and no such Hub repository (or it is private: log in with `hf auth login` or set HF_TOKEN)"
@@ -97,14 +107,16 @@ def fetch_from_hub(repo_id: str, revision: str | None = None, cache_dir: str | P
 
 
 def resolve_heads_folder(source: str | Path) -> Path:
-    """A local folder as is; a Hub id through the Hugging Face cache."""
+    """A local folder as is; a Hub id (``USER/NAME``, or ``USER/NAME@REV`` pinned to a branch,
+    tag or commit) through the Hugging Face cache; a path that is not there: one line."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
-    if isinstance(source, str) and is_hub_id(source):
-        return fetch_from_hub(source)
+    reference = None if path.exists() or not isinstance(source, str) else hub_reference(source)
+    if reference is not None:
+        return fetch_from_hub(*reference)
     raise MedusaError(
-        f"heads not found: {source} is neither a heads folder nor a Hub id USER/NAME "
+        f"heads not found: {source}: {no_such_folder(str(source))}; neither a heads folder nor a Hub id USER/NAME[@REVISION] "
         "(pass a folder written by train/train_heads.py, a Hub id, or 'init')"
     )
 

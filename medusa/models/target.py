@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -184,15 +185,41 @@ def _dequantise(gguf: Path, folder: Path, name_or_path: str, digest: str) -> Non
         (tmp / SOURCE_STAMP).write_text(json.dumps({"sha256": digest}))
 
 
-def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
-    """Map a user's model argument to a folder or Hub id (GGUF files: their cached folder)."""
+# A Hub repository id, USER/NAME, optionally pinned to a revision (a branch, tag or commit) as @REV.
+_HUB_REF = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
+
+
+def hub_reference(source: str) -> tuple[str, str | None] | None:
+    """``(repo_id, revision)`` when ``source`` (not an existing path) is a Hub reference
+    ``USER/NAME`` or ``USER/NAME@REV``; None when it names a local path that is not there:
+    ``./x``, ``/x``, ``~/x``, ``a/b/c``, anything with ``..``, or ``out/heads`` while ``out/``
+    exists here (a training output not written yet, not a Hub user's repository)."""
+    match = _HUB_REF.match(source)
+    if match is None or ".." in source or source.startswith((".", "/", "~")):
+        return None
+    if match.group(2) is None and Path(match.group(1).split("/")[0]).is_dir():
+        return None
+    return match.group(1), match.group(2)
+
+
+def no_such_folder(source: str) -> str:
+    """``no such folder`` for an argument that is neither a path nor a Hub id, saying why a
+    ``USER/NAME``-shaped one was taken for a path."""
+    first = Path(source).parts[:1]
+    shaped = _HUB_REF.match(source) and first and Path(first[0]).is_dir()
+    return f"no such folder ({first[0]}/ exists here, so it is taken for a path)" if shaped else "no such folder"
+
+
+def _resolve(model: str | None, cache_dir: str | Path | None) -> tuple[str, str | None]:
+    """Map a user's model argument to a folder or Hub id and its revision (GGUF files: their
+    cached folder)."""
     if model is None:
-        return str(default_model_dir(cache_dir))
+        return str(default_model_dir(cache_dir)), None
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MedusaError(f"GGUF file not found: {path}")
-        return str(gguf_model_dir(path, cache_dir))
+        return str(gguf_model_dir(path, cache_dir)), None
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise MedusaError(f"{path} is not a model folder (no config.json): point --model at a Hugging Face model folder")
@@ -203,10 +230,14 @@ def _resolve(model: str | None, cache_dir: str | Path | None) -> str:
         has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
         if not has_safetensors and any(path.glob("*.bin")):
             raise MedusaError(f"{path} holds only pickled .bin weights; medusa loads safetensors only: convert the folder with save_pretrained(safe_serialization=True)")
-        return str(path)
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise MedusaError(f"model not found: {model} is neither a model folder, a .gguf file, nor a Hub id")
-    return model
+        return str(path), None
+    reference = None if path.exists() else hub_reference(model)
+    if reference is None:
+        if path.exists():
+            raise MedusaError(f"model not found: {model} is neither a model folder, a .gguf file, nor a Hub id")
+        raise MedusaError(f"model not found: {model}: {no_such_folder(model)}, and not a Hub id USER/NAME[@REVISION]: "
+                          "pass a model folder, a .gguf file or a Hub repository id")
+    return reference
 
 
 def set_chat_template(tokenizer, template: str | None) -> None:
@@ -221,7 +252,8 @@ def load_tokenizer(model: str | None = None, trust_remote_code: bool = False,
                    cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of ``model`` (as :func:`load_target` resolves it), without loading the weights."""
     try:
-        return AutoTokenizer.from_pretrained(_resolve(model, cache_dir), trust_remote_code=trust_remote_code)
+        source, revision = _resolve(model, cache_dir)
+        return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MedusaError(f"cannot load the tokenizer of {model!r}: {first}") from err
@@ -236,7 +268,8 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, frozen.
 
-    ``model`` is None (embedded default), a Hub id, a local folder or a ``.gguf`` file.
+    ``model`` is None (embedded default), a Hub id (``USER/NAME``, or ``USER/NAME@REV`` pinned to a
+    branch, tag or commit), a local folder or a ``.gguf`` file.
     Only safetensors weights are loaded and remote code stays off unless asked for.
     """
     device = resolve_device(device)
@@ -244,10 +277,10 @@ def load_target(
         dtype = parse_dtype(dtype)
     dtype = dtype or default_dtype(device)
     try:
-        source = _resolve(model, cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                  use_safetensors=True)
+        source, revision = _resolve(model, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
+                                                  trust_remote_code=trust_remote_code, use_safetensors=True)
     except SafetensorError as err:  # a Hub download cut off (local folders are checked in _resolve)
         raise MedusaError(f"the weights of model {model!r} are damaged ({str(err).strip()[:160]}): download them "
                           "again (delete the model from the Hugging Face cache) or pass another model") from None
