@@ -33,14 +33,13 @@ from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
     CONFIG_NAME,
-    REFETCH,
     WEIGHTS_NAME,
     HeadsConfig,
     read_heads_config,
 )
-from medusa.models.loader import apply_calibration, check_state, heads_from_state
+from medusa.models.loader import apply_calibration, check_state, heads_from_state, read_folder
 from medusa.models.target import hub_reference, no_such_folder
-from medusa.runtime.files import read_json, read_tensors, refuse_foreign
+from medusa.runtime.files import read_json, refuse_foreign
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
 CARD_NAME = "README.md"
@@ -121,18 +120,15 @@ def resolve_heads_folder(source: str | Path) -> Path:
     )
 
 
-def read_heads(folder: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+def read_heads(folder: str | Path, model: nn.Module | None = None) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
     """Config and state dict (our key names, stored dtypes) of a heads folder in any
-    supported layout, checked against the config."""
+    supported layout (published ones: :func:`medusa.models.loader.read_folder`, which may need
+    the target ``model``), checked against the config."""
     folder = Path(folder)
     if is_fasterdecoding_folder(folder):
         config, state = read_fasterdecoding(folder)
     else:
-        config = read_heads_config(folder)
-        weights = folder / WEIGHTS_NAME
-        if not weights.is_file():
-            raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
-        state = read_tensors(weights, REFETCH)
+        config, state = read_folder(folder, model)
     if config.kind == "medusa":  # eagle heads are checked against their target when built
         with torch.device("meta"):
             check_state(config, MedusaHeads(config).state_dict(), state, folder)
@@ -143,7 +139,7 @@ def load_heads_from(source: str | Path, model: nn.Module | None = None, device: 
                     dtype: torch.dtype | None = None) -> MedusaHeads:
     """Heads from a local folder (our layout or FasterDecoding's) or a Hub id."""
     folder = resolve_heads_folder(source)
-    config, state = read_heads(folder)
+    config, state = read_heads(folder, model)
     return apply_calibration(heads_from_state(config, state, model, device, dtype, where=folder), folder)
 
 

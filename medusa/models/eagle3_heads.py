@@ -45,46 +45,53 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return sorted({2, num_layers // 2, num_layers - 3})
 
 
-def drafter_config(target: PreTrainedModel, draft_vocab_size: int) -> LlamaConfig:
+def drafter_config(target: PreTrainedModel, draft_vocab_size: int, overrides: dict | None = None) -> LlamaConfig:
     """A one-layer Llama config with the target's widths (hidden, heads, head size, MLP, norm
-    epsilon, rotary base): the drafter vLLM builds from the exported ``config.json``."""
+    epsilon, rotary base): the drafter vLLM builds from the exported ``config.json``. ``overrides``
+    (``HeadsConfig.draft_layer``: published heads whose layer is not the target's shape) replace
+    those settings key by key."""
     t = target.config.get_text_config()
     heads = t.num_attention_heads
     rope = getattr(t, "rope_parameters", None) or {}
     if isinstance(rope, dict) and "full_attention" in rope:  # Gemma 3: one per layer type
         rope = rope["full_attention"]
     theta = float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))) if isinstance(rope, dict) else 10000.0
-    return LlamaConfig(
+    config = LlamaConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(t, "max_position_embeddings", 2048), vocab_size=t.vocab_size,
         rope_parameters={"rope_type": "default", "rope_theta": theta}, attention_bias=False, mlp_bias=False,
         hidden_act="silu", tie_word_embeddings=False, attn_implementation="sdpa")
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
 
 
 class Eagle3Layer(nn.Module):
     """vLLM's EAGLE-3 decoder layer (its first and only layer): attention over ``[embed ; feature]``."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False) -> None:
         super().__init__()
         h = config.hidden_size
+        self.norm_before_residual = norm_before_residual  # see HeadsConfig.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx=0)
         a = self.self_attn
         for name, out in (("q_proj", a.q_proj.out_features), ("k_proj", a.k_proj.out_features),
                           ("v_proj", a.v_proj.out_features)):
-            setattr(a, name, nn.Linear(2 * h, out, bias=False))
+            setattr(a, name, nn.Linear(2 * h, out, bias=config.attention_bias))
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, embeds: torch.Tensor, feature: torch.Tensor, cos_sin, mask: torch.Tensor,
                 cache: Cache | None) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # [B, T, 2H]
+        normed = self.hidden_norm(feature)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         attn, _ = self.self_attn(x, position_embeddings=cos_sin, attention_mask=mask,
                                  **kv.cache_kwarg(self.self_attn.forward, cache))
-        residual = feature + attn
+        residual = (normed if self.norm_before_residual else feature) + attn
         return residual + self.mlp(self.post_attention_layernorm(residual))  # the pre-norm output
 
 
@@ -107,7 +114,7 @@ class FusedDrafter(OnTarget, nn.Module):
             raise MedusaError(f"{self.kind} feature_layers {bad} are not layers of this {layers}-layer target: "
                               f"use heads trained for this model (layers 0..{layers - 1})")
         h, s = config.hidden_size, config.draft_vocab_size
-        self.layer_config = drafter_config(target, s)
+        self.layer_config = drafter_config(target, s, config.draft_layer)
         self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)
         self.norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
         self.lm_head = nn.Linear(h, s, bias=False)
@@ -183,7 +190,7 @@ class Eagle3Heads(FusedDrafter):
     def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
         super().__init__()
         self._fused_init(config, target)
-        self.layers = nn.ModuleList([Eagle3Layer(self.layer_config)])
+        self.layers = nn.ModuleList([Eagle3Layer(self.layer_config, config.norm_before_residual)])
         self.bind(target)
 
     # -- compute ------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class EagleHeads(OnTarget, nn.Module):
             raise MedusaError(f"EagleHeads need a config of kind 'eagle', got {config.kind!r}")
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)  # [f_p ; embed(x_{p+1})] -> H
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)  # [f_p ; embed(x_{p+1})] -> H
         decoder = target.get_decoder()
         self.layer = type(decoder.layers[0])(_layer_config(target), layer_idx=0)
         if self.eagle1:

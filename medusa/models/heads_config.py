@@ -53,6 +53,13 @@ class HeadsConfig:
     eagle_layout: str = "norms"  # eagle heads only; folders written before layouts existed are "norms"
     feature_layers: list[int] | None = None  # eagle3, block: the target layers whose inputs are fused
     draft_vocab_size: int | None = None  # eagle3, block: rows of the head's own lm_head
+    # eagle3 only: the residual around the draft layer's attention adds the feature after
+    # hidden_norm (True) or as it entered (False: this repo's heads, SafeAILab's EAGLE-3).
+    norm_before_residual: bool = False
+    # eagle3 only: the draft layer's own widths and rotary settings where they are not the
+    # target's ({"intermediate_size": ..., "rope_parameters": {...}}; None: the target's).
+    draft_layer: dict[str, Any] | None = None
+    fc_bias: bool = False  # eagle only: the fusion fc has a bias (SafeAILab's EAGLE-1/2 layout)
     # Free-form provenance: training arguments, per-head eval accuracy, LoRA target, ...
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,8 +85,14 @@ class HeadsConfig:
         data = {"model_type": MODEL_TYPE, **asdict(self)}
         if self.kind != "eagle":
             del data["eagle_layout"]  # Medusa folders stay as they were
+        if self.kind != "eagle" or not self.fc_bias:
+            del data["fc_bias"]  # eagle folders written before the flag stay as they were
         if self.kind not in FUSED_KINDS:
             del data["feature_layers"], data["draft_vocab_size"]
+        if self.kind != "eagle3":
+            del data["norm_before_residual"]
+        if self.draft_layer is None or self.kind != "eagle3":
+            del data["draft_layer"]
         return data
 
     @classmethod

@@ -1,5 +1,5 @@
-"""Loading heads of every kind (Medusa, EAGLE, EAGLE-3, block) from a folder or a state dict, checked and
-bound to their target, and fresh Medusa heads sized for a target."""
+"""Loading heads of every kind (Medusa, EAGLE, EAGLE-3, block) from a folder (this repo's layout or a
+published one) or a state dict, checked and bound to their target, and fresh Medusa heads sized for a target."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.models import published
 from medusa.models.block_heads import BlockHeads
 from medusa.models.eagle3_heads import Eagle3Heads
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
+    CONFIG_NAME,
     REFETCH,
     WEIGHTS_NAME,
     HeadsConfig,
@@ -35,16 +37,30 @@ def init_heads_for(model: nn.Module, num_heads: int = 4, num_layers: int = 1, pr
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
 
-def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> nn.Module:
-    """Load heads of either kind from a folder and, when ``model`` is given, check and bind them to it."""
+def read_folder(folder: str | Path, model: nn.Module | None = None) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (this repo's names) of a heads folder: this repo's layout or a
+    published one (speculators, SafeAILab, vLLM's Medusa: :mod:`medusa.models.published`).
+    ``model`` (the target) is needed by layouts that leave the target's layers implicit."""
     folder = Path(folder)
+    layout = published.detect(folder)
+    if layout is not None:
+        return published.read_published(folder, layout, model)
+    if (folder / CONFIG_NAME).is_file() and not (folder / WEIGHTS_NAME).is_file():
+        published.refuse_pickles(folder)  # one line for a folder of pickled weights
     config = read_heads_config(folder)
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise MedusaError(f"{folder} has no {WEIGHTS_NAME}: pass a complete heads folder")
-    state = read_tensors(weights, REFETCH)
-    return apply_calibration(heads_from_state(config, state, model, device, dtype, where=weights), folder)
+    return config, read_tensors(weights, REFETCH)
+
+
+def load_heads(folder: str | Path, model: nn.Module | None = None, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> nn.Module:
+    """Load heads of any kind and layout from a folder and, when ``model`` is given, check and bind them to it."""
+    folder = Path(folder)
+    config, state = read_folder(folder, model)
+    where = folder / WEIGHTS_NAME if (folder / WEIGHTS_NAME).is_file() else folder
+    return apply_calibration(heads_from_state(config, state, model, device, dtype, where=where), folder)
 
 
 def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model: nn.Module | None = None,

@@ -1,0 +1,215 @@
+"""Heads from elsewhere: checkpoints written here in each published layout (speculators eagle3 and
+medusa, SafeAILab EAGLE-3 and EAGLE-1/2), with the tensor names and config keys those projects
+define, load as this repo's heads, compute what their layout defines (a reference written from
+the layout, not from this repo's modules) and decode exactly; exports to the speculators format
+round-trip; pickled folders and what no kind here computes get one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tiny import hf_greedy, tiny_model
+from tiny_heads import PROMPT, word_tokenizer
+
+import medusa
+from medusa.errors import MedusaError
+from medusa.hub.hub import load_heads_from
+from medusa.models import published
+from medusa.models.eagle_heads import additive_mask
+from medusa.models.loader import load_heads
+
+LAYERS = 8  # deep enough for EAGLE-3's default layers 2, n // 2, n - 3 to be three distinct ones
+H, HEADS, KV, HEAD_DIM, MLP, VOCAB = 64, 4, 2, 16, 128, 96
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny eight-layer Llama saved as a model folder (with a tokenizer) and loaded."""
+    folder = tmp_path_factory.mktemp("published") / "target"
+    model = tiny_model("llama", vocab_size=VOCAB, num_hidden_layers=LAYERS)
+    model.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+def randn(*shape, seed: int, scale: float = 0.1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def norm_weight(seed: int) -> torch.Tensor:
+    return 1 + randn(H, seed=seed)  # not ones: a norm mapped to the wrong place shows
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def llama_layer_tensors(prefix: str, q_in: int, seed: int, input_norm: bool = True) -> dict[str, torch.Tensor]:
+    """One Llama decoder layer's tensors as HF names them, q/k/v reading ``q_in`` columns."""
+    out = {
+        f"{prefix}self_attn.q_proj.weight": randn(HEADS * HEAD_DIM, q_in, seed=seed),
+        f"{prefix}self_attn.k_proj.weight": randn(KV * HEAD_DIM, q_in, seed=seed + 1),
+        f"{prefix}self_attn.v_proj.weight": randn(KV * HEAD_DIM, q_in, seed=seed + 2),
+        f"{prefix}self_attn.o_proj.weight": randn(H, HEADS * HEAD_DIM, seed=seed + 3),
+        f"{prefix}mlp.gate_proj.weight": randn(MLP, H, seed=seed + 4),
+        f"{prefix}mlp.up_proj.weight": randn(MLP, H, seed=seed + 5),
+        f"{prefix}mlp.down_proj.weight": randn(H, MLP, seed=seed + 6),
+        f"{prefix}post_attention_layernorm.weight": norm_weight(seed + 7),
+    }
+    if input_norm:
+        out[f"{prefix}input_layernorm.weight"] = norm_weight(seed + 8)
+    return out
+
+
+def one_token_attention(t: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    """Attention of a single token over itself: softmax over one key is 1, so it is
+    ``o_proj`` of each query head's group value (rotary cancels out)."""
+    v = (x @ t[f"{prefix}self_attn.v_proj.weight"].T).view(KV, HEAD_DIM)
+    per_head = v.repeat_interleave(HEADS // KV, dim=0).reshape(-1)  # [HEADS * HEAD_DIM]
+    return per_head @ t[f"{prefix}self_attn.o_proj.weight"].T
+
+
+def mlp(t: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    gate, up = x @ t[f"{prefix}mlp.gate_proj.weight"].T, x @ t[f"{prefix}mlp.up_proj.weight"].T
+    return (F.silu(gate) * up) @ t[f"{prefix}mlp.down_proj.weight"].T
+
+
+# -- EAGLE-3: speculators and SafeAILab -----------------------------------------------------------
+DRAFT_IDS = torch.arange(3, VOCAB, 2)  # a draft vocabulary of 47 target tokens
+
+
+def eagle3_tensors(prefix: str, seed: int = 10, embed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    s = DRAFT_IDS.numel()
+    t = {"fc.weight": randn(H, 3 * H, seed=seed), "norm.weight": norm_weight(seed + 1),
+         "lm_head.weight": randn(s, H, seed=seed + 2), "d2t": DRAFT_IDS - torch.arange(s),
+         "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, DRAFT_IDS, True),
+         f"{prefix}hidden_norm.weight": norm_weight(seed + 3),
+         **llama_layer_tensors(prefix, 2 * H, seed + 10)}
+    if embed is not None:
+        t["embed_tokens.weight"] = embed.clone()
+    return t
+
+
+def layer_config(**extra) -> dict:
+    """A one-layer Llama config of the draft's widths, as these projects write it."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": MLP,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM, "num_hidden_layers": 1,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": VOCAB,
+            "hidden_act": "silu", "tie_word_embeddings": False, **extra}
+
+
+def speculators_eagle3_config(norm_before_residual: bool | None, layer_ids: list[int] | None, steps: int = 5, **top):
+    cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+           "transformer_layer_config": layer_config(), "draft_vocab_size": int(DRAFT_IDS.numel()),
+           "norm_before_fc": False, "fc_norm": False, "norm_output": False, "target_hidden_size": None,
+           "eagle_aux_hidden_state_layer_ids": layer_ids,
+           "speculators_config": {"algorithm": "eagle3",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps}],
+                                  "default_proposal_method": "greedy",
+                                  "verifier": {"name_or_path": "tester/tiny-llama", "architectures": ["LlamaForCausalLM"]}},
+           **top}
+    if norm_before_residual is not None:
+        cfg["norm_before_residual"] = norm_before_residual
+    return cfg
+
+
+def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / name)
+    return folder
+
+
+def eagle3_reference(t: dict, prefix: str, embed: torch.Tensor, features: torch.Tensor, token: int,
+                     norm_before_residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One EAGLE-3 draft step at one position, from the layout: returns the pre-norm output
+    (the next step's feature) and the draft-vocabulary logits."""
+    g = features @ t["fc.weight"].T
+    normed = rms(g, t[f"{prefix}hidden_norm.weight"])
+    x = torch.cat([rms(embed[token], t[f"{prefix}input_layernorm.weight"]), normed])
+    h = (normed if norm_before_residual else g) + one_token_attention(t, prefix, x)
+    out = h + mlp(t, prefix, rms(h, t[f"{prefix}post_attention_layernorm.weight"]))
+    return out, rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
+def check_eagle3_step(heads, t: dict, prefix: str, model, norm_before_residual: bool) -> None:
+    features = randn(1, 3 * H, seed=99, scale=1.0)
+    embed = model.get_input_embeddings().weight.detach()
+    out = heads(features, torch.tensor([7]), torch.tensor([0]), None, additive_mask(torch.ones(1, 1, dtype=torch.bool),
+                                                                                      torch.float32))
+    ref_out, ref_logits = eagle3_reference(t, prefix, embed, features[0], 7, norm_before_residual)
+    torch.testing.assert_close(out[0], ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(heads.logits(out)[0], ref_logits, rtol=1e-4, atol=1e-5)
+    assert torch.equal(heads.draft_vocab.cpu(), DRAFT_IDS)  # draft id i is target token i + d2t[i]
+
+
+def decodes_exactly(target_folder: Path, model, heads_folder: Path, modes: tuple[str, ...]) -> None:
+    engine = medusa.load(model=str(target_folder), heads=str(heads_folder), device="cpu", dtype="float32",
+                         autotune=False)
+    for seed, prompt in enumerate((PROMPT, [9, 4, 60, 33, 21])):
+        ref = hf_greedy(model, prompt, 20)
+        for mode in modes:
+            assert engine.generate(prompt, max_new_tokens=20, mode=mode).tokens == ref, (heads_folder.name, mode, seed)
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_speculators_eagle3_loads_computes_its_layout_and_decodes_exactly(target, tmp_path, norm_before_residual):
+    folder_target, model = target
+    ids = [1, 4, 6]
+    t = eagle3_tensors("layers.0.", embed=model.get_input_embeddings().weight.detach())
+    ckpt = write_folder(tmp_path / "spec", speculators_eagle3_config(norm_before_residual, ids), t)
+    assert published.detect(ckpt) == published.SPECULATORS_EAGLE3
+
+    heads = load_heads_from(str(ckpt), model)
+    cfg = heads.config
+    assert (cfg.kind, cfg.feature_layers, cfg.draft_vocab_size, cfg.num_heads) == ("eagle3", ids, DRAFT_IDS.numel(), 5)
+    assert cfg.norm_before_residual is norm_before_residual and cfg.base_model == "tester/tiny-llama"
+    check_eagle3_step(heads, t, "layers.0.", model, norm_before_residual)
+    decodes_exactly(folder_target, model, ckpt, ("eagle3", "hybrid"))
+
+
+def test_speculators_eagle3_without_the_norm_flag_takes_vllm_s_default(target, tmp_path):
+    """vLLM serves a speculators eagle3 config that lacks norm_before_residual with it true: so do we."""
+    _, model = target
+    t = eagle3_tensors("layers.0.")
+    ckpt = write_folder(tmp_path / "spec", speculators_eagle3_config(None, [1, 4, 6]), t)
+    heads = load_heads(ckpt, model)
+    assert heads.config.norm_before_residual is True
+    check_eagle3_step(heads, t, "layers.0.", model, True)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("norm_before_fc", True, "norm_before_fc"),
+    ("fc_norm", True, "fc_norm"),
+    ("norm_output", True, "norm_output"),
+    ("target_hidden_size", 128, "as wide as their target"),
+    ("transformer_layer_config", layer_config(model_type="qwen3"), "qwen3 draft layer"),
+    ("transformer_layer_config", layer_config(num_hidden_layers=2), "2 draft layers"),
+])
+def test_what_eagle3_heads_here_cannot_compute_gets_one_line(target, tmp_path, key, value, message):
+    _, model = target
+    ckpt = write_folder(tmp_path / "spec", {**speculators_eagle3_config(False, [1, 4, 6]), key: value},
+                        eagle3_tensors("layers.0."))
+    with pytest.raises(MedusaError, match=message) as err:
+        load_heads(ckpt, model)
+    assert "\n" not in str(err.value)
+
+
+def test_eagle3_maps_that_disagree_are_refused(target, tmp_path):
+    _, model = target
+    t = eagle3_tensors("layers.0.")
+    t["t2d"] = t["t2d"].clone()
+    t["t2d"][DRAFT_IDS[0]] = False
+    t["t2d"][0] = True
+    ckpt = write_folder(tmp_path / "spec", speculators_eagle3_config(False, [1, 4, 6]), t)
+    with pytest.raises(MedusaError, match="t2d does not mark"):
+        load_heads(ckpt, model)
+    t = eagle3_tensors("layers.0.", embed=torch.zeros(VOCAB, H))  # a draft embedding that is not the target's
+    ckpt = write_folder(tmp_path / "embed", speculators_eagle3_config(False, [1, 4, 6]), t)
+    with pytest.raises(MedusaError, match="embed_tokens differs from the target's"):
+        load_heads(ckpt, model)
