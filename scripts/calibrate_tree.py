@@ -36,6 +36,7 @@ from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS
 from medusa.models.target import set_chat_template
+from medusa.runtime.files import atomic_file, read_json
 from medusa.runtime.kernels import kernels_arg
 from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
@@ -122,7 +123,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     if args.dry_run:
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = read_calibration(path)
     record.setdefault("dynamic", {})[device] = {**dataclasses.asdict(size), "hybrid": dataclasses.asdict(hybrid)}
     del record["dynamic"][device]["chain"]
     record.setdefault("measured", {})[device] = {
@@ -135,9 +136,29 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
     record["command"] = command(argv)
-    path.write_text(json.dumps(record) + "\n")
+    write_calibration(path, record)
     print(f"wrote {path}")
     return 0
+
+
+def read_calibration(path: Path) -> dict:
+    """The heads folder's calibration record (other devices' trees are kept), or {} when there
+    is none; a damaged one is replaced (one line), not allowed to discard the measurement just made."""
+    if not path.exists():
+        return {}
+    try:
+        return read_json(path, "it is replaced by this calibration")
+    except MedusaError as err:
+        print(f"warning: {err}", file=sys.stderr)
+        return {}
+
+
+def write_calibration(path: Path, record: dict) -> None:
+    """Write ``record`` to ``path`` through a temporary file renamed over it: a kill or a full
+    disk mid-write leaves the previous record whole (an in-place rewrite left it cut off, and
+    the heads folder then failed to load)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(record) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage) -> None:
     """The tree and what it was chosen from, into the heads folder's calibration.json."""
     path = Path(args.heads) / CALIBRATION_NAME
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = read_calibration(path)
     record.setdefault("trees", {})[device] = [list(p) for p in choice.paths]
     record.setdefault("measured", {})[device] = {
         "positions": positions, "expected_tokens_per_pass": choice.expected_tokens, "step_ms": choice.step_ms,
@@ -295,7 +316,7 @@ def write_record(args, argv, engine, device, choice, cost, positions, accuracy, 
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
     record["command"] = command(argv)
-    path.write_text(json.dumps(record) + "\n")
+    write_calibration(path, record)
     print(f"wrote {path}")
 
 

@@ -789,3 +789,56 @@ def load_file_first(heads: Path) -> list[float]:
     from safetensors.torch import load_file
 
     return load_file(heads / "model.safetensors")["blocks.0.0.linear.weight"].flatten()[:4].tolist()
+
+
+# -- appending after a kill, atomic rewrites, prompt files of another encoding ---------------------
+@pytest.mark.parametrize("cut", ["inside the record", "before its newline"])
+def test_self_distillation_resumed_after_a_kill_mid_line_loses_and_repeats_nothing(tmp_path, cut):
+    # The first new record was glued to the cut line: one answer lost per interruption.
+    from train.generate_selfdistill import main
+
+    model = tiny_target(tmp_path / "model")
+    data = write_counting_data(tmp_path / "count.jsonl", 6)
+    out = tmp_path / "sd.jsonl"
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--device", "cpu"]
+    assert main(args + ["--max-samples", "3"]) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    assert len(lines) == 3
+    last = lines[-1]
+    out.write_text("".join(lines[:-1]) + (last[: len(last) // 2] if cut == "inside the record" else last[:-1]))
+    assert main(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # every line whole
+    ids = [r["id"] for r in records]
+    whole = tmp_path / "uninterrupted.jsonl"
+    assert main([*args[:4], "--output", str(whole), *args[6:]]) == 0
+    assert len(ids) == len(set(ids)) and set(ids) == {json.loads(line)["id"] for line in whole.read_text().splitlines()}
+    assert ids[:2] == [json.loads(line)["id"] for line in lines[:2]]
+    if cut == "before its newline":  # a whole record that only lacked its newline is kept, not redone
+        assert ids[2] == json.loads(last)["id"]
+
+
+FULL_DISK_CHILD = """
+import importlib.util, json, resource, signal, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("calibrate_tree", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    module.write_calibration(Path(sys.argv[2]), {"trees": {"cpu": [[0]] * 4000}})
+except OSError as err:
+    print("failed:", err.strerror)
+"""
+
+
+def test_calibration_json_survives_a_full_disk_mid_write(tmp_path):
+    # Rewritten in place, the old record was cut to what fit: the heads folder no longer loaded.
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"trees": {"cpu": [[0], [1], [0, 0]]}}))
+    before = path.read_bytes()
+    proc = run_python(["-c", FULL_DISK_CHILD, str(REPO / "scripts" / "calibrate_tree.py"), str(path)], CLI_ENV)
+    assert proc.returncode == 0 and "failed:" in proc.stdout, proc.stderr[-2000:]
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]  # no temporary left behind

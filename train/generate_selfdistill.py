@@ -70,6 +70,35 @@ def probe_output(out: Path) -> None:
         raise MedusaError(f"cannot write the answers to {out}: {err.strerror}; pass --output with a writable path") from None
 
 
+def cut_partial_line(out: Path) -> None:
+    """Make ``out`` end at a line end before answers are appended to it: a run killed while
+    writing left its last record cut off, and the next record would be glued to it (both
+    lost). A last line that is a whole record only lacks its newline, which is added; a cut
+    one is removed (its prompt is answered again)."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return
+    with out.open("rb+") as fh:
+        size = fh.seek(0, 2)
+        tail, start = b"", size
+        while start > 0 and b"\n" not in tail:  # read back block by block to the last line end
+            step = min(start, 1 << 16)
+            start -= step
+            fh.seek(start)
+            tail = fh.read(step) + tail
+        if tail.endswith(b"\n"):
+            return
+        start += tail.rfind(b"\n") + 1
+        fh.seek(start)
+        last = fh.read()
+        try:
+            json.loads(last)["id"]
+            fh.write(b"\n")
+        except (ValueError, KeyError, TypeError):
+            fh.truncate(start)
+            print(f"resume: dropped the cut-off last line of {out} ({len(last)} bytes); its prompt is "
+                  "answered again", file=sys.stderr)
+
+
 def answered(out: Path) -> set[str]:
     """Ids already answered in ``out`` (a run resumes)."""
     done: set[str] = set()
@@ -151,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    cut_partial_line(out)
     prompts = pending_prompts(cfg, tok, answered(out))
     # Similar lengths together (less padding per batch), batches in random order: a run
     # stopped early has answered a fair sample of the prompts, not just the shortest.
