@@ -101,7 +101,11 @@ def read_prompts(path: str | Path, limit: int | None = None, per_category: int |
     if not path.is_file():
         raise MedusaError(f"prompts file not found: {path}")
     records: list[dict] = []
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise MedusaError(f"{path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}): "
+                          "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():

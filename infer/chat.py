@@ -539,7 +539,14 @@ def read_stdin_prompt() -> str | None:
     """The whole of a piped stdin as one prompt; None when stdin is a terminal."""
     if sys.stdin is None or sys.stdin.isatty():
         return None
-    return sys.stdin.read().strip()
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    return data.decode("utf-8").strip()
+
+
+def not_utf8(err: UnicodeError, what: str) -> str:
+    """The one line for a message that is not UTF-8 text (piped, typed or passed as --prompt)."""
+    where = f" (byte 0x{err.object[err.start]:02x} at offset {err.start})" if isinstance(err, UnicodeDecodeError) else ""
+    return f"{what} is not UTF-8 text{where}: send UTF-8 (e.g. iconv -f latin1 -t utf-8), or set a UTF-8 locale"
 
 
 def setup_readline() -> Callable[[], None]:
@@ -577,7 +584,12 @@ def interactive(chat: Chat, style: Style) -> int:
             # Ctrl-C at the prompt, or between an answer's end and the next prompt, only
             # clears the line: the engine re-checks its cache against every new prompt.
             try:
-                line = input(prompt)
+                try:
+                    line = input(prompt)
+                    line.encode("utf-8")  # under the C locale, bytes that are not UTF-8 arrive as surrogates
+                except UnicodeError as err:
+                    say(style.error(f"error: {not_utf8(err, 'that line')}"))
+                    continue
                 if line.lstrip().startswith("/"):
                     if not chat.command(line):
                         return EXIT_OK
@@ -595,7 +607,13 @@ def interactive(chat: Chat, style: Style) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     style = Style(sys.stdout.isatty() and sys.stderr.isatty() and "NO_COLOR" not in os.environ, args.show_accepted)
-    prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
+    try:
+        prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
+        if prompt is not None:
+            prompt.encode("utf-8")  # --prompt bytes that are not UTF-8 arrive as surrogates
+    except UnicodeError as err:
+        say(style.error(f"error: {not_utf8(err, 'the message')}"))
+        return EXIT_USER_ERROR
     if prompt is not None and not prompt.strip():
         say("error: the prompt is empty: pass --prompt TEXT or pipe a message on stdin")
         return EXIT_USER_ERROR

@@ -842,3 +842,31 @@ def test_calibration_json_survives_a_full_disk_mid_write(tmp_path):
     assert proc.returncode == 0 and "failed:" in proc.stdout, proc.stderr[-2000:]
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]  # no temporary left behind
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_line(tmp_path):
+    from infer.bench import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(json.dumps({"question_id": 1, "turns": ["caf\u00e9 au lait"]}).replace("\\u00e9", "\u00e9")
+                     .encode("latin-1") + b"\n")
+    with pytest.raises(MedusaError) as err:
+        read_prompts(path)
+    one_line(err, "prompts.jsonl", "not UTF-8", "0xe9")
+
+
+@pytest.mark.parametrize("how", ["piped", "--prompt"])
+def test_a_chat_message_that_is_not_utf8_is_one_line(files, how):
+    import os
+    import subprocess
+    import sys
+
+    message = "caf\u00e9".encode("latin-1")
+    args = [sys.executable, "-m", "infer.chat", "--model", str(files["target"]), "--device", "cpu"]
+    if how == "--prompt":
+        args += ["--prompt", os.fsdecode(message)]  # the bytes as the shell passes them
+    proc = subprocess.run(args, cwd=REPO, input=message if how == "piped" else b"", capture_output=True, timeout=300,
+                          env={**os.environ, **CLI_ENV, "LC_ALL": "C.UTF-8"})
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(errors="replace"),
+                                       proc.stderr.decode(errors="replace"))
+    assert_one_line(proc, "not UTF-8")
