@@ -457,6 +457,10 @@ def prepare_auto(engine: Engine, mode: str, args: argparse.Namespace, style: Sty
         say(style.dim(f"compiled passes: {_sizes(build.loaded)} loaded in {build.seconds:.1f} s"))
     if not build.missing:
         return
+    if build.skipped is not None:
+        say(style.dim(f"compiled passes: {_sizes(build.missing)} not saved on this machine yet, so eager; not built "
+                      f"in the background: {build.skipped} (python -m infer.precompile builds them with the chat closed)"))
+        return
     if build.started:
         started = f"compiling them in the background at low priority (pid {build.pid}, log {build.log})"
     else:

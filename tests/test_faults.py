@@ -30,6 +30,7 @@ from medusa.config import TrainConfig, parse_config
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.models.heads_config import save_heads
+from medusa.models.target import load_target
 from medusa.runtime.ngrams import NgramTable
 
 FAULTS = ("truncated", "zero", "random", "missing")
@@ -870,3 +871,21 @@ def test_a_chat_message_that_is_not_utf8_is_one_line(files, how):
     proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(errors="replace"),
                                        proc.stderr.decode(errors="replace"))
     assert_one_line(proc, "not UTF-8")
+
+
+# -- background builds, workers --------------------------------------------------------------------
+def test_a_background_pass_build_is_not_started_without_memory_for_a_second_target(tmp_path, monkeypatch):
+    # --compile auto started a process loading a second copy of the target with no memory check.
+    from medusa.decoding.pass_build import available_memory, memory_problem, start_build
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    model = load_target(str(tiny_target(tmp_path / "target")), device="cpu", dtype="float32")[0]
+    engine = Engine(model, compile="auto")
+    free = available_memory()
+    assert free is not None and free > 0  # this machine's /proc/meminfo
+    assert memory_problem(model, free) is None  # a tiny target fits
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    build = start_build(engine.passes, [1], engine._kernels, memory=lambda: weights)  # room for the weights only
+    assert build.missing == [1] and not build.started and build.process is None and build.pid is None
+    assert "second copy" in build.skipped and "GiB" in build.skipped and "\n" not in build.skipped
+    assert not (tmp_path / "cache" / "compiled" / "precompile.log").exists()

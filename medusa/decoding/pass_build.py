@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -38,7 +39,8 @@ class PassBuild:
     """What :func:`start_build` did. ``loaded``: the saved sizes, loaded now (in ``seconds``);
     ``missing``: the sizes not saved yet, which run eagerly until built; ``pid``: the process
     building them (started here when ``started``, else one found holding the build's lock),
-    None when nothing is missing; ``log``: the build's output, when started here."""
+    None when nothing is missing; ``log``: the build's output, when started here; ``skipped``:
+    why none was started though sizes are missing (the machine has too little memory free)."""
 
     sizes: list[int]
     loaded: list[int]
@@ -48,10 +50,40 @@ class PassBuild:
     started: bool = False
     log: Path | None = None
     process: subprocess.Popen | None = None
+    skipped: str | None = None  # why no build was started for the missing sizes (too little memory)
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for a build started here; its exit code (None: none started here)."""
         return None if self.process is None else self.process.wait(timeout)
+
+
+# What a build needs besides its own copy of the weights: the compiler's working memory (inductor
+# and the C++ compiler it runs), which does not grow much with the model.
+BUILD_HEADROOM = 1 << 30
+
+
+def available_memory() -> int | None:
+    """The memory the kernel says can be allocated without swapping (``MemAvailable`` in
+    /proc/meminfo, bytes); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_problem(model: torch.nn.Module, available: int | None) -> str | None:
+    """Why a build process, which loads a second copy of ``model``, must not start now: its
+    weights and buffers plus :data:`BUILD_HEADROOM` exceed the ``available`` bytes (None: not
+    known, not refused)."""
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    need = weights + BUILD_HEADROOM
+    if available is None or available >= need:
+        return None
+    return (f"the build loads a second copy of the target and needs about {need / 2**30:.1f} GiB, but "
+            f"{available / 2**30:.1f} GiB are available")
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -69,10 +101,12 @@ def _source(passes: PassStrategy, source: str | None) -> str:
 
 
 def start_build(passes: PassStrategy, sizes: list[int], scope, source: str | None = None,
-                trust_remote_code: bool = False) -> PassBuild:
+                trust_remote_code: bool = False, memory: Callable[[], int | None] = available_memory) -> PassBuild:
     """Load the saved ones of the pass ``sizes`` (in the kernel ``scope``) and start a background
     process, at low priority, that compiles and saves the others (:class:`PassBuild`). Nothing
-    happens for passes that save nothing; a live build of these passes is left to finish."""
+    happens for passes that save nothing; a live build of these passes is left to finish; none
+    starts when ``memory()`` (the bytes available) cannot hold a second copy of the target
+    (``skipped`` says so: a 7B float32 target would take 28 GB more)."""
     if passes.saved is None:
         return PassBuild(list(sizes), [], [])
     missing = passes.missing(sizes)
@@ -87,6 +121,9 @@ def start_build(passes: PassStrategy, sizes: list[int], scope, source: str | Non
     saved = passes.saved
     build.pid = lock_holder(saved.lock_path())
     if build.pid is not None:
+        return build
+    build.skipped = memory_problem(passes.model, memory())
+    if build.skipped is not None:
         return build
     build.log = saved.folder / "precompile.log"
     saved.folder.mkdir(parents=True, exist_ok=True)
