@@ -1,9 +1,14 @@
-"""Export heads for serving: vLLM's Medusa, EAGLE-1 or EAGLE-3 layout, or FasterDecoding's Medusa-1 layout.
+"""Export heads for serving: the speculators format, vLLM's Medusa, EAGLE-1 or EAGLE-3 layout, or FasterDecoding's.
 
+    python scripts/export_heads.py HEADS --output heads-spec [--model TARGET]     # --to speculators
+    vllm serve heads-spec
     python scripts/export_heads.py HEADS --to vllm --output medusa-vllm [--model TARGET]
     vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
 
-HEADS is a heads folder or a Hub id USER/NAME. Heads that share the target's lm_head
+HEADS is a heads folder (this repo's, or a published layout: see medusa/models/published.py) or a
+Hub id USER/NAME. ``--to speculators`` (the default for Medusa and EAGLE-3 heads) writes
+vllm-project/speculators' format: its config names the target (``verifier``) and the number of
+speculative tokens, so ``vllm serve FOLDER`` needs no --speculative-config. Heads that share the target's lm_head
 (the default) need the target (--model, default: the base model the heads record) so that
 its lm_head can be copied: once for vLLM (which all heads then use), once per head for
 FasterDecoding. EAGLE-style heads (kind: eagle) trained with ``eagle_layout: eagle1`` export
@@ -43,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python scripts/export_heads.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("heads", help="heads folder (ours or FasterDecoding's) or Hub id USER/NAME")
-    ap.add_argument("--to", required=True, choices=LAYOUTS, help="target layout")
+    ap.add_argument("--to", default=None, choices=LAYOUTS,
+                    help="layout to write (default: speculators for medusa and eagle3 heads, vllm for eagle heads)")
     ap.add_argument("--output", help="folder to write: new, empty, or an earlier export (required)")
     ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
     ap.add_argument("--model", default=None,
@@ -71,34 +77,50 @@ def read_draft_vocab(folder: Path) -> list[int]:
     return vocab
 
 
+def target_model(folder: Path, model: str | None):
+    """The target, loaded, for published heads that leave its layers implicit (SafeAILab's
+    EAGLE-3); None for every other folder (the heads' own config says all)."""
+    from medusa.models import published
+    from medusa.models.target import load_target
+
+    if published.detect(folder) != published.SAFEAILAB_EAGLE3 or model is None:
+        return None
+    return load_target(model, device="cpu")[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype) if args.dtype else None
         writable_folder(Path(args.output).parent, "--output")
         folder = resolve_heads_folder(args.heads)
-        config, state = read_heads(folder)
+        config, state = read_heads(folder, target_model(folder, args.model))
+        layout = args.to or ("vllm" if config.kind == "eagle" else "speculators")
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
         check_kind_exportable(config)
         lm_head, target_config = None, None
         if config.kind == "eagle":
-            check_eagle_exportable(config, args.to)  # before loading the target
+            check_eagle_exportable(config, layout)  # before loading the target
             target_config = target_text_config(config, args.model)
         elif config.kind == "eagle3":
             target_config = target_text_config(config, args.model)
         elif config.projection == "shared":
             target = target_for(config, args.model)
-            copies = "once, for all heads" if args.to == "vllm" else f"into each of {config.num_heads} heads"
+            copies = "once, for all heads" if layout != "fasterdecoding" else f"into each of {config.num_heads} heads"
             print(f"copying lm_head of {target or 'the embedded default model'} {copies}", file=sys.stderr)
             lm_head = target_lm_head(config, args.model, dtype=dtype or next(iter(state.values())).dtype)
-        out = export_heads(config, state, args.output, args.to, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab,
-                           target_config=target_config)
+        base = args.model or card_base_model(config.base_model)
+        verifier = {"name_or_path": base, "architectures": (target_config or {}).get("architectures") or []}
+        out = export_heads(config, state, args.output, layout, lm_head=lm_head, dtype=dtype, draft_vocab=draft_vocab,
+                           target_config=target_config, verifier=verifier)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for rel, size in folder_listing(out):
         print(f"  {out / rel}  {size / 2**20:.2f} MiB")
-    if args.to == "vllm":
+    if layout == "speculators":
+        print(f"serve with:\n  vllm serve {out}" + ("" if base else "   (its config names no target: pass --model)"))
+    if layout == "vllm":
         method = config.kind if config.kind in ("eagle", "eagle3") else "medusa"
         spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": config.num_heads})
         base = args.model or card_base_model(config.base_model) or "TARGET"

@@ -447,7 +447,8 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
 
     folder_target, model = target
     torch.manual_seed(2)
-    heads = init_eagle3_for(model, 7, vocab=torch.arange(3, model.config.vocab_size, 2))
+    # vLLM's EAGLE-3 drafter fuses three target layers: the two-layer target's inputs, one twice
+    heads = init_eagle3_for(model, 7, vocab=torch.arange(3, model.config.vocab_size, 2), feature_layers=[0, 1, 1])
     folder = save_heads(heads, tmp_path / "heads")
     script = export_script()
     out = tmp_path / "vllm"
@@ -472,7 +473,7 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
     for name, tensor in heads.state_dict().items():
         assert torch.equal(tensors[name], tensor), name
     # over the full vocabulary there is no map to write
-    full = init_eagle3_for(model, 7)
+    full = init_eagle3_for(model, 7, feature_layers=[0, 1, 1])
     config, state = read_heads(save_heads(full, tmp_path / "full"))
     export_heads(config, state, tmp_path / "full-vllm", "vllm", target_config=model.config.to_dict())
     assert "d2t" not in load_file(tmp_path / "full-vllm" / "model.safetensors")
@@ -482,6 +483,11 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
         export_heads(config, state, tmp_path / "dv", "vllm", draft_vocab=[1, 2], target_config=model.config.to_dict())
     with pytest.raises(MedusaError, match="hidden size"):
         export_heads(config, state, tmp_path / "hs", "vllm", target_config={**model.config.to_dict(), "hidden_size": 32})
+    two = init_eagle3_for(model, 7)  # the two-layer target's default: two fused layers, which vLLM cannot read
+    config, state = read_heads(save_heads(two, tmp_path / "two"))
+    for layout in ("vllm", "speculators"):
+        with pytest.raises(MedusaError, match="vLLM's EAGLE-3 drafter reads three"):
+            export_heads(config, state, tmp_path / f"two-{layout}", layout, target_config=model.config.to_dict())
 
 
 def test_block_heads_are_refused_in_one_line(target, tmp_path, capsys):

@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tiny import hf_greedy, tiny_model
-from tiny_heads import PROMPT, word_tokenizer
+from tiny_heads import PROMPT, REPO, random_heads, word_tokenizer
 
 import medusa
 from medusa.errors import MedusaError
 from medusa.hub.hub import load_heads_from
 from medusa.models import published
 from medusa.models.eagle_heads import additive_mask
+from medusa.models.heads_config import save_heads
 from medusa.models.loader import load_heads
 
 LAYERS = 8  # deep enough for EAGLE-3's default layers 2, n // 2, n - 3 to be three distinct ones
@@ -213,3 +214,147 @@ def test_eagle3_maps_that_disagree_are_refused(target, tmp_path):
     ckpt = write_folder(tmp_path / "embed", speculators_eagle3_config(False, [1, 4, 6]), t)
     with pytest.raises(MedusaError, match="embed_tokens differs from the target's"):
         load_heads(ckpt, model)
+
+
+# -- exports round-trip -------------------------------------------------------------------------
+def export_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def same_heads(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def random_eagle3(model, seed: int = 2, **kw):
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    torch.manual_seed(seed)
+    heads = init_eagle3_for(model, 5, vocab=DRAFT_IDS, **kw)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # every weight distinct from its initialisation
+    return heads
+
+
+def test_eagle3_speculators_export_is_the_format_and_round_trips(target, tmp_path, capsys):
+    folder_target, model = target
+    heads = random_eagle3(model)
+    folder = save_heads(heads, tmp_path / "heads")
+    out = tmp_path / "spec"
+    assert export_script().main([str(folder), "--output", str(out), "--model", str(folder_target)]) == 0  # default layout
+    printed = capsys.readouterr().out
+    assert f"vllm serve {out}" in printed and "--speculative-config" not in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is False  # written, not left to defaults
+    assert (cfg["norm_before_fc"], cfg["fc_norm"], cfg["norm_output"]) == (False, False, False)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(heads.feature_layers) == [2, 4, 5]
+    assert cfg["draft_vocab_size"] == DRAFT_IDS.numel()
+    tl = cfg["transformer_layer_config"]
+    assert (tl["model_type"], tl["num_hidden_layers"], tl["hidden_size"], tl["vocab_size"]) == ("llama", 1, H, VOCAB)
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["proposal_methods"][0]["speculative_tokens"] == 5
+    assert spec["verifier"]["name_or_path"] == str(folder_target)  # what `vllm serve FOLDER` loads as the target
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["t2d"].nonzero()[:, 0], DRAFT_IDS) and "embed_tokens.weight" not in tensors
+
+    back = load_heads(out, model)
+    same_heads(back, heads)
+    assert back.config.norm_before_residual is False and back.config.feature_layers == [2, 4, 5]
+    decodes_exactly(folder_target, model, out, ("eagle3", "hybrid"))
+    # the vllm layout (LlamaForCausalLMEagle3, this repo's names) reads back as SafeAILab's EAGLE-3
+    assert export_script().main([str(folder), "--to", "vllm", "--output", str(tmp_path / "v"),
+                                 "--model", str(folder_target)]) == 0
+    assert published.detect(tmp_path / "v") == published.SAFEAILAB_EAGLE3
+    same_heads(load_heads(tmp_path / "v", model), heads)
+
+
+# -- Medusa: speculators and vLLM --------------------------------------------------------------
+def speculators_medusa(folder: Path, shared: bool, bias: bool, heads: int = 3, layers: int = 2) -> tuple[Path, dict]:
+    t = {}
+    for k in range(heads):
+        for j in range(layers):
+            t[f"blocks.{k}.layers.{j}.weight"] = randn(H, H, seed=100 + 10 * k + j)
+            if bias:
+                t[f"blocks.{k}.layers.{j}.bias"] = randn(H, seed=200 + 10 * k + j)
+        if not shared:
+            t[f"lm_heads.{k}.weight"] = randn(VOCAB, H, seed=300 + k, scale=0.3)
+    cfg = {"speculators_model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": heads,
+           "num_hidden_layers": layers, "medusa_hidden_size": H, "medusa_vocab_size": VOCAB, "truncated_vocab_size": 0,
+           "original_lm_head": shared, "medusa_fc_bias": bias,
+           "speculators_config": {"algorithm": "medusa",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": heads}],
+                                  "default_proposal_method": "greedy",
+                                  "verifier": {"name_or_path": "tester/tiny-llama", "architectures": []}}}
+    return write_folder(folder, cfg, t), t
+
+
+def medusa_reference(t: dict, lm_head: torch.Tensor, hidden: torch.Tensor, heads: int, layers: int) -> torch.Tensor:
+    """speculators' and vLLM's Medusa: per head ``x + SiLU(W x + b)`` per layer, then its projection."""
+    out = []
+    for k in range(heads):
+        x = hidden
+        for j in range(layers):
+            b = t.get(f"blocks.{k}.layers.{j}.bias", torch.zeros(H))
+            x = x + F.silu(x @ t[f"blocks.{k}.layers.{j}.weight"].T + b)
+        out.append(x @ t.get(f"lm_heads.{k}.weight", lm_head).T)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shared, bias", [(True, False), (False, True)])
+def test_speculators_medusa_loads_computes_its_layout_and_decodes_exactly(target, tmp_path, shared, bias):
+    folder_target, model = target
+    ckpt, t = speculators_medusa(tmp_path / "spec", shared, bias)
+    assert published.detect(ckpt) == published.SPECULATORS_MEDUSA
+    heads = load_heads_from(str(ckpt), model)
+    assert heads.config.projection == ("shared" if shared else "per_head") and heads.config.num_layers == 2
+    hidden = randn(4, H, seed=7, scale=1.0)
+    lm_head = model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(heads(hidden), medusa_reference(t, lm_head, hidden, 3, 2), rtol=1e-5, atol=1e-5)
+    decodes_exactly(folder_target, model, ckpt, ("medusa", "hybrid"))
+
+
+def test_medusa_that_no_kind_here_imports_gets_one_line(target, tmp_path):
+    _, model = target
+    ckpt, t = speculators_medusa(tmp_path / "trunc", True, False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "truncated_vocab_size": 32}))
+    with pytest.raises(MedusaError, match="truncated vocabulary") as err:
+        load_heads(ckpt, model)
+    assert "\n" not in str(err.value)
+    ckpt, _ = speculators_medusa(tmp_path / "lm", True, False)
+    save_file({**load_file(ckpt / "model.safetensors"), "lm_head.weight": torch.zeros(VOCAB, H)}, ckpt / "model.safetensors")
+    with pytest.raises(MedusaError, match="lm_head differs from the target's"):
+        load_heads(ckpt, model)
+
+
+@pytest.mark.parametrize("projection", ["shared", "per_head"])
+def test_medusa_heads_round_trip_through_every_export(target, tmp_path, projection):
+    folder_target, model = target
+    heads = random_heads(model, projection=projection, num_layers=2, num_heads=3)
+    folder = save_heads(heads, tmp_path / "heads")
+    hidden = randn(4, H, seed=8, scale=1.0)
+    with torch.no_grad():
+        expected = heads(hidden)
+    engine = medusa.load(model=str(folder_target), heads=str(folder), device="cpu", dtype="float32", autotune=False)
+    tokens = engine.generate(PROMPT, max_new_tokens=20, mode="medusa").tokens
+    for layout in ("speculators", "vllm", "fasterdecoding"):
+        out = tmp_path / layout
+        assert export_script().main([str(folder), "--to", layout, "--output", str(out), "--model", str(folder_target)]) == 0
+        back = load_heads_from(str(out), model)
+        assert back.config.projection == (projection if layout != "fasterdecoding" else "per_head"), layout
+        with torch.no_grad():
+            torch.testing.assert_close(back(hidden), expected, rtol=0, atol=1e-6)
+        again = medusa.load(model=str(folder_target), heads=str(out), device="cpu", dtype="float32", autotune=False)
+        assert again.generate(PROMPT, max_new_tokens=20, mode="medusa").tokens == tokens, layout
+    cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "medusa" and cfg["original_lm_head"] is (projection == "shared")
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(folder_target)

@@ -65,7 +65,7 @@ from medusa.runtime.files import atomic_folder, read_tensors, refuse_foreign
 
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 FD_PICKLE = "medusa_lm_head.pt"
-LAYOUTS = ("vllm", "fasterdecoding")
+LAYOUTS = ("speculators", "vllm", "fasterdecoding")
 _EXPORT_FILES = {CONFIG_NAME, WEIGHTS_NAME, FD_WEIGHTS}
 
 # vLLM's EAGLE-1 drafters by the target's model_type (EAGLEConfig prefixes the architecture with "Eagle").
@@ -338,15 +338,16 @@ def vllm_eagle3_config(config: HeadsConfig, target_config: dict[str, Any], dtype
     class _Target:  # drafter_config reads a model's config.get_text_config()
         config = AutoConfig.for_model(**target_config)
 
-    llama = drafter_config(_Target, config.draft_vocab_size).to_dict()
+    llama = drafter_config(_Target, config.draft_vocab_size, config.draft_layer).to_dict()
     rope = llama.get("rope_parameters") or {}
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters")
     out = {k: llama[k] for k in keep if k in llama}
     layers = list(config.feature_layers)
     out.update(model_type="llama", architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
-               rope_theta=rope.get("rope_theta", 10000.0), rope_scaling=None, tie_word_embeddings=False,
+               rope_theta=rope.get("rope_theta", 10000.0), rope_scaling=_rope_scaling(rope), tie_word_embeddings=False,
                draft_vocab_size=config.draft_vocab_size, target_hidden_size=config.hidden_size,
+               norm_before_residual=config.norm_before_residual,  # written always: readers' defaults differ
                eagle_aux_hidden_state_layer_ids=layers,
                eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True},
                dtype=str(dtype).removeprefix("torch."))
@@ -364,6 +365,90 @@ def vllm_eagle3_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> di
     return out
 
 
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """``rope_scaling`` as configs before ``rope_parameters`` spell it (None: plain rotary)."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+def check_three_layers(config: HeadsConfig) -> None:
+    """vLLM's EAGLE-3 drafter fuses exactly three target layers (``fc`` reads ``3 * H``)."""
+    if len(config.feature_layers) != 3:
+        raise MedusaError(f"these eagle3 heads fuse {len(config.feature_layers)} target layers "
+                          f"({config.feature_layers}) but vLLM's EAGLE-3 drafter reads three: serve them with this engine")
+
+
+def speculators_config(algorithm: str, steps: int, verifier: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``speculators_config`` block: vLLM serves the folder as a draft of
+    ``verifier.name_or_path`` proposing ``speculative_tokens`` per step."""
+    verifier = verifier or {}
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier.get("name_or_path"), "architectures": list(verifier.get("architectures") or [])}}
+
+
+def speculators_eagle3_config(config: HeadsConfig, target_config: dict[str, Any], dtype: torch.dtype,
+                              verifier: dict[str, Any] | None) -> dict[str, Any]:
+    """speculators' ``Eagle3SpeculatorConfig``: the drafter's one-layer Llama config as
+    ``transformer_layer_config`` (``vocab_size`` the target's), every norm flag written out."""
+    layer = vllm_eagle3_config(config, target_config, dtype)
+    keep = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "mlp_bias",
+            "rope_parameters", "rope_theta", "rope_scaling", "num_hidden_layers", "tie_word_embeddings", "dtype")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {k: layer[k] for k in keep if k in layer},
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": config.norm_before_residual,  # vLLM takes true when it is missing
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": None,  # the draft is as wide as the target
+        "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+        "embed_requires_grad": False,
+        "speculators_config": speculators_config("eagle3", config.num_heads, verifier),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def speculators_eagle3_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The heads' tensors (speculators' names are theirs) with ``t2d``, the ``[V]`` mask of the
+    draft vocabulary, beside ``d2t``; both left out over the full vocabulary, as speculators does.
+    No ``embed_tokens``: vLLM then shares the target's, which these heads embed with."""
+    out = vllm_eagle3_state(config, state)
+    if "d2t" in out:
+        ids = torch.arange(config.draft_vocab_size) + out["d2t"].cpu()
+        out["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    return out
+
+
+def speculators_medusa_config(config: HeadsConfig, dtype: torch.dtype, verifier: dict[str, Any] | None) -> dict[str, Any]:
+    """speculators' ``MedusaSpeculatorConfig``."""
+    return {
+        "architectures": ["MedusaModel"],
+        "speculators_model_type": "medusa",
+        "num_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "medusa_hidden_size": config.hidden_size,
+        "medusa_vocab_size": config.vocab_size,
+        "truncated_vocab_size": 0,
+        "original_lm_head": config.projection == "shared",
+        "medusa_fc_bias": True,  # our residual blocks have biases
+        "speculators_config": speculators_config("medusa", config.num_heads, verifier),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def speculators_medusa_state(config: HeadsConfig, state: dict[str, torch.Tensor],
+                             lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """vLLM's Medusa names (speculators' are the same). Shared heads keep one copy of the
+    target's projection as ``lm_head.weight``: speculators' own loader takes the verifier's in
+    its place, and vLLM's Medusa drafter reads its projection from the checkpoint."""
+    return vllm_state(config, state, lm_head)
+
+
 def check_kind_exportable(config: HeadsConfig) -> None:
     """Block heads have no serving engine's layout to export to: one line saying so, before
     anything (a target) is loaded."""
@@ -375,28 +460,37 @@ def check_kind_exportable(config: HeadsConfig) -> None:
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
                  lm_head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  draft_vocab: list[int] | torch.Tensor | None = None,
-                 target_config: dict[str, Any] | None = None) -> Path:
-    """Write heads (our config + state dict) to ``out`` in ``layout`` ("vllm" or "fasterdecoding").
+                 target_config: dict[str, Any] | None = None, verifier: dict[str, Any] | None = None) -> Path:
+    """Write heads (our config + state dict) to ``out`` in ``layout`` ("speculators", "vllm" or "fasterdecoding").
 
     ``lm_head`` (``[V, H]``) is the target's vocabulary projection, needed for shared heads.
     ``dtype`` casts every floating tensor (default: keep each tensor's dtype).
     ``draft_vocab`` (vLLM only) makes the heads draft from those token ids alone.
     ``target_config`` (the target's text config as a dict) is needed for eagle1 heads, whose
-    vLLM config is the target's cut to one layer. The folder is written to a temporary
-    sibling and renamed into place.
+    vLLM config is the target's cut to one layer. ``verifier`` (speculators only:
+    ``{"name_or_path", "architectures"}``) names the target ``vllm serve FOLDER`` loads. The
+    folder is written to a temporary sibling and renamed into place.
     """
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     check_kind_exportable(config)
     if config.kind == "eagle3":
-        if layout != "vllm":
+        if layout == "fasterdecoding":
             raise MedusaError(f"eagle3 heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")
         if draft_vocab is not None:
             raise MedusaError("eagle3 heads carry their own draft vocabulary (d2t): drop --draft-vocab")
         if target_config is None:
             raise MedusaError("eagle3 heads export with their target's config: pass the target model (--model)")
+        check_three_layers(config)
+        if layout == "speculators":
+            tensors = _cast(speculators_eagle3_state(config, state), dtype)
+            cfg = speculators_eagle3_config(config, target_config, tensors["fc.weight"].dtype, verifier)
+            return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
         tensors = _cast(vllm_eagle3_state(config, state), dtype)
         return _write(Path(out), tensors, WEIGHTS_NAME, vllm_eagle3_config(config, target_config, tensors["fc.weight"].dtype))
+    if config.kind == "eagle" and layout == "speculators":
+        raise MedusaError("eagle heads export to vLLM's EAGLE-1 drafter only (the speculators format is written for "
+                          "eagle3 and medusa heads): use --to vllm")
     if config.kind == "eagle":
         check_eagle_exportable(config, layout)
         if draft_vocab is not None:
@@ -406,10 +500,17 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         tensors = _cast(vllm_eagle_state(config, state), dtype)
         cfg = vllm_eagle_config(config, target_config, tensors["fc.weight"].dtype)
         return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
+    if layout == "speculators":
+        if draft_vocab is not None:
+            raise MedusaError("the speculators export of Medusa heads drafts over the full vocabulary: drop --draft-vocab, "
+                              "or export --to vllm for a draft vocabulary")
+        tensors = _cast(speculators_medusa_state(config, state, lm_head), dtype)
+        weights_dtype = tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
+        return _write(Path(out), tensors, WEIGHTS_NAME, speculators_medusa_config(config, weights_dtype, verifier))
     token_map = None
     if draft_vocab is not None:
         if layout != "vllm":
-            raise MedusaError("a draft vocabulary can only be exported to the vllm layout: drop it for fasterdecoding")
+            raise MedusaError(f"a draft vocabulary can only be exported to the vllm layout: drop it for {layout}")
         token_map = torch.as_tensor(draft_vocab, dtype=torch.long).unique()  # sorted ids
         if token_map.numel() == 0 or int(token_map.min()) < 0 or int(token_map.max()) >= config.vocab_size:
             raise MedusaError(f"draft vocabulary ids must lie in [0, {config.vocab_size}): recalibrate the heads for this model")
