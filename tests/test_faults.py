@@ -889,3 +889,132 @@ def test_a_background_pass_build_is_not_started_without_memory_for_a_second_targ
     assert build.missing == [1] and not build.started and build.process is None and build.pid is None
     assert "second copy" in build.skipped and "GiB" in build.skipped and "\n" not in build.skipped
     assert not (tmp_path / "cache" / "compiled" / "precompile.log").exists()
+
+
+ECHO_WORKER = """
+import json, os, sys, time
+settings = json.loads(sys.argv[1])
+print(json.dumps({"ready": True, "env": sorted(os.environ), "parent": settings["parent"]}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("hang"):
+        time.sleep(600)
+    print(json.dumps({"echo": req}), flush=True)
+    if req.get("exit"):
+        sys.exit(3)
+"""
+
+
+def _echo_worker(tmp_path: Path, **kw):
+    import sys
+
+    from medusa.hub.sidecar import JsonWorker, clean_env
+
+    script = tmp_path / "echo_worker.py"
+    script.write_text(ECHO_WORKER)
+    return JsonWorker("tester", Path(sys.executable), script, {}, clean_env(), startup_timeout=120, **kw)
+
+
+def test_a_hung_peer_worker_is_stopped_after_its_request_timeout(tmp_path):
+    import time
+
+    worker = _echo_worker(tmp_path, request_timeout=2)
+    try:
+        assert worker.request({"n": 1}) == {"echo": {"n": 1}}
+        t0 = time.perf_counter()
+        with pytest.raises(MedusaError) as err:
+            worker.request({"hang": True})
+        assert time.perf_counter() - t0 < 30
+        one_line(err, "tester", "did not answer within 2 s", "stopped")
+        worker._proc.wait(timeout=30)  # stopped, not left sleeping
+        with pytest.raises(MedusaError) as err:
+            worker.request({"n": 2})
+        one_line(err, "not running")
+    finally:
+        worker.close()
+
+
+def test_a_peer_worker_that_died_between_requests_is_one_line(tmp_path):
+    worker = _echo_worker(tmp_path)
+    try:
+        assert worker.request({"exit": True}) == {"echo": {"exit": True}}
+        worker._proc.wait(timeout=30)
+        for _ in range(2):  # and again: no BrokenPipeError either time
+            with pytest.raises(MedusaError) as err:
+                worker.request({"n": 1})
+            one_line(err, "tester worker is not running", "code 3")
+    finally:
+        worker.close()
+
+
+def test_a_peer_worker_sees_only_the_allow_listed_environment(tmp_path, monkeypatch):
+    secrets = {"HF_TOKEN": "hf_x", "HUGGING_FACE_HUB_TOKEN": "hf_y", "VLLM_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "s",
+               "OPENAI_API_KEY": "o", "PYTHONPATH": str(REPO)}
+    kept = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "HF_HOME": str(tmp_path / "hf"),
+            "MEDUSA_CACHE": str(tmp_path / "cache"), "LANG": "C.UTF-8", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    for name, value in {**secrets, **kept}.items():
+        monkeypatch.setenv(name, value)
+    worker = _echo_worker(tmp_path)
+    try:
+        env = set(worker.ready["env"])
+    finally:
+        worker.close()
+    assert not env & set(secrets), env & set(secrets)
+    assert set(kept) <= env and "PATH" in env and "HOME" in env
+
+
+PARENT_OF_A_WORKER = """
+import json, sys
+from pathlib import Path
+from medusa.hub.sidecar import JsonWorker, clean_env
+worker = JsonWorker("tester", Path(sys.executable), Path(sys.argv[1]), {}, clean_env(), startup_timeout=120,
+                    own_group=True)
+print(json.dumps({"worker": worker._proc.pid, "child": worker.ready["child"]}), flush=True)
+sys.stdin.read()
+"""
+
+GROUP_WORKER = """
+import importlib.util, json, subprocess, sys
+spec = importlib.util.spec_from_file_location("worker", sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.exit_with_parent(json.loads(sys.argv[1])["parent"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # an engine process of its own
+print(json.dumps({"ready": True, "child": child.pid}), flush=True)
+import time; time.sleep(600)  # busy in a request, not reading stdin: only the watchdog ends it
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # exited; reaped or not by whoever inherited it
+
+
+@pytest.mark.parametrize("worker", ["llamacpp_worker.py", "vllm_worker.py"])
+def test_peer_workers_die_with_a_killed_parent(tmp_path, worker):
+    # Both workers' own watchdog: the client killed (SIGKILL, no cleanup), the worker and the
+    # engine process it started are gone within seconds.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "group_worker.py"
+    script.write_text(GROUP_WORKER.replace("sys.argv[2]", repr(str(REPO / "medusa" / "hub" / worker))))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_WORKER, str(script)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert not _gone(pids["worker"]) and not _gone(pids["child"])
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (_gone(pids["worker"]) and _gone(pids["child"])):
+            time.sleep(0.2)
+        assert _gone(pids["worker"]) and _gone(pids["child"])
+    finally:
+        parent.kill()

@@ -7,7 +7,9 @@ the installed package is written last: a venv without it (an install cut off) or
 version's is installed again, never half-used. The worker (``vllm_worker.py``,
 ``llamacpp_worker.py``) loads its model once and answers one JSON line per request on stdout,
 ``{"error": ...}`` when it fails; its stderr goes to a log file whose last error line is what a
-failure says.
+failure says. A request has a time limit (a hung worker is stopped, one line), a worker that died
+is one line at the next request, a worker exits when the process that started it dies, and it
+sees only an allow-listed part of the environment (no tokens).
 """
 
 from __future__ import annotations
@@ -55,37 +57,53 @@ def chosen_python(python: str | Path | None, env_var: str, module: str) -> Path 
     return path
 
 
+# What a peer's worker inherits of this process's environment: what finding programs, files,
+# locales, thread counts, devices and offline caches takes, and the peers' own settings; nothing
+# else (a Hugging Face token, cloud keys), and no PYTHONPATH (it would shadow the peer venv's
+# packages with this project's).
+_ENV_NAMES = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
+              "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "MEDUSA_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
+              "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM"}
+_ENV_PREFIXES = ("LC_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "CUDA_", "NVIDIA_", "VLLM_", "GGML_", "LLAMA_")
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+
+
 def clean_env(**defaults: str) -> dict[str, str]:
-    """This process's environment for a peer's worker: ``defaults`` where unset, and no
-    PYTHONPATH (it would shadow the peer venv's packages with this project's)."""
-    env = dict(os.environ)
+    """The environment of a peer's worker: the allow-listed part of this process's (names in
+    ``_ENV_NAMES`` or starting with ``_ENV_PREFIXES``, never one that names a secret, such as
+    ``VLLM_API_KEY``), and ``defaults`` where unset."""
+    env = {name: value for name, value in os.environ.items()
+           if (name in _ENV_NAMES or name.startswith(_ENV_PREFIXES))
+           and not any(word in name.upper() for word in _SECRET_WORDS)}
     for name, value in defaults.items():
         env.setdefault(name, value)
-    env.pop("PYTHONPATH", None)
     return env
 
 
 class JsonWorker:
-    """A worker script run by a peer venv's ``python``: ``settings`` is its one argument (JSON),
-    its first line says it is ready. ``name`` names it in errors; ``own_group`` starts it in a
-    process group of its own, killed whole on close (vLLM's engine processes)."""
+    """A worker script run by a peer venv's ``python``: ``settings`` is its one argument (JSON,
+    with ``parent``, this process's pid, added: the worker exits when this process dies), its
+    first line says it is ready. ``name`` names it in errors; ``own_group`` starts it in a
+    process group of its own, killed whole on close (vLLM's engine processes). A request not
+    answered within ``request_timeout`` seconds (None: no limit) stops the worker and is one line."""
 
     def __init__(self, name: str, python: Path, script: Path, settings: dict[str, Any], env: dict[str, str],
-                 startup_timeout: float, own_group: bool = False) -> None:
-        self.name, self.python, self.own_group = name, python, own_group
+                 startup_timeout: float, own_group: bool = False, request_timeout: float | None = 900.0) -> None:
+        self.name, self.python, self.own_group, self.request_timeout = name, python, own_group, request_timeout
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"{name.replace('.', '')}-worker-", suffix=".log",
                                                 delete=False)
         self.log_path = Path(self._log.name)
+        settings = {**settings, "parent": os.getpid()}
         self._proc = subprocess.Popen([str(python), str(script), json.dumps(settings)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
                                       cwd=tempfile.gettempdir(), start_new_session=own_group)
-        self.ready = self._read(startup_timeout)
+        self.ready = self._read(startup_timeout, "start")
 
-    def _read(self, timeout: float | None = None) -> dict[str, Any]:
+    def _read(self, timeout: float | None, doing: str) -> dict[str, Any]:
         assert self._proc.stdout is not None
         if timeout is not None and not select.select([self._proc.stdout], [], [], timeout)[0]:
-            self.close()
-            raise MedusaError(f"{self.name} did not start within {timeout:.0f} s: {self.log_tail()}; "
+            self.close(wait=0)
+            raise MedusaError(f"{self.name} did not {doing} within {timeout:.0f} s and was stopped: {self.log_tail()}; "
                               f"full log: {self.log_path}")
         line = self._proc.stdout.readline()
         if not line:
@@ -106,20 +124,30 @@ class JsonWorker:
         return (errors[-1].strip() if errors else last_line(text))[:300]
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send one request line and wait for its reply."""
+        """Send one request line and wait for its reply (at most ``request_timeout`` seconds)."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(message) + "\n")
-        self._proc.stdin.flush()
-        return self._read()
+        try:
+            if self._proc.poll() is not None:
+                raise BrokenPipeError
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: its stdin was closed by an earlier stop
+            code = self._proc.wait(timeout=30)
+            raise MedusaError(f"the {self.name} worker is not running (it exited with code {code} after its last "
+                              f"request): {self.log_tail()}; full log: {self.log_path}; start the bench again") from None
+        return self._read(self.request_timeout, "answer")
 
-    def close(self) -> None:
-        """End the worker: EOF on its stdin ends its loop; after 30 s it is killed (its whole
-        process group with ``own_group``)."""
+    def close(self, wait: float = 30) -> None:
+        """End the worker: EOF on its stdin ends its loop; after ``wait`` seconds it is killed
+        (its whole process group with ``own_group``)."""
         if self._proc.poll() is None:
             assert self._proc.stdin is not None
-            self._proc.stdin.close()
             try:
-                self._proc.wait(timeout=30)
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self._proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 if not self.own_group:
                     self._proc.kill()

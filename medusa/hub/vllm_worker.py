@@ -21,13 +21,42 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 # Counter names of vLLM's speculative-decoding metrics (V1 engine, get_metrics()).
 _SPEC = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
          "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def exit_with_parent(parent: int | None) -> None:
+    """End this worker when the client that started it (pid ``parent``) dies, even by SIGKILL:
+    a daemon thread sees this process re-parented, or the client gone (a wrapper script between
+    them), and kills the process group this worker leads (with the engine processes it started),
+    else this process. (The same few lines live in each worker script, which runs in another
+    venv and imports nothing from this project.)"""
+    first = os.getppid()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def watch() -> None:
+        while os.getppid() == first and (parent is None or alive(parent)):
+            time.sleep(0.5)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def spec_counters(llm) -> dict:
@@ -57,6 +86,7 @@ def main() -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     settings = json.loads(sys.argv[1])
+    exit_with_parent(settings.get("parent"))
     # This file's folder (medusa/hub) must not shadow packages of the vLLM venv.
     sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
