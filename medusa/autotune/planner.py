@@ -191,7 +191,8 @@ class Planner:
         sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type)
         value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes"
         decision = self.decision("trees", value, {**entry, "reason": sizes.reason}, cached)
-        return plan.decided(decision, eagle=sizes.eagle, hybrid=sizes.hybrid, lookahead=sizes.lookahead)
+        return plan.decided(decision, eagle=sizes.eagle, hybrid=sizes.hybrid, lookahead=sizes.lookahead,
+                            pass_ms=tuple(sorted(sizes.cost_ms.items())))
 
 
 @contextlib.contextmanager

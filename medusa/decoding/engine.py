@@ -38,6 +38,8 @@ from medusa.models.heads_config import EAGLE_KINDS
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
 
+PREFILL_CHUNK = 256
+
 
 def truncate(proposal: Proposal, rows: int) -> Proposal:
     """``proposal``'s first ``rows`` nodes: nodes are laid out by depth (compile_tree), so every
@@ -127,6 +129,9 @@ class Engine:
         # Steps of generations in several threads (and the scheduler's batched steps) take turns
         # on the model, its kernel patches and the caches: one step at a time.
         self._lock = threading.RLock()
+        # prompt tokens a prefill pass runs at most: long prompts are cut into passes of this size,
+        # the same alone and in a scheduler (which runs other streams' steps between them)
+        self.prefill_chunk: int | None = PREFILL_CHUNK
 
     @property
     def default_mode(self) -> str:
@@ -175,6 +180,26 @@ class Engine:
         follows the target's distribution exactly with any heads; the same seed gives the
         same tokens.
         """
+        run = self.decoding(input_ids, max_new_tokens, mode, temperature, tree, state, top_p, top_k, seed, acceptance,
+                            sampling)
+        return Generation(self._run(run), run.stop)
+
+    def decoding(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        mode: str | Proposer | None = None,
+        temperature: float | None = None,
+        tree: str | Sequence[Sequence[int]] | None = None,
+        state: DecodeState | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        acceptance: str | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> Decoding:
+        """A checked, not yet started generation (:meth:`stream`'s arguments): what
+        :meth:`stream` runs alone and a scheduler runs beside others."""
         ids = as_token_list(input_ids)
         if not ids:
             raise MedusaError("input_ids is empty: give at least one prompt token")
@@ -196,36 +221,7 @@ class Engine:
         if getattr(proposer, "greedy_only", False) and not sampling.greedy:
             name = mode if isinstance(mode, str) else type(mode).__name__
             raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
-        stop = threading.Event()
-        return Generation(self._run(ids, proposer, max_new_tokens, state, stop, sampling), stop)
-
-    def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
-                    **kwargs) -> Generator[str, None, GenerationResult]:
-        """:meth:`stream` as text: an iterator of the pieces the accepted tokens make printable
-        (:class:`~medusa.decoding.text.TextStream`: leading spaces and characters split over
-        tokens come out right), joined equal to ``tokenizer.decode(result.tokens)``; the
-        generator's return value is the :class:`GenerationResult`. The arguments are checked
-        here, before the first piece; closing the iterator stops decoding."""
-        from medusa.decoding.text import TextStream
-
-        if self.tokenizer is None:
-            raise MedusaError("stream_text needs the engine's tokenizer: build the Engine with tokenizer=")
-        generation = self.stream(input_ids, **kwargs)
-        text = TextStream(self.tokenizer, skip_special_tokens=skip_special_tokens)
-
-        def pieces() -> Generator[str, None, GenerationResult]:
-            try:
-                for chunk in generation:
-                    if piece := text.push(chunk):
-                        yield piece
-            finally:
-                generation.stop()  # a consumer that stops early (close(), a break) ends the decoding
-            if rest := text.flush():
-                yield rest
-            assert generation.result is not None
-            return generation.result
-
-        return pieces()
+        return Decoding(self, ids, proposer, max_new_tokens, state, threading.Event(), sampling)
 
     def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
                     **kwargs) -> Generator[str, None, GenerationResult]:
@@ -339,9 +335,22 @@ class Engine:
         return [p for p in paths if len(p) <= depth]
 
     # -- the loop -------------------------------------------------------------------
-    @torch.inference_mode()
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
                  sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None) -> DecodeState:
+        steps = self._prefill_chunks(ids, state, stats, sampling, max_new_tokens, passes)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def _prefill_chunks(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
+                        sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None,
+                        ) -> Generator[None, None, DecodeState]:
+        """The prefill, one pass of at most :attr:`prefill_chunk` prompt tokens per ``next`` (a
+        scheduler runs other sequences' steps between them); returns the new state. Alone and in
+        a scheduler a prompt is cut at the same places, so its cache holds the same values."""
         passes = passes or self.passes  # compile="auto" picks per generation (PassStrategy.for_generation)
         cache, start, share = None, 0, CacheShare()
         if state is not None and kv.is_static(state.cache) == passes.static:
@@ -359,8 +368,15 @@ class Engine:
         if cache is None:
             cache = passes.new_cache()
         stats.prefill_tokens = len(ids) - start
-        new = torch.tensor([ids[start:]], device=self.device)
-        logits, hidden = passes.prefill(cache, new, start, max_new_tokens)
+        step = self.prefill_chunk or len(ids)
+        hiddens = []
+        for at in range(start, len(ids), step):
+            if hiddens:
+                yield
+            new = torch.tensor([ids[at: at + step]], device=self.device)
+            logits, hidden = passes.prefill(cache, new, at, max_new_tokens)
+            hiddens.append(hidden)
+        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)  # [n, H]
         generator = sampling.generator(self.device)
         root = next_token(logits[-1], sampling, generator)
         new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
@@ -398,13 +414,10 @@ class Engine:
         state.logits = logits[last]
         return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side)
 
-    def _run(self, ids: list[int], proposer: Proposer, max_new_tokens: int,
-             prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig,
-             ) -> Generator[tuple[list[int], int], None, GenerationResult]:
+    def _run(self, run: Decoding) -> Generator[tuple[list[int], int], None, GenerationResult]:
         """The one decode loop: prefill, then propose -> verify -> emit until a stop reason. Each
         step holds the engine's lock, never across a yield: generations in several threads
         interleave their steps (the caller may also use the model between them)."""
-        run = Decoding(self, ids, proposer, max_new_tokens, prior, stop, sampling)
         with self._lock, self._kernels:
             chunk = run.prefill()
         yield chunk, 0
@@ -493,12 +506,22 @@ class Decoding:
 
     def prefill(self) -> list[int]:
         """Run the prompt; the first token's chunk (empty if nothing may be emitted)."""
+        for _ in self.prefill_chunks():
+            pass
+        return self.first_chunk()
+
+    def prefill_chunks(self, chunk: int | None = None) -> Generator[None, None, None]:
+        """:meth:`prefill` one pass at a time (``next`` runs one); then :meth:`first_chunk`."""
         engine = self.engine
         passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
-        self.state = state = engine._prefill(self.ids, self.prior, self.stats, self.sampling, self.max_new_tokens,
-                                             passes)
+        self.state = yield from engine._prefill_chunks(self.ids, self.prior, self.stats, self.sampling,
+                                                       self.max_new_tokens, passes)
+
+    def first_chunk(self) -> list[int]:
+        """After the prefill: the first token, cut by EOS or the length limit."""
+        state = self.state
         self.stats.prefill_seconds = time.perf_counter() - self._t0
-        chunk, self.reason = cut_chunk([int(state.root)], engine.eos, self.max_new_tokens)
+        chunk, self.reason = cut_chunk([int(state.root)], self.engine.eos, self.max_new_tokens)
         state.tokens.append(int(state.root))
         self.emitted += chunk
         self.stats.new_tokens = len(self.emitted)

@@ -47,7 +47,7 @@ class Plan:
     ``draft_dtype``: the heads' dtype (None: as they are); ``eagle``/``hybrid``: EAGLE trees sized
     for this machine, or with block heads the block's proposal (mode block's and mode hybrid's;
     medusa/decoding/block_draft.py) (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
-    G from the same pass costs (None: by device type)."""
+    G from the same pass costs (None: by device type); ``pass_ms``: the pass costs the sizing timed."""
 
     dtype: str | None = None
     kernels: str = "default"
@@ -57,6 +57,9 @@ class Plan:
     eagle: DynamicTree | None = None
     hybrid: DynamicTree | None = None
     lookahead: LookaheadSize | None = None
+    # this machine's verification pass cost, ((rows, ms), ...), as the tree sizing timed it
+    # (None: not measured); a batch's row budget comes from it (medusa/serving/budget.py)
+    pass_ms: tuple[tuple[int, float], ...] | None = None
     decisions: tuple[Decision, ...] = ()
 
     @classmethod

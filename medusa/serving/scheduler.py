@@ -1,0 +1,257 @@
+"""Continuous batching: one thread owns the engine; requests join and leave between steps.
+
+Callers :meth:`Scheduler.submit` a request and read its :class:`Stream` (token chunks as they are
+accepted, then the :class:`~medusa.decoding.generation.GenerationResult`); the scheduler thread
+alone touches the engine. Each turn of its loop
+
+1. admits waiting requests while fewer than ``max_batch`` run, and prefills one of them (a long
+   prompt in chunks of ``prefill_chunk`` tokens, one chunk a turn, so running streams keep going);
+2. asks every running sequence for its proposal, shares the turn's row budget between them
+   (:mod:`medusa.serving.budget`: trees shrink as the batch grows) and verifies all of them in
+   one packed pass (:meth:`~medusa.decoding.engine.Engine.step_many`);
+3. hands each sequence's accepted tokens to its stream, and drops finished or cancelled ones.
+
+Greedy requests give the tokens they give alone whatever else runs (a budget cut changes only
+how many tokens a step accepts); a sampled request keeps its whole proposal, so its seed gives
+the same sample at any batch composition (docs/exactness.md#batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from medusa.decoding.engine import Decoding, Engine, truncate
+from medusa.decoding.generation import GenerationResult
+from medusa.errors import MedusaError
+from medusa.serving.budget import knee, share_rows
+
+log = logging.getLogger("medusa.serving")
+
+
+class Overloaded(MedusaError):
+    """The scheduler's queue is full: try again later (a server answers 429)."""
+
+
+class Closed(MedusaError):
+    """The scheduler is shutting down or has stopped (a server answers 503)."""
+
+
+@dataclass
+class Stream:
+    """One request's output: iterate for lists of new token ids; :attr:`result` once it ends.
+    :meth:`cancel` (safe from any thread) frees its slot at the scheduler's next turn."""
+
+    run: Decoding
+    submitted: float = field(default_factory=time.perf_counter)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    _events: queue.Queue = field(default_factory=queue.Queue)
+    # called from the scheduler thread with each event as it is queued (an asyncio server hands
+    # them to its loop with call_soon_threadsafe); events queued before it was set are not repeated
+    listener: Callable[[tuple[str, object]], None] | None = None
+
+    def _put(self, kind: str, value: object) -> None:
+        event = (kind, value)
+        self._events.put(event)
+        if self.listener is not None:
+            self.listener(event)
+
+    def cancel(self) -> None:
+        self.run.stop.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.run.stop.is_set()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            kind, value = self._events.get()
+            if kind == "tokens":
+                yield value
+            elif kind == "done":
+                self.result = value
+                return
+            else:
+                self.error = value
+                raise value
+
+    def get(self, timeout: float | None = None) -> tuple[str, object]:
+        """The next event: ``("tokens", [ids])``, ``("done", result)`` or ``("error", exc)``;
+        :class:`queue.Empty` after ``timeout`` seconds."""
+        return self._events.get(timeout=timeout)
+
+    def wait(self) -> GenerationResult:
+        """Read to the end; the result (raises what the request failed with)."""
+        for _ in self:
+            pass
+        return self.result
+
+
+class Scheduler:
+    """Runs an :class:`Engine`'s generations side by side (see the module docstring).
+
+    ``max_batch``: sequences decoding at once; ``max_queue``: requests waiting beyond those
+    (more: :class:`Overloaded`); ``row_budget``: rows a batched pass verifies at most (None: from
+    the machine plan's pass costs, :func:`~medusa.serving.budget.knee`); ``prefill_chunk``: prompt
+    tokens prefilled per turn (None: a prompt in one pass)."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
+                 prefill_chunk: int | None = 256) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.engine = engine
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.row_budget = row_budget or knee(engine.plan.pass_ms, engine.device.type)
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[Stream] = deque()
+        self._prefilling: list[tuple[Stream, Iterator]] = []
+        self._running: list[Stream] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # batched passes run (for tests and the bench)
+        self.max_seen = 0  # the largest batch a pass verified
+
+    # -- the caller's side ----------------------------------------------------------
+    def start(self) -> Scheduler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="medusa-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, input_ids, listener: Callable[[tuple[str, object]], None] | None = None, **kwargs) -> Stream:
+        """Queue a generation (:meth:`Engine.stream`'s arguments, checked here: a bad request
+        raises before it queues; ``listener``: :attr:`Stream.listener`). :class:`Overloaded` when
+        the queue is full, :class:`Closed` while shutting down."""
+        if kwargs.get("state") is not None:
+            raise MedusaError("state= continues a cache a scheduler does not own: submit the whole prompt")
+        run = self.engine.decoding(input_ids, **kwargs)
+        stream = Stream(run, listener=listener)
+        with self._wake:
+            if self._closing:
+                raise Closed("the scheduler is shutting down: no new requests")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - self._active()):
+                raise Overloaded(f"{len(self._waiting)} requests are waiting already (max_queue {self.max_queue}): "
+                                 "retry later")
+            self._waiting.append(stream)
+            self._wake.notify()
+        return stream
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, let the running and waiting ones finish, stop the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def load(self) -> dict[str, int]:
+        """How many requests wait, prefill and decode now."""
+        with self._wake:
+            return {"waiting": len(self._waiting), "prefilling": len(self._prefilling), "running": len(self._running)}
+
+    def _active(self) -> int:
+        return len(self._prefilling) + len(self._running)
+
+    # -- the scheduler thread -------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._waiting or self._prefilling or self._running or self._closing):
+                    self._wake.wait()
+                if self._closing and not (self._waiting or self._prefilling or self._running):
+                    return
+                while self._waiting and self._active() < self.max_batch:
+                    stream = self._waiting.popleft()
+                    if not self._finish_if_cancelled(stream):
+                        self._prefilling.append((stream, self._prefill(stream)))
+            try:
+                self._turn()
+            except BaseException as exc:  # noqa: BLE001 - a failed pass ends its requests, not the server
+                log.exception("medusa: a batched step failed; its requests end with the error")
+                for stream in [s for s, _ in self._prefilling] + self._running:
+                    stream._put("error", MedusaError(f"decoding failed: {exc}"))
+                self._prefilling, self._running = [], []
+
+    def _prefill(self, stream: Stream) -> Iterator:
+        """A prompt's prefill, one chunk per ``next``; emits the first token at the end."""
+        run = stream.run
+        chunks = run.prefill_chunks(self.prefill_chunk)
+        yield from chunks
+        first = run.first_chunk()
+        run.begin()
+        if first:
+            stream._put("tokens", first)
+
+    def _turn(self) -> None:
+        engine = self.engine
+        with engine._lock, engine._kernels:
+            for stream, chunks in self._prefilling[:1]:  # one prompt's chunk per turn
+                if self._finish_if_cancelled(stream):
+                    self._prefilling.remove((stream, chunks))
+                elif next(chunks, StopIteration) is StopIteration:
+                    self._prefilling.remove((stream, chunks))
+                    self._running.append(stream)
+            live, proposals = [], []
+            for stream in list(self._running):
+                proposal = stream.run.propose()
+                if proposal is None:
+                    self._running.remove(stream)
+                    stream._put("done", stream.run.result())
+                    continue
+                live.append(stream)
+                proposals.append(proposal)
+            if not live:
+                return
+            proposals = self._fit(live, proposals)
+            t0 = time.perf_counter()
+            outcomes = []
+            for group in self._groups(proposals):
+                outcomes += engine.step_many([live[i].run for i in group], [proposals[i] for i in group])
+            seconds = (time.perf_counter() - t0) / len(live)
+            self.steps += 1
+            self.max_seen = max(self.max_seen, len(live))
+            for stream, outcome in zip(live, outcomes):
+                stream.run.stats.verify_seconds += seconds
+                chunk, _ = stream.run.advance(outcome)
+                if chunk:
+                    stream._put("tokens", chunk)
+
+    def _finish_if_cancelled(self, stream: Stream) -> bool:
+        """End a request cancelled before its prefill finished."""
+        if not stream.cancelled:
+            return False
+        run = stream.run
+        stream._put("done", GenerationResult(tokens=[], stats=run.stats, finish_reason="stopped", state=None))
+        return True
+
+    def _fit(self, live: list[Stream], proposals: list) -> list:
+        """Proposals cut to the turn's row budget (a lone sequence keeps its own: as alone)."""
+        if len(live) == 1:
+            return proposals
+        rows = [p.tokens.shape[0] + (0 if p.side is None else p.side.tokens.shape[0]) for p in proposals]
+        fixed = [not s.run.sampling.greedy for s in live]
+        shares = share_rows(rows, fixed, max(self.row_budget, len(live)))
+        return [p if n == r else truncate(p, min(n, p.tokens.shape[0])) for p, n, r in zip(proposals, shares, rows)]
+
+    def _groups(self, proposals: list) -> list[list[int]]:
+        """The passes a turn runs: all sequences in one, or as many as the engine's row cap
+        (``max_rows``: the rows its kernels are exact for) requires."""
+        cap = self.engine.max_rows
+        if cap is None:
+            return [list(range(len(proposals)))]
+        groups, rows = [[]], 0
+        for i, p in enumerate(proposals):
+            n = p.tokens.shape[0] + (0 if p.side is None else p.side.tokens.shape[0])
+            if groups[-1] and rows + n > cap:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += n
+        return groups

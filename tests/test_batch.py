@@ -1,0 +1,200 @@
+"""Batched decoding: every request's tokens are the tokens it gets alone, in every mode, for any
+arrival pattern; threads sharing one engine get correct results; a failed prefill poisons nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tiny import hf_greedy, tiny_model
+
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+from medusa.models.block_heads import init_block_for
+from medusa.models.draft import shallow_draft
+from medusa.models.eagle3_heads import init_eagle3_for
+from medusa.models.eagle_heads import init_eagle_for
+from medusa.models.loader import init_heads_for
+from medusa.serving.budget import knee, share_rows
+from medusa.serving.scheduler import Overloaded, Scheduler
+
+# different lengths: one longer than the prefill chunk (PREFILL below), one a single token
+PROMPTS = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7, list(range(10, 40)), [5], [(7 * i) % 90 + 4 for i in range(45)]]
+PREFILL = 16
+N = 24
+
+
+def engine_for(arch: str, mode: str) -> Engine:
+    model = tiny_model(arch)
+    heads, draft = None, None
+    if mode in ("medusa", "hybrid"):
+        heads = init_heads_for(model, num_heads=3)
+    elif mode == "hybrid@eagle3" or mode == "eagle3":
+        heads = init_eagle3_for(model, 3)
+    elif mode == "eagle":
+        heads = init_eagle_for(model, 3)
+    elif mode == "block":
+        heads = init_block_for(model, 4)
+    elif mode == "draft":
+        draft = shallow_draft(model, 1)
+    eng = Engine(model, heads=heads, draft=draft)
+    eng.prefill_chunk = PREFILL
+    return eng
+
+
+def run_mode(mode: str) -> str:
+    return mode.split("@")[0]
+
+
+def scheduled(eng: Engine, prompts, mode: str, row_budget: int, stagger: bool, **kwargs) -> list[list[int]]:
+    """Each prompt's tokens through a scheduler: submitted together, or each after the previous
+    one has produced tokens (requests joining running ones); short and long answers."""
+    sched = Scheduler(eng, max_batch=3, row_budget=row_budget, prefill_chunk=PREFILL).start()
+    try:
+        streams = []
+        for i, p in enumerate(prompts):
+            started = threading.Event()
+            streams.append(sched.submit(p, max_new_tokens=N - 3 * (i % 3), mode=mode,
+                                        listener=lambda event, started=started: started.set(), **kwargs))
+            if stagger:
+                assert started.wait(60)  # its first tokens: it runs, and the next request joins it
+        return [[t for chunk in s for t in chunk] for s in streams]
+    finally:
+        sched.close(timeout=60)
+
+
+def alone(eng: Engine, prompts, mode: str, **kwargs) -> list[list[int]]:
+    return [eng.generate(p, max_new_tokens=N - 3 * (i % 3), mode=mode, **kwargs).tokens for i, p in enumerate(prompts)]
+
+
+MODES = ["baseline", "lookup", "medusa", "hybrid", "eagle", "eagle3", "hybrid@eagle3", "block", "lookahead", "draft"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_batched_gives_each_request_its_own_tokens(mode):
+    eng = engine_for("llama", mode)
+    ref = alone(eng, PROMPTS, run_mode(mode))
+    assert scheduled(eng, PROMPTS, run_mode(mode), row_budget=8, stagger=False) == ref
+    assert scheduled(eng, PROMPTS, run_mode(mode), row_budget=64, stagger=True) == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("mode", ["baseline", "hybrid", "hybrid@eagle3"])
+def test_batched_equals_alone_equals_generate_on_each_architecture(arch, mode):
+    eng = engine_for(arch, mode)
+    ref = alone(eng, PROMPTS, run_mode(mode))
+    for i, p in enumerate(PROMPTS):  # alone, chunked prefill included, is the target's own greedy
+        assert ref[i] == hf_greedy(eng.model, p, N - 3 * (i % 3))[: len(ref[i])]
+    assert scheduled(eng, PROMPTS, run_mode(mode), row_budget=6, stagger=False) == ref
+
+
+def test_a_packed_pass_really_verifies_several_sequences():
+    eng = engine_for("llama", "baseline")
+    passes = []
+    forward = eng.passes.verify_many
+    eng.passes.verify_many = lambda items: passes.append(len(items)) or forward(items)
+    sched = Scheduler(eng, max_batch=4, prefill_chunk=PREFILL).start()
+    streams = [sched.submit(p, max_new_tokens=N, mode="baseline") for p in PROMPTS[:4]]
+    [s.wait() for s in streams]
+    sched.close()
+    assert max(passes) == 4 and sched.max_seen == 4
+
+
+def test_sampled_requests_draw_the_same_tokens_whatever_is_batched_with_them():
+    eng = engine_for("llama", "hybrid")
+    kwargs = {"temperature": 0.9, "top_p": 0.95}
+    seeds = [11, 12, 13, 14, 15]
+    ref = [eng.generate(p, max_new_tokens=N, mode="hybrid", seed=s, **kwargs).tokens for p, s in zip(PROMPTS, seeds)]
+    sched = Scheduler(eng, max_batch=5, row_budget=5, prefill_chunk=PREFILL).start()
+    streams = [sched.submit(p, max_new_tokens=N, mode="hybrid", seed=s, **kwargs) for p, s in zip(PROMPTS, seeds)]
+    got = [s.wait().tokens for s in streams]
+    sched.close()
+    assert got == ref
+    assert len({tuple(t) for t in got}) > 1
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_finish():
+    eng = engine_for("llama", "baseline")
+    sched = Scheduler(eng, max_batch=2, prefill_chunk=PREFILL).start()
+    long = sched.submit(PROMPTS[2], max_new_tokens=500, mode="baseline")
+    other = sched.submit(PROMPTS[0], max_new_tokens=N, mode="baseline")
+    long.get(timeout=60)
+    long.cancel()
+    waiting = sched.submit(PROMPTS[1], max_new_tokens=N, mode="baseline")
+    assert waiting.wait().tokens == eng.generate(PROMPTS[1], max_new_tokens=N, mode="baseline").tokens
+    assert other.wait().tokens == eng.generate(PROMPTS[0], max_new_tokens=N, mode="baseline").tokens
+    assert long.wait().finish_reason == "stopped"
+    sched.close()
+
+
+def test_a_full_queue_says_so_in_one_line():
+    eng = engine_for("llama", "baseline")
+    sched = Scheduler(eng, max_batch=1, max_queue=1)  # not started: nothing leaves the queue
+    sched.submit(PROMPTS[0], max_new_tokens=4)
+    sched.submit(PROMPTS[1], max_new_tokens=4)
+    with pytest.raises(Overloaded, match="max_queue 1"):
+        sched.submit(PROMPTS[2], max_new_tokens=4)
+    sched.start().close(timeout=60)
+
+
+def test_bad_requests_fail_at_submit_not_in_the_scheduler():
+    eng = engine_for("llama", "baseline")
+    sched = Scheduler(eng)
+    with pytest.raises(MedusaError, match="outside the model's vocabulary"):
+        sched.submit([5, 10_000], max_new_tokens=4)
+    with pytest.raises(MedusaError, match="max_new_tokens"):
+        sched.submit([5], max_new_tokens=0)
+
+
+def test_two_threads_on_one_engine_and_one_state_get_correct_results():
+    eng = engine_for("llama", "hybrid")
+    first = eng.generate(PROMPTS[0], max_new_tokens=8)
+    follow = [PROMPTS[0] + first.tokens + [20 + i] for i in range(4)]
+    ref = [Engine(eng.model, heads=eng.heads).generate(p, max_new_tokens=N).tokens for p in follow]
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            results[i] = eng.generate(follow[i], max_new_tokens=N, state=first.state).tokens
+        except Exception as exc:  # noqa: BLE001 - the test reports what went wrong
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors and results == ref
+
+
+def test_a_failed_prefill_leaves_the_earlier_state_usable():
+    eng = engine_for("llama", "baseline")
+    first = eng.generate(PROMPTS[2], max_new_tokens=8)
+    longer = PROMPTS[2] + first.tokens + [30, 31, 32]
+    ref = Engine(eng.model).generate(longer, max_new_tokens=N).tokens
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt  # Ctrl-C inside the prefill, after the cache was cut back
+
+    hook = eng.model.get_decoder().layers[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(longer, max_new_tokens=N, state=first.state)
+    hook.remove()
+    assert eng.generate(longer, max_new_tokens=N, state=first.state).tokens == ref
+
+
+def test_the_knee_comes_from_the_pass_costs():
+    # gemv-like: flat to 12 rows; torch-like: every row costs
+    assert knee(((1, 20.0), (4, 21.0), (8, 24.0), (12, 29.0), (16, 34.0))) == 12
+    assert knee(((1, 60.0), (2, 94.0), (4, 102.0), (16, 111.0))) == 1
+    assert knee(None, "cpu") >= 1 and knee(None, "cuda") > knee(None, "cpu")
+
+
+@pytest.mark.parametrize("wanted, fixed, budget", [
+    ([13, 13, 13, 13], [False] * 4, 12), ([1, 9, 4], [False] * 3, 8), ([5, 5], [True, False], 6),
+    ([13] * 8, [False] * 8, 8), ([2, 2], [False, False], 10)])
+def test_shares_never_exceed_the_budget_and_keep_every_root(wanted, fixed, budget):
+    shares = share_rows(wanted, fixed, budget)
+    assert all(1 <= s <= w for s, w in zip(shares, wanted))
+    assert all(s == w for s, w, f in zip(shares, wanted, fixed) if f)
+    assert sum(shares) <= max(budget, sum(w for w, f in zip(wanted, fixed) if f) + fixed.count(False))
+    if sum(wanted) <= budget:
+        assert shares == wanted
