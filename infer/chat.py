@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="Hub id, model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the embedded model's shipped "
-                                   "EAGLE heads; its shipped Medusa heads with --mode medusa)")
+                                   "heads for the device, EAGLE-3 on a CPU and Medusa on CUDA; with --mode medusa or "
+                                   "--mode eagle its shipped heads of that kind)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default' "
                                    "(default: none)")
     p.add_argument("--mode", help="medusa, eagle, eagle3 or block (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
