@@ -1018,3 +1018,104 @@ def test_peer_workers_die_with_a_killed_parent(tmp_path, worker):
         assert _gone(pids["worker"]) and _gone(pids["child"])
     finally:
         parent.kill()
+
+
+# -- feature caches: disk space, a killed build, two runs on one folder -------------------------------
+def _examples(n: int = 12, seed: int = 0):
+    from medusa.training.data import Example
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(6, 20)
+        out.append(Example([rng.randrange(4, 96) for _ in range(length)], [0] * (length // 2) + [1] * (length - length // 2)))
+    return out
+
+
+def test_a_feature_cache_larger_than_the_free_disk_is_one_line_before_anything_is_allocated(tmp_path):
+    import shutil as sh
+
+    from medusa.training.feature_cache import build_cache
+
+    examples = _examples()
+    free = sh.disk_usage(tmp_path).free
+    hidden = free // (sum(len(e) for e in examples) * 2) + 1  # float16 rows: just over what the disk holds
+    with pytest.raises(MedusaError) as err:
+        build_cache(tmp_path / "train", lambda i, a: None, examples, hidden, 4, "fp")
+    one_line(err, str(tmp_path / "train"), "GB", "free", "cache_dir")
+    assert not list(tmp_path.rglob("*.npy"))  # a bare "Bus error" later, before
+
+
+KILLED_BUILD = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from tiny import tiny_model
+from test_faults import _examples
+from medusa.training.feature_cache import build_cache, run_target
+model = tiny_model("llama", vocab_size=96)
+calls = []
+def target(ids, attn):
+    calls.append(1)
+    if len(calls) == 3:  # killed in the middle of the build, no cleanup of any kind
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run_target(model, ids, attn)
+build_cache(sys.argv[1], target, _examples(), 64, 4, "fp", batch_tokens=40, mark_every_s=0)
+"""
+
+
+def test_a_killed_feature_cache_build_resumes_where_it_stopped(tmp_path):
+    import subprocess
+    import sys
+
+    from medusa.training.feature_cache import FeatureCache, build_cache, run_target
+
+    examples, folder = _examples(), tmp_path / "train"
+    proc = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(folder), str(REPO / "tests")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert not (folder / "meta.json").exists()
+    model = tiny_model("llama", vocab_size=96)
+    ran = []
+
+    def target(ids, attn):
+        ran.append(int(attn.sum()))
+        return run_target(model, ids, attn)
+
+    build_cache(folder, target, examples, 64, 4, "fp", batch_tokens=40)
+    total = sum(len(e) for e in examples)
+    assert 0 < sum(ran) < total  # the sequences written before the kill were kept, not run again
+    assert {p.name for p in folder.iterdir()} == {f"{n}.npy" for n in (
+        "hidden", "teacher_ids", "teacher_logp", "tokens", "loss_mask", "offsets")} | {"meta.json"}  # no marker left
+    build_cache(tmp_path / "whole", lambda i, a: run_target(model, i, a), examples, 64, 4, "fp", batch_tokens=40)
+    resumed, whole = FeatureCache.open(folder), FeatureCache.open(tmp_path / "whole")
+    np.testing.assert_array_equal(resumed.teacher_ids, whole.teacher_ids)
+    np.testing.assert_allclose(resumed.hidden.astype(np.float32), whole.hidden.astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(resumed.teacher_logp.astype(np.float32), whole.teacher_logp.astype(np.float32), atol=2e-3)
+
+
+def test_a_second_run_on_one_feature_cache_folder_waits_for_the_first(trained, tmp_path, caplog):
+    import threading
+
+    from accelerate import Accelerator
+
+    from medusa.training.data import build_datasets
+    from medusa.training.feature_cache import build_lock, open_caches
+
+    setup, _ = trained
+    cfg = run_config(setup, tmp_path / "run", cache_dir=str(tmp_path / "features"))
+    target, tokenizer = load_target(setup["model"], device="cpu")
+    splits = build_datasets(tokenizer, cfg.data, cfg.max_length, cfg.max_samples, cfg.eval_fraction, cfg.data_seed,
+                            cfg.data_split)
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    got = {}
+    with caplog.at_level(logging.WARNING, logger="medusa.training.feature_cache"):
+        with build_lock(tmp_path / "features", True):  # the first run, building
+            second = threading.Thread(target=lambda: got.update(open_caches(cfg, target, splits, accelerator)))
+            second.start()
+            second.join(timeout=3)
+            assert second.is_alive() and not (tmp_path / "features" / "train").exists()  # it waits, writes nothing
+        second.join(timeout=120)
+    assert not second.is_alive() and set(got) == {"train", "eval"}
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "another run" in said[0] and "waiting" in said[0]
