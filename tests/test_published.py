@@ -18,7 +18,7 @@ from tiny_heads import PROMPT, REPO, random_heads, word_tokenizer
 
 import medusa
 from medusa.errors import MedusaError
-from medusa.hub.hub import load_heads_from
+from medusa.hub.hub import load_heads_from, read_heads
 from medusa.models import published
 from medusa.models.eagle_heads import additive_mask
 from medusa.models.heads_config import save_heads
@@ -358,3 +358,106 @@ def test_medusa_heads_round_trip_through_every_export(target, tmp_path, projecti
     cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "medusa" and cfg["original_lm_head"] is (projection == "shared")
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(folder_target)
+
+
+# -- SafeAILab EAGLE-3 and EAGLE-1/2 -------------------------------------------------------------
+def safeailab_eagle3_config() -> dict:
+    """As SafeAILab's EAGLE-3 checkpoints ship it: a Llama config of the draft, its draft
+    vocabulary size, no target layers (they follow from the target's depth)."""
+    return {**layer_config(architectures=["LlamaForCausalLMEagle3"]), "draft_vocab_size": int(DRAFT_IDS.numel())}
+
+
+def test_safeailab_eagle3_loads_computes_its_layout_and_decodes_exactly(target, tmp_path):
+    folder_target, model = target
+    t = eagle3_tensors("midlayer.", embed=model.get_input_embeddings().weight.detach().half())  # float16, as shipped
+    ckpt = write_folder(tmp_path / "ea3", safeailab_eagle3_config(), t)
+    assert published.detect(ckpt) == published.SAFEAILAB_EAGLE3
+    heads = load_heads_from(str(ckpt), model)
+    # SafeAILab's layers for an n-layer target: 2, n // 2, n - 3; its residual adds the un-normed feature
+    assert heads.config.feature_layers == [2, LAYERS // 2, LAYERS - 3] and heads.config.norm_before_residual is False
+    check_eagle3_step(heads, t, "midlayer.", model, False)
+    decodes_exactly(folder_target, model, ckpt, ("eagle3", "hybrid"))
+    with pytest.raises(MedusaError, match="pass the target model") as err:
+        read_heads(ckpt)  # without the target its layers are unknown
+    assert "\n" not in str(err.value)
+
+
+def safeailab_eagle_tensors(model, bias: bool, seed: int = 40) -> dict[str, torch.Tensor]:
+    t = {"fc.weight": randn(H, 2 * H, seed=seed), **llama_layer_tensors("layers.0.", H, seed + 1, input_norm=False),
+         "embed_tokens.weight": model.get_input_embeddings().weight.detach().clone()}
+    if bias:
+        t["fc.bias"] = randn(H, seed=seed + 20)
+    return t
+
+
+def eagle1_reference(t: dict, model, feature: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One EAGLE-1 draft step at one position, from SafeAILab's layout: ``fc(cat(embed, f))``, a
+    decoder layer without its input norm, no final norm, the target's lm_head."""
+    emb = model.get_input_embeddings().weight.detach()[token]
+    x = torch.cat([emb, feature]) @ t["fc.weight"].T + t.get("fc.bias", torch.zeros(H))
+    h = x + one_token_attention(t, "layers.0.", x)
+    out = h + mlp(t, "layers.0.", rms(h, t["layers.0.post_attention_layernorm.weight"], model.config.rms_norm_eps))
+    return out, out @ model.get_output_embeddings().weight.detach().T
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_safeailab_eagle_loads_computes_its_layout_and_decodes_exactly(target, tmp_path, bias):
+    folder_target, model = target
+    t = safeailab_eagle_tensors(model, bias)
+    ckpt = write_folder(tmp_path / "ea1", layer_config(bias=bias), t)
+    assert published.detect(ckpt) == published.SAFEAILAB_EAGLE
+    heads = load_heads_from(str(ckpt), model)
+    assert (heads.config.kind, heads.config.eagle_layout, heads.config.fc_bias) == ("eagle", "eagle1", bias)
+    feature = randn(1, H, seed=98, scale=1.0)
+    out = heads(feature, torch.tensor([7]), torch.tensor([0]), None, additive_mask(torch.ones(1, 1, dtype=torch.bool),
+                                                                                    torch.float32))
+    ref_out, ref_logits = eagle1_reference(t, model, feature[0], 7)
+    torch.testing.assert_close(out[0], ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(heads.logits(out)[0], ref_logits, rtol=1e-4, atol=1e-4)
+    decodes_exactly(folder_target, model, ckpt, ("eagle", "hybrid"))
+
+
+def test_eagle_heads_round_trip_through_the_vllm_export(target, tmp_path):
+    """This repo's eagle1 heads export to vLLM's EAGLE-1 drafter, which is SafeAILab's layout: back identical."""
+    from medusa.models.eagle_heads import init_eagle_for
+
+    folder_target, model = target
+    torch.manual_seed(4)
+    heads = init_eagle_for(model, 4, init="random", layout="eagle1")
+    folder = save_heads(heads, tmp_path / "heads")
+    out = tmp_path / "v"
+    assert export_script().main([str(folder), "--output", str(out), "--model", str(folder_target)]) == 0  # default: vllm
+    assert published.detect(out) == published.SAFEAILAB_EAGLE
+    same_heads(load_heads(out, model), heads)
+    assert export_script().main([str(folder), "--to", "speculators", "--output", str(tmp_path / "s")]) == 1
+
+
+def test_an_eagle_layer_of_another_shape_than_the_target_s_is_refused(target, tmp_path):
+    _, model = target
+    ckpt = write_folder(tmp_path / "ea1", layer_config(rms_norm_eps=1e-5), safeailab_eagle_tensors(model, False))
+    with pytest.raises(MedusaError, match="rms_norm_eps"):
+        load_heads(ckpt, model)
+
+
+@pytest.mark.parametrize("config", [safeailab_eagle3_config(), layer_config(), None])
+def test_pickled_weights_get_one_line_saying_how_to_convert(target, tmp_path, config):
+    """Never unpickled: the file would run code if it were loaded (the payload proves the line
+    comes before any load)."""
+    _, model = target
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "marker"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "code ran"))
+
+    torch.save({"fc.weight": torch.zeros(2, 2), "x": Payload()}, folder / "pytorch_model.bin")
+    for load in (lambda: load_heads_from(str(folder), model), lambda: load_heads(folder, model)):
+        with pytest.raises(MedusaError, match="pickled weights only") as err:
+            load()
+        message = str(err.value)
+        assert "\n" not in message and "weights_only=True" in message and "save_file" in message
+    assert not marker.exists()

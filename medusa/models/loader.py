@@ -16,7 +16,6 @@ from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
-    CONFIG_NAME,
     REFETCH,
     WEIGHTS_NAME,
     HeadsConfig,
@@ -45,7 +44,7 @@ def read_folder(folder: str | Path, model: nn.Module | None = None) -> tuple[Hea
     layout = published.detect(folder)
     if layout is not None:
         return published.read_published(folder, layout, model)
-    if (folder / CONFIG_NAME).is_file() and not (folder / WEIGHTS_NAME).is_file():
+    if not (folder / WEIGHTS_NAME).is_file():
         published.refuse_pickles(folder)  # one line for a folder of pickled weights
     config = read_heads_config(folder)
     weights = folder / WEIGHTS_NAME

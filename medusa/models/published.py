@@ -131,8 +131,8 @@ def detect(folder: str | Path) -> str | None:
         return SAFEAILAB_EAGLE3
     if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
         return SAFEAILAB_EAGLE
-    if not names and data.get("num_hidden_layers") == 1 and _pickles(folder):
-        return SAFEAILAB_EAGLE  # weights only pickled: refused with the conversion line below
+    if not names and data.get("num_hidden_layers") == 1:
+        return SAFEAILAB_EAGLE  # a draft config without safetensors: refused with the conversion line
     return None
 
 
