@@ -260,10 +260,7 @@ def test_the_docs_hold_commands_of_every_kind():
 
 
 # Known failures on pages kept by their own authors: fix the command there, then drop its entry.
-PENDING = {
-    "docs/exactness.md": "eagle-hybrid",  # --modes ... eagle-hybrid: today's name is hybrid@eagle
-    "docs/serving.md": "eagle-hybrid",
-}
+PENDING: dict[str, str] = {}  # page -> a command text known to fail there (an xfail until the page is fixed)
 
 
 def _marks(command: Command):

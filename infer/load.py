@@ -1,0 +1,141 @@
+"""``python -m infer.load``: many users at once, this project's server beside the ones people
+would deploy instead, measured the same way on the same prompts in one run.
+
+    python -m infer.load --servers medusa,medusa-baseline,llama-server --concurrency 1,2,4,8 \\
+        --prompts docs/benchmarks/prompts/heldout-serve.jsonl --max-tokens 128 --json load.json --plot load.png
+
+Each server is started on 127.0.0.1, sent every prompt once per concurrency (streaming, greedy;
+medusa/serving/loadgen.py), and stopped. ``medusa`` is ``python -m infer.serve`` in its default
+mode, ``medusa-baseline`` the same server decoding without drafts (the engine's batched plain
+decoding), ``llama-server`` llama.cpp's server with ``--parallel`` slots on the same weights as
+an F32 GGUF (built once from PyPI's llama-cpp-python sources), ``url=URL`` an already running
+OpenAI-compatible server on this machine (vLLM's, say). Answers are compared across
+concurrencies and servers: the table says how many match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from medusa.errors import MedusaError
+from medusa.serving.loadgen import run_load, wait_ready
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPTS = REPO / "docs" / "benchmarks" / "prompts" / "heldout-serve.jsonl"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default="medusa,medusa-baseline",
+                   help="comma-separated: medusa, medusa-baseline, llama-server, url=URL (default: medusa,medusa-baseline)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts (default: 1,2,4,8)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with a `turns` list per line")
+    p.add_argument("--limit", type=int, help="first N prompts only")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default: 128)")
+    p.add_argument("--max-batch", type=int, default=8, help="our server's --max-batch and llama-server's --parallel")
+    p.add_argument("--port", type=int, default=8391, help="port the started servers listen on (default: 8391)")
+    p.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model id sent to url= servers")
+    p.add_argument("--json", help="write every row (and the answers' agreement) here")
+    p.add_argument("--plot", help="write a PNG of total tokens/s against concurrency here")
+    return p
+
+
+def read_prompts(path: str, limit: int | None) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        prompts = [json.loads(line)["turns"][0] for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError) as exc:
+        raise MedusaError(f"cannot read prompts from {path} ({exc}): give a jsonl with a `turns` list per line") from None
+    return prompts[:limit] if limit else prompts
+
+
+def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.Popen | None]:
+    """``(url, model id, process)`` of a started (or, for url=, a running) server."""
+    if server.startswith("url="):
+        return server[4:], args.model_name, None
+    url = f"http://127.0.0.1:{args.port}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if server in ("medusa", "medusa-baseline"):
+        cmd = [sys.executable, "-m", "infer.serve", "--port", str(args.port), "--max-batch", str(args.max_batch),
+               "--max-queue", "256", "--log-level", "warning"]
+        if server == "medusa-baseline":
+            cmd += ["--mode", "baseline"]
+    elif server == "llama-server":
+        from medusa.hub.llama_server import ensure_llama_server, server_command
+        from medusa.models.gguf_f32 import f32_gguf
+
+        ensure_llama_server()
+        cmd = server_command(f32_gguf(None), args.port, args.max_batch, torch.get_num_threads())
+    else:
+        raise MedusaError(f"unknown server {server!r}: use medusa, medusa-baseline, llama-server or url=URL")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_ready(url, proc=proc)
+    return url, args.model_name, proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        prompts = read_prompts(args.prompts, args.limit)
+        levels = [int(c) for c in args.concurrency.split(",")]
+        rows, texts = [], {}
+        for server in args.servers.split(","):
+            url, model, proc = start(server, args)
+            try:
+                for c in levels:
+                    result = run_load(url, model, prompts, c, args.max_tokens)
+                    texts[(server, c)] = result.texts
+                    rows.append({"server": server, **result.row()})
+                    print(f"{server:<16} c={c:<2} {result.tokens_per_second:7.1f} tok/s  ttft p50 {result.ttft_p50:.2f} s  "
+                          f"itl p50/p95 {1e3 * result.itl_p50:.1f}/{1e3 * result.itl_p95:.1f} ms"
+                          + (f"  tau {result.tau:.2f}" if result.tau else ""), flush=True)
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(60)
+    except MedusaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    first = {s: texts[(s, levels[0])] for s, _ in texts}
+    for row in rows:  # the same answers at every concurrency, and as the first server's
+        mine = texts[(row["server"], row["concurrency"])]
+        row["same_as_c1"] = sum(a == b for a, b in zip(mine, first[row["server"]]))
+        row["same_as_first_server"] = sum(a == b for a, b in zip(mine, next(iter(first.values()))))
+        print(f"{row['server']:<16} c={row['concurrency']:<2} identical to its c={levels[0]}: "
+              f"{row['same_as_c1']}/{len(mine)}, to {next(iter(first))}: {row['same_as_first_server']}/{len(mine)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts, "max_tokens": args.max_tokens},
+                                              indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for server in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == server]
+        ax.plot([r["concurrency"] for r in mine], [r["tokens_per_second"] for r in mine], marker="o", label=server)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("total tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

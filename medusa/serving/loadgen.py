@@ -1,0 +1,159 @@
+"""A load generator for OpenAI-compatible servers: this project's, llama.cpp's ``llama-server``
+and vLLM's all speak ``/v1/chat/completions``, so one client measures them the same way.
+
+``run_load`` sends every prompt once at a given concurrency (each worker takes the next prompt
+when its answer ends), streaming, greedy, and measures total tokens per second, time to first
+token and the gaps between streamed chunks' tokens (inter-token latency, p50/p95), plus the
+answers themselves so that runs at different concurrencies can be checked token for token.
+Only loopback addresses are targets.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+from medusa.errors import MedusaError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    tokens: int = 0  # completion tokens (the server's usage, else streamed chunks)
+    ttft: float = 0.0  # seconds to the first content
+    gaps: list[float] = field(default_factory=list)  # seconds per token between chunks
+    tau: float | None = None  # tokens per target pass, where the server reports it
+    seconds: float = 0.0
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    requests: int
+    seconds: float
+    tokens: int
+    tokens_per_second: float
+    ttft_p50: float
+    ttft_p95: float
+    itl_p50: float
+    itl_p95: float
+    tau: float | None
+    texts: list[str]
+
+    def row(self) -> dict:
+        out = asdict(self)
+        out.pop("texts")
+        return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK and not (host or "").startswith("127."):
+        raise MedusaError(f"{url} is not a loopback address: the load generator only targets this machine")
+
+
+def ask(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> Answer:
+    """One streamed greedy chat completion, timed chunk by chunk."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    answer, pieces, chunks = Answer(), [], 0
+    t0 = last = time.perf_counter()
+    with client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise MedusaError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage")
+            if usage:
+                answer.tokens = usage.get("completion_tokens", 0)
+                answer.tau = usage.get("tokens_per_pass")
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if not piece:
+                    continue
+                now = time.perf_counter()
+                if not pieces:
+                    answer.ttft = now - t0
+                else:
+                    answer.gaps.append(now - last)
+                last = now
+                pieces.append(piece)
+                chunks += 1
+    answer.seconds = time.perf_counter() - t0
+    answer.text = "".join(pieces)
+    answer.tokens = answer.tokens or chunks
+    if answer.gaps and answer.tokens > chunks:  # several tokens per chunk: a gap's time per token
+        per = (answer.tokens - 1) / max(len(answer.gaps), 1)
+        answer.gaps = [g / per for g in answer.gaps]
+    return answer
+
+
+def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+             timeout: float = 600.0) -> LoadResult:
+    """Every prompt once, ``concurrency`` at a time; answers in prompt order."""
+    check_loopback(url)
+    answers: list[Answer | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    lock, cursor = threading.Lock(), [0]
+
+    def worker() -> None:
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    i = cursor[0]
+                    cursor[0] += 1
+                if i >= len(prompts) or errors:
+                    return
+                try:
+                    answers[i] = ask(client, url, model, prompts[i], max_tokens, timeout)
+                except BaseException as exc:  # noqa: BLE001 - reported after the run
+                    errors.append(exc)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise MedusaError(f"a request to {url} failed: {errors[0]}")
+    done = [a for a in answers if a is not None]
+    tokens = sum(a.tokens for a in done)
+    ttft = [a.ttft for a in done]
+    gaps = [g for a in done for g in a.gaps]
+    taus = [a.tau for a in done if a.tau]
+    return LoadResult(concurrency=concurrency, requests=len(done), seconds=seconds, tokens=tokens,
+                      tokens_per_second=tokens / seconds, ttft_p50=_percentile(ttft, 0.5), ttft_p95=_percentile(ttft, 0.95),
+                      itl_p50=_percentile(gaps, 0.5), itl_p95=_percentile(gaps, 0.95),
+                      tau=statistics.fmean(taus) if taus else None, texts=[a.text for a in done])
+
+
+def wait_ready(url: str, seconds: float = 900.0, proc=None) -> None:
+    """Until ``url``'s ``/health`` answers 200 (both llama-server and vLLM have it)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise MedusaError(f"the server for {url} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url.rstrip("/") + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise MedusaError(f"{url} was not ready after {seconds:.0f} s")
