@@ -1119,3 +1119,19 @@ def test_a_second_run_on_one_feature_cache_folder_waits_for_the_first(trained, t
     assert not second.is_alive() and set(got) == {"train", "eval"}
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 1 and "another run" in said[0] and "waiting" in said[0]
+
+
+def test_gemv_kernels_under_an_unwritable_cache_root_are_left_out_in_one_line(tmp_path, monkeypatch):
+    # The kernel build's folder could not be made: a NotADirectoryError traceback from every load
+    # that measured kernels.
+    from medusa.runtime import gemv
+
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    gemv.library.cache_clear()
+    try:
+        reason = gemv.unavailable_reason()
+    finally:
+        gemv.library.cache_clear()  # the next test builds or loads the kernels where they belong
+    assert reason is not None and "\n" not in reason
+    assert "cannot write the gemv kernels" in reason and "MEDUSA_CACHE" in reason

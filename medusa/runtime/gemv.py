@@ -82,7 +82,11 @@ def library_path(cc: str) -> Path:
 
 
 def _build(cc: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # an unwritable cache root: the kernel pick leaves gemv out, the load goes on
+        raise GemvUnavailable(f"cannot write the gemv kernels to {path.parent} ({err.strerror}): set MEDUSA_CACHE "
+                              "to a writable folder, or use kernels='onednn'") from None
     with atomic_file(path) as tmp:
         try:
             out = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
