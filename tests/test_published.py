@@ -24,6 +24,8 @@ from medusa.models.eagle_heads import additive_mask
 from medusa.models.heads_config import save_heads
 from medusa.models.loader import load_heads
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-call overhead, faster on one thread
+
 LAYERS = 8  # deep enough for EAGLE-3's default layers 2, n // 2, n - 3 to be three distinct ones
 H, HEADS, KV, HEAD_DIM, MLP, VOCAB = 64, 4, 2, 16, 128, 96
 
@@ -461,3 +463,30 @@ def test_pickled_weights_get_one_line_saying_how_to_convert(target, tmp_path, co
         message = str(err.value)
         assert "\n" not in message and "weights_only=True" in message and "save_file" in message
     assert not marker.exists()
+
+
+# -- the shipped heads, through every export and back ------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, layouts", [("eagle3", ("speculators", "vllm")),
+                                           ("medusa", ("speculators", "vllm", "fasterdecoding")),
+                                           ("eagle", ("vllm",))])
+def test_shipped_heads_round_trip_through_every_export(embedded, tmp_path, kind, layouts):
+    from infer.bench import encode
+    from medusa.api import SHIPPED
+
+    shipped = medusa.load(heads=kind, target=embedded, autotune=False)
+    ids = encode(shipped, "Write a Python function that checks whether a number is prime.")
+    mode = kind
+    reference = shipped.generate(ids, max_new_tokens=48, mode="baseline").tokens
+    assert shipped.generate(ids, max_new_tokens=48, mode=mode).tokens == reference
+    for layout in layouts:
+        out = tmp_path / layout
+        assert export_script().main([str(SHIPPED[kind]), "--to", layout, "--output", str(out)]) == 0, layout
+        back = medusa.load(heads=str(out), target=embedded, autotune=False)
+        if layout != "fasterdecoding":  # that layout copies the shared lm_head into each head
+            same_heads(back.heads, shipped.heads)
+        for m in (mode, "hybrid"):
+            assert back.generate(ids, max_new_tokens=48, mode=m).tokens == reference, (layout, m)
+    if "speculators" in layouts:
+        cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())
+        assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
