@@ -12,7 +12,10 @@ float32 at batch size 1, and reports per heads and prompt: identical to the engi
 vLLM's acceptance metrics and tokens/s. The engine drafts the way vLLM's proposers do (a
 chain of top-1 tokens over the full vocabulary: one node per Medusa head, or one eagle draft
 step per speculative token), so the two acceptance lengths should agree too. Exits 0 when
-every output is identical.
+every output is identical. ``--layout speculators`` exports Medusa and EAGLE-3 heads in the
+speculators format instead and starts vLLM on the export folder alone (its config names the
+target and the speculative tokens: no speculative config is passed); EAGLE heads keep vLLM's
+EAGLE-1 layout, which that format is not written for here.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--python", default=None, help="python of an existing vLLM install (default: the dedicated venv)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow startup; default: eager)")
     ap.add_argument("--export-dir", default=None, help="keep the exports here, one subfolder per heads (default: a temporary folder)")
+    ap.add_argument("--layout", default="vllm", choices=("vllm", "speculators"),
+                    help="export layout: vllm (served with a speculative config) or speculators (served alone)")
     ap.add_argument("--json", default=None, help="write the per-heads, per-prompt report to this JSON file (default: none)")
     return ap
 
@@ -95,17 +100,42 @@ def compare(engine, worker: VLLMWorker, prompts: list[str], max_new_tokens: int,
     return rows
 
 
+def export_speculators(heads: str, model: str | None, target: str, out: Path) -> dict:
+    """Export Medusa or EAGLE-3 ``heads`` in the speculators format (float32, full vocabulary,
+    ``target`` as the verifier vLLM loads); returns the speculative config vLLM reads from it."""
+    import torch
+
+    from medusa.hub.export import export_heads, target_lm_head, target_text_config
+    from medusa.hub.hub import read_heads, resolve_heads_folder
+
+    config, state = read_heads(resolve_heads_folder(heads))
+    lm_head, target_config = None, None
+    if config.kind == "eagle3":
+        target_config = target_text_config(config, model)
+    elif config.kind == "medusa" and config.projection == "shared":
+        lm_head = target_lm_head(config, model, dtype=torch.float32)
+    export_heads(config, state, out, "speculators", lm_head=lm_head, dtype=torch.float32, target_config=target_config,
+                 verifier={"name_or_path": target, "architectures": (target_config or {}).get("architectures") or []})
+    return {"method": config.kind, "model": str(out), "num_speculative_tokens": config.num_heads}
+
+
 def check(heads: str, args: argparse.Namespace, prompts: list[str], out: Path) -> dict:
     """Export ``heads``, decode the prompts with the engine and with vLLM, and compare."""
-    spec = export_for_vllm(heads, args.model, out)
     engine = medusa.load(model=args.model, heads=heads, device="cpu", dtype="float32")
     engine.heads.set_draft_vocab(None)  # vLLM drafts over the full vocabulary (see export_for_vllm)
     target = args.model or str(default_model_dir())
-    print(f"starting vLLM on {target} with {spec}", file=sys.stderr)
-    with VLLMWorker(target, spec, python=args.python, compile=args.compile) as worker:
+    if args.layout == "speculators" and engine.heads.config.kind != "eagle":
+        spec = export_speculators(heads, args.model, target, out)
+        served, speculative = out, None  # vLLM reads the target and the speculative config from the folder
+    else:
+        spec = export_for_vllm(heads, args.model, out)
+        served, speculative = target, spec
+    print(f"starting vLLM on {served} with {speculative or 'the config in it'}", file=sys.stderr)
+    with VLLMWorker(served, speculative, python=args.python, compile=args.compile) as worker:
         rows = compare(engine, worker, prompts, args.max_new_tokens, spec)
         version = worker.version
-    return {"heads": str(heads), "kind": engine.heads.config.kind, "vllm": version, "spec": spec, "prompts": rows}
+    return {"heads": str(heads), "kind": engine.heads.config.kind, "vllm": version, "spec": spec,
+            "layout": args.layout if speculative is None else "vllm", "prompts": rows}
 
 
 def report(rows: list[dict]) -> str:

@@ -490,3 +490,21 @@ def test_shipped_heads_round_trip_through_every_export(embedded, tmp_path, kind,
     if "speculators" in layouts:
         cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())
         assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_vllm_check_serves_the_speculators_export_by_its_own_config(target, tmp_path):
+    """scripts/vllm_check.py --layout speculators: the export names the served target as its
+    verifier, and reads back as the same heads (vLLM itself is checked by make vllm-check)."""
+    import importlib.util
+
+    folder_target, model = target
+    spec = importlib.util.spec_from_file_location("vllm_check", REPO / "scripts" / "vllm_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    heads = random_eagle3(model, seed=5)
+    got = check.export_speculators(str(save_heads(heads, tmp_path / "h")), str(folder_target), "SERVED", tmp_path / "s")
+    assert got == {"method": "eagle3", "model": str(tmp_path / "s"), "num_speculative_tokens": 5}
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "SERVED"
+    assert load_file(tmp_path / "s" / "model.safetensors")["fc.weight"].dtype == torch.float32
+    same_heads(load_heads(tmp_path / "s", model), heads)
