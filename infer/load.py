@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from medusa.errors import MedusaError
-from medusa.serving.loadgen import run_load, wait_ready
+from medusa.serving.loadgen import interference, run_load, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "docs" / "benchmarks" / "prompts" / "heldout-serve.jsonl"
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="our server's --max-batch and llama-server's --parallel")
     p.add_argument("--port", type=int, default=8391, help="port the started servers listen on (default: 8391)")
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model id sent to url= servers")
+    p.add_argument("--long-prompt", type=int, default=0, metavar="WORDS",
+                   help="also send a prompt of about this many words while 3 streams run, and report their "
+                        "inter-token latency before and during its prefill (0: skip)")
     p.add_argument("--json", help="write every row (and the answers' agreement) here")
     p.add_argument("--plot", help="write a PNG of total tokens/s against concurrency here")
     return p
@@ -54,6 +57,22 @@ def read_prompts(path: str, limit: int | None) -> list[str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError) as exc:
         raise MedusaError(f"cannot read prompts from {path} ({exc}): give a jsonl with a `turns` list per line") from None
     return prompts[:limit] if limit else prompts
+
+
+def long_text(words: int) -> str:
+    """A long summarisation prompt of about ``words`` words (a document of varied sentences)."""
+    sentences = ["The committee reviewed the annual report on regional water use.",
+                 "Rainfall in the northern districts fell by a fifth compared with the previous year.",
+                 "Farmers adopted drip irrigation on many of the larger plots.",
+                 "City reservoirs stayed above their minimum levels through the summer.",
+                 "Two treatment plants were upgraded and a third is being planned.",
+                 "Household consumption dropped after the new tariffs took effect."]
+    text, n = [], 0
+    while n < words:
+        s = sentences[len(text) % len(sentences)]
+        text.append(s)
+        n += len(s.split())
+    return "Summarize the following report in three sentences.\n\n" + " ".join(text)
 
 
 def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.Popen | None]:
@@ -96,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{server:<16} c={c:<2} {result.tokens_per_second:7.1f} tok/s  ttft p50 {result.ttft_p50:.2f} s  "
                           f"itl p50/p95 {1e3 * result.itl_p50:.1f}/{1e3 * result.itl_p95:.1f} ms"
                           + (f"  tau {result.tau:.2f}" if result.tau else ""), flush=True)
+                if args.long_prompt:
+                    hit = interference(url, model, prompts, long_text(args.long_prompt), args.max_tokens)
+                    rows.append({"server": server, "long_prompt_words": args.long_prompt, **hit})
+                    print(f"{server:<16} a {args.long_prompt}-word prompt while 3 streams run: their itl p95 "
+                          f"{1e3 * hit['steady_itl_p95']:.0f} -> {1e3 * hit['during_prefill_itl_p95']:.0f} ms "
+                          f"({hit['ratio']:.1f}x) over its {hit['prefill_seconds']:.1f} s prefill", flush=True)
             finally:
                 if proc is not None:
                     proc.terminate()
@@ -105,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     first = {s: texts[(s, levels[0])] for s, _ in texts}
     for row in rows:  # the same answers at every concurrency, and as the first server's
+        if "concurrency" not in row:
+            continue
         mine = texts[(row["server"], row["concurrency"])]
         row["same_as_c1"] = sum(a == b for a, b in zip(mine, first[row["server"]]))
         row["same_as_first_server"] = sum(a == b for a, b in zip(mine, next(iter(first.values()))))

@@ -68,9 +68,10 @@ def alone(eng: Engine, prompts, mode: str, **kwargs) -> list[list[int]]:
 
 
 MODES = ["baseline", "lookup", "medusa", "hybrid", "eagle", "eagle3", "hybrid@eagle3", "block", "lookahead", "draft"]
+FAST = {"baseline", "hybrid", "eagle3", "lookahead"}  # the rest run in the slow tier (make test-all)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_every_mode_batched_gives_each_request_its_own_tokens(mode):
     eng = engine_for("llama", mode)
     ref = alone(eng, PROMPTS, run_mode(mode))
@@ -78,8 +79,11 @@ def test_every_mode_batched_gives_each_request_its_own_tokens(mode):
     assert scheduled(eng, PROMPTS, run_mode(mode), row_budget=64, stagger=True) == ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize("mode", ["baseline", "hybrid", "hybrid@eagle3"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=SLOW), "mistral", pytest.param("gemma3", marks=SLOW)])
+@pytest.mark.parametrize("mode", ["baseline", "hybrid", pytest.param("hybrid@eagle3", marks=SLOW)])
 def test_batched_equals_alone_equals_generate_on_each_architecture(arch, mode):
     eng = engine_for(arch, mode)
     ref = alone(eng, PROMPTS, run_mode(mode))

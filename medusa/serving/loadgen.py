@@ -157,3 +157,43 @@ def wait_ready(url: str, seconds: float = 900.0, proc=None) -> None:
             pass
         time.sleep(1)
     raise MedusaError(f"{url} was not ready after {seconds:.0f} s")
+
+
+def interference(url: str, model: str, prompts: list[str], long_prompt: str, max_tokens: int,
+                 streams: int = 3, after: float = 2.0, timeout: float = 600.0) -> dict:
+    """What a long prompt arriving does to running streams: ``streams`` answers start, and
+    ``after`` seconds later ``long_prompt`` is sent. Returns the streams' inter-token latency
+    p95 before it arrived (steady) and from its arrival to its first token (while it prefills),
+    in seconds per token, and their ratio."""
+    check_loopback(url)
+    marks: list[list[tuple[float, float]]] = [[] for _ in range(streams)]  # (time, seconds per token)
+    arrival, first = [0.0], [0.0]
+
+    def stream(i: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        last = None
+        with httpx.Client() as client, client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
+                                                     timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"content"' in line and '"content": ""' not in line:
+                    now = time.perf_counter()
+                    if last is not None:
+                        marks[i].append((now, now - last))
+                    last = now
+
+    def long() -> None:
+        time.sleep(after)
+        arrival[0] = time.perf_counter()
+        with httpx.Client() as client:
+            a = ask(client, url, model, long_prompt, 8, timeout)
+        first[0] = arrival[0] + a.ttft
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)] + [threading.Thread(target=long)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    steady = [g for m in marks for t, g in m if t < arrival[0]]
+    during = [g for m in marks for t, g in m if arrival[0] <= t <= first[0] + 1e-3]
+    p_steady, p_during = _percentile(steady, 0.95), _percentile(during, 0.95)
+    return {"steady_itl_p95": p_steady, "during_prefill_itl_p95": p_during, "ratio": p_during / max(p_steady, 1e-9),
+            "prefill_seconds": first[0] - arrival[0], "steady_gaps": len(steady), "during_gaps": len(during)}
