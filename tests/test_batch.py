@@ -1,5 +1,5 @@
 """Batched decoding: every request's tokens are the tokens it gets alone, in every mode, for any
-arrival pattern; threads sharing one engine get correct results; a failed prefill poisons nothing."""
+arrival pattern (threads sharing one engine, a failed prefill: tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -148,41 +148,6 @@ def test_bad_requests_fail_at_submit_not_in_the_scheduler():
         sched.submit([5, 10_000], max_new_tokens=4)
     with pytest.raises(MedusaError, match="max_new_tokens"):
         sched.submit([5], max_new_tokens=0)
-
-
-def test_two_threads_on_one_engine_and_one_state_get_correct_results():
-    eng = engine_for("llama", "hybrid")
-    first = eng.generate(PROMPTS[0], max_new_tokens=8)
-    follow = [PROMPTS[0] + first.tokens + [20 + i] for i in range(4)]
-    ref = [Engine(eng.model, heads=eng.heads).generate(p, max_new_tokens=N).tokens for p in follow]
-    results, errors = [None] * 4, []
-
-    def work(i):
-        try:
-            results[i] = eng.generate(follow[i], max_new_tokens=N, state=first.state).tokens
-        except Exception as exc:  # noqa: BLE001 - the test reports what went wrong
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    [t.start() for t in threads]
-    [t.join(120) for t in threads]
-    assert not errors and results == ref
-
-
-def test_a_failed_prefill_leaves_the_earlier_state_usable():
-    eng = engine_for("llama", "baseline")
-    first = eng.generate(PROMPTS[2], max_new_tokens=8)
-    longer = PROMPTS[2] + first.tokens + [30, 31, 32]
-    ref = Engine(eng.model).generate(longer, max_new_tokens=N).tokens
-
-    def interrupt(module, args):
-        raise KeyboardInterrupt  # Ctrl-C inside the prefill, after the cache was cut back
-
-    hook = eng.model.get_decoder().layers[1].register_forward_pre_hook(interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        eng.generate(longer, max_new_tokens=N, state=first.state)
-    hook.remove()
-    assert eng.generate(longer, max_new_tokens=N, state=first.state).tokens == ref
 
 
 def test_the_knee_comes_from_the_pass_costs():

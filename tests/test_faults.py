@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from medusa.config import TrainConfig, parse_config
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.models.heads_config import save_heads
+from medusa.models.loader import init_heads_for
 from medusa.models.target import load_target
 from medusa.runtime.ngrams import NgramTable
 
@@ -1135,3 +1137,53 @@ def test_gemv_kernels_under_an_unwritable_cache_root_are_left_out_in_one_line(tm
         gemv.library.cache_clear()  # the next test builds or loads the kernels where they belong
     assert reason is not None and "\n" not in reason
     assert "cannot write the gemv kernels" in reason and "MEDUSA_CACHE" in reason
+
+
+# -- one engine, several callers; a prefill that fails; ids the model does not have ---------------
+LONG_PROMPT = list(range(10, 40))
+
+
+def test_two_threads_on_one_engine_and_one_state_get_correct_results():
+    model = tiny_model("llama")
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3))
+    first = eng.generate(LONG_PROMPT[:6], max_new_tokens=8)
+    follow = [LONG_PROMPT[:6] + first.tokens + [20 + i] for i in range(4)]
+    ref = [Engine(eng.model, heads=eng.heads).generate(p, max_new_tokens=24).tokens for p in follow]
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            results[i] = eng.generate(follow[i], max_new_tokens=24, state=first.state).tokens
+        except Exception as exc:  # noqa: BLE001 - the test reports what went wrong
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors and results == ref
+
+
+def test_a_failed_prefill_leaves_the_earlier_state_usable():
+    eng = Engine(tiny_model("llama"))
+    first = eng.generate(LONG_PROMPT, max_new_tokens=8)
+    longer = LONG_PROMPT + first.tokens + [30, 31, 32]
+    ref = Engine(eng.model).generate(longer, max_new_tokens=24).tokens
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt  # Ctrl-C inside the prefill, after the cache was cut back
+
+    hook = eng.model.get_decoder().layers[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(longer, max_new_tokens=24, state=first.state)
+    hook.remove()
+    assert eng.generate(longer, max_new_tokens=24, state=first.state).tokens == ref
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line_at_the_api():
+    eng = Engine(tiny_model("llama"))
+    with pytest.raises(MedusaError) as err:
+        eng.generate([5, 96], max_new_tokens=4)
+    one_line(err, "token id 96", "vocabulary of 96", "tokenizer")
+    with pytest.raises(MedusaError) as err:
+        eng.generate([-1, 5], max_new_tokens=4)
+    one_line(err, "token id -1")
