@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -94,7 +95,8 @@ def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.P
         cmd = server_command(f32_gguf(None), args.port, args.max_batch, torch.get_num_threads())
     else:
         raise MedusaError(f"unknown server {server!r}: use medusa, medusa-baseline, llama-server or url=URL")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(Path(tempfile.gettempdir()) / f"medusa-load-{server}.log", "w")  # a full pipe would stall it
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     wait_ready(url, proc=proc)
     return url, args.model_name, proc
 

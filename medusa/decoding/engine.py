@@ -461,16 +461,23 @@ class Engine:
             return "context"  # the root's KV entry has no slot left
         return None
 
-    def _propose(self, proposer: Proposer, state: DecodeState, room: int) -> Proposal:
-        """The proposer's tree for this step, within the token budget and the context."""
+    def _propose(self, proposer: Proposer, state: DecodeState, room: int, rows_cap: int | None = None) -> Proposal:
+        """The proposer's tree for this step, within the token budget and the context, and within
+        ``rows_cap`` rows (a batch's share): 1 row drafts nothing at all, fewer rows draft no
+        deeper than they can verify."""
         state.budget = room  # (compiled passes pad a cut tree to its bucket)
         if self.max_positions is not None:
             state.budget = min(state.budget, self.max_positions - state.length)
+        if rows_cap == 1:
+            return Autoregressive(self.device).propose(state)  # nothing to verify a draft in: skip drafting
+        cap = self.max_rows if rows_cap is None else min(rows_cap, self.max_rows or rows_cap)
+        if rows_cap is not None:
+            state.budget = min(state.budget, rows_cap)  # a chain of rows_cap rows is rows_cap - 1 deep
         proposal = proposer.propose(state)
         n = proposal.tokens.shape[0]
         rows = n if proposal.side is None else n + proposal.side.tokens.shape[0]
-        if self.max_rows is not None and rows > self.max_rows:
-            proposal = truncate(proposal, min(n, self.max_rows))  # side rows go first
+        if cap is not None and rows > cap:
+            proposal = truncate(proposal, min(n, cap))  # side rows go first
         reach = proposal.tree.max_depth if proposal.side is None else max(proposal.tree.max_depth, proposal.side.reach)
         if self.max_positions is not None and state.length + reach + 1 > self.max_positions:
             proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
@@ -510,7 +517,7 @@ class Decoding:
             pass
         return self.first_chunk()
 
-    def prefill_chunks(self, chunk: int | None = None) -> Generator[None, None, None]:
+    def prefill_chunks(self) -> Generator[None, None, None]:
         """:meth:`prefill` one pass at a time (``next`` runs one); then :meth:`first_chunk`."""
         engine = self.engine
         passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
@@ -530,14 +537,15 @@ class Decoding:
     def begin(self) -> None:
         self.proposer.begin(self.state)
 
-    def propose(self) -> Proposal | None:
-        """This step's proposal, or None when the generation is over (:attr:`reason` says why)."""
+    def propose(self, rows_cap: int | None = None) -> Proposal | None:
+        """This step's proposal (within ``rows_cap`` rows: a batch's share), or None when the
+        generation is over (:attr:`reason` says why)."""
         if self.reason is None:
             self.reason = self.engine._stop_reason(self.state, self.stop)
         if self.reason is not None:
             return None
         t1 = time.perf_counter()
-        proposal = self.engine._propose(self.proposer, self.state, self.max_new_tokens - len(self.emitted))
+        proposal = self.engine._propose(self.proposer, self.state, self.max_new_tokens - len(self.emitted), rows_cap)
         self.stats.draft_seconds += time.perf_counter() - t1
         return proposal
 

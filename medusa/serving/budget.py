@@ -25,11 +25,13 @@ def knee(pass_ms: Sequence[tuple[int, float]] | None, device_type: str = "cpu") 
     return max((n for n, ms in cost.items() if ms <= KNEE_RATIO * one), default=1)
 
 
-def share_rows(wanted: Sequence[int], fixed: Sequence[bool], budget: int) -> list[int]:
+def share_rows(wanted: Sequence[int], fixed: Sequence[bool], budget: int, offset: int = 0) -> list[int]:
     """Rows each sequence may verify: ``wanted[i]`` (its proposal, root included) unless the total
     exceeds ``budget``, then a common cap (water-filling: small proposals keep all their rows,
-    large ones are cut to the same size), never below 1. ``fixed[i]``: keep sequence i's
-    proposal whole (a sampled request: its draws must not depend on what else is batched)."""
+    large ones are cut to the same size), never below 1; rows the cap leaves over go one each to
+    the cut sequences from ``offset`` on (rotated turn by turn, so no sequence is always last).
+    ``fixed[i]``: keep sequence i's proposal whole (a sampled request: its draws must not depend
+    on what else is batched)."""
     if sum(wanted) <= budget:
         return list(wanted)
     free = [w for w, f in zip(wanted, fixed) if not f]
@@ -37,4 +39,9 @@ def share_rows(wanted: Sequence[int], fixed: Sequence[bool], budget: int) -> lis
     cap = 1
     while cap < max(free, default=1) and sum(min(w, cap + 1) for w in free) <= room:
         cap += 1
-    return [w if f else max(1, min(w, cap)) for w, f in zip(wanted, fixed)]
+    shares = [w if f else max(1, min(w, cap)) for w, f in zip(wanted, fixed)]
+    left = room - sum(s for s, f in zip(shares, fixed) if not f)
+    cut = [i for i, (w, f) in enumerate(zip(wanted, fixed)) if not f and w > shares[i]]
+    for k in range(min(max(left, 0), len(cut))):
+        shares[cut[(offset + k) % len(cut)]] += 1
+    return shares

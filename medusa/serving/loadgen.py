@@ -114,17 +114,19 @@ def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tok
     lock, cursor = threading.Lock(), [0]
 
     def worker() -> None:
-        with httpx.Client() as client:
-            while True:
-                with lock:
-                    i = cursor[0]
-                    cursor[0] += 1
-                if i >= len(prompts) or errors:
-                    return
-                try:
+        while True:
+            with lock:
+                i = cursor[0]
+                cursor[0] += 1
+            if i >= len(prompts) or errors:
+                return
+            try:
+                # a connection per request: a server closing an idle keep-alive connection as the
+                # next request goes out on it would read as a failed request
+                with httpx.Client() as client:
                     answers[i] = ask(client, url, model, prompts[i], max_tokens, timeout)
-                except BaseException as exc:  # noqa: BLE001 - reported after the run
-                    errors.append(exc)
+            except BaseException as exc:  # noqa: BLE001 - reported after the run
+                errors.append(exc)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]

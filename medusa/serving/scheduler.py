@@ -5,7 +5,8 @@ accepted, then the :class:`~medusa.decoding.generation.GenerationResult`); the s
 alone touches the engine. Each turn of its loop
 
 1. admits waiting requests while fewer than ``max_batch`` run, and prefills one of them (a long
-   prompt in chunks of ``prefill_chunk`` tokens, one chunk a turn, so running streams keep going);
+   prompt in the engine's chunks, ``Engine.prefill_chunk`` tokens, one a turn, so running streams
+   keep going);
 2. asks every running sequence for its proposal, shares the turn's row budget between them
    (:mod:`medusa.serving.budget`: trees shrink as the batch grows) and verifies all of them in
    one packed pass (:meth:`~medusa.decoding.engine.Engine.step_many`);
@@ -26,12 +27,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from medusa.decoding.engine import Decoding, Engine, truncate
+from medusa.decoding.engine import Decoding, Engine
 from medusa.decoding.generation import GenerationResult
 from medusa.errors import MedusaError
 from medusa.serving.budget import knee, share_rows
 
 log = logging.getLogger("medusa.serving")
+
+EXPLORE = 16  # every 16th turn of a batch size tries the choice that measured slower
 
 
 class Overloaded(MedusaError):
@@ -98,23 +101,22 @@ class Scheduler:
 
     ``max_batch``: sequences decoding at once; ``max_queue``: requests waiting beyond those
     (more: :class:`Overloaded`); ``row_budget``: rows a batched pass verifies at most (None: from
-    the machine plan's pass costs, :func:`~medusa.serving.budget.knee`); ``prefill_chunk``: prompt
-    tokens prefilled per turn (None: a prompt in one pass)."""
+    the machine plan's pass costs, :func:`~medusa.serving.budget.knee`). Prompts are prefilled
+    :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone."""
 
-    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
-                 prefill_chunk: int | None = 256) -> None:
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.row_budget = row_budget or knee(engine.plan.pass_ms, engine.device.type)
-        self.prefill_chunk = prefill_chunk
         self._waiting: deque[Stream] = deque()
         self._prefilling: list[tuple[Stream, Iterator]] = []
         self._running: list[Stream] = []
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._rates: dict[tuple[int, bool], float] = {}  # (batch size, drafting) -> tokens/s (_drafting)
         self.steps = 0  # batched passes run (for tests and the bench)
         self.max_seen = 0  # the largest batch a pass verified
 
@@ -182,7 +184,7 @@ class Scheduler:
     def _prefill(self, stream: Stream) -> Iterator:
         """A prompt's prefill, one chunk per ``next``; emits the first token at the end."""
         run = stream.run
-        chunks = run.prefill_chunks(self.prefill_chunk)
+        chunks = run.prefill_chunks()
         yield from chunks
         first = run.first_chunk()
         run.begin()
@@ -199,8 +201,12 @@ class Scheduler:
                     self._prefilling.remove((stream, chunks))
                     self._running.append(stream)
             live, proposals = [], []
-            for stream in list(self._running):
-                proposal = stream.run.propose()
+            running = list(self._running)
+            drafting = self._drafting(len(running))
+            t0 = time.perf_counter()
+            caps = self._caps(running) if drafting else [1 if s.run.sampling.greedy else None for s in running]
+            for stream, cap in zip(running, caps):
+                proposal = stream.run.propose(cap)
                 if proposal is None:
                     self._running.remove(stream)
                     stream._put("done", stream.run.result())
@@ -209,19 +215,21 @@ class Scheduler:
                 proposals.append(proposal)
             if not live:
                 return
-            proposals = self._fit(live, proposals)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             outcomes = []
             for group in self._groups(proposals):
                 outcomes += engine.step_many([live[i].run for i in group], [proposals[i] for i in group])
-            seconds = (time.perf_counter() - t0) / len(live)
+            seconds = (time.perf_counter() - t1) / len(live)
             self.steps += 1
             self.max_seen = max(self.max_seen, len(live))
+            emitted = 0
             for stream, outcome in zip(live, outcomes):
                 stream.run.stats.verify_seconds += seconds
                 chunk, _ = stream.run.advance(outcome)
+                emitted += len(chunk)
                 if chunk:
                     stream._put("tokens", chunk)
+            self._record(len(running), drafting, emitted / (time.perf_counter() - t0))
 
     def _finish_if_cancelled(self, stream: Stream) -> bool:
         """End a request cancelled before its prefill finished."""
@@ -231,14 +239,38 @@ class Scheduler:
         stream._put("done", GenerationResult(tokens=[], stats=run.stats, finish_reason="stopped", state=None))
         return True
 
-    def _fit(self, live: list[Stream], proposals: list) -> list:
-        """Proposals cut to the turn's row budget (a lone sequence keeps its own: as alone)."""
-        if len(live) == 1:
-            return proposals
-        rows = [p.tokens.shape[0] + (0 if p.side is None else p.side.tokens.shape[0]) for p in proposals]
-        fixed = [not s.run.sampling.greedy for s in live]
-        shares = share_rows(rows, fixed, max(self.row_budget, len(live)))
-        return [p if n == r else truncate(p, min(n, p.tokens.shape[0])) for p, n, r in zip(proposals, shares, rows)]
+    def _drafting(self, batch: int) -> bool:
+        """Whether this turn's greedy sequences draft at all. Drafting costs each sequence its own
+        drafter passes while the batch's verification rows grow cheaper to fill with roots, so
+        whether it pays depends on the batch size, the drafter and the machine: the scheduler
+        keeps the measured tokens per second of turns with and without drafts for each batch
+        size and takes the faster, trying the other every ``EXPLORE`` turns. A lone sequence
+        always drafts, as it does alone."""
+        if batch <= 1:
+            return True
+        spec, plain = self._rates.get((batch, True)), self._rates.get((batch, False))
+        if spec is None or plain is None:
+            return spec is None  # measure each once
+        explore = self.steps % EXPLORE == 0
+        return (spec >= plain) != explore
+
+    def _record(self, batch: int, drafting: bool, rate: float) -> None:
+        """A turn's tokens per second into its (batch size, drafting) running mean."""
+        key = (batch, drafting)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + 0.2 * (rate - old)
+
+    def _caps(self, running: list[Stream]) -> list[int | None]:
+        """Each sequence's rows this turn, decided before anything is drafted: the turn's budget
+        shared out by the proposers' largest proposals (a lone sequence drafts as it does alone;
+        a sampled request keeps its whole proposal; a share of 1 row drafts nothing)."""
+        if len(running) <= 1:
+            return [None] * len(running)
+        budget = max(self.row_budget, len(running))
+        wanted = [getattr(s.run.proposer, "max_rows", None) or budget for s in running]
+        fixed = [not s.run.sampling.greedy for s in running]
+        shares = share_rows(wanted, fixed, budget, offset=self.steps)
+        return [None if f else n for n, f in zip(shares, fixed)]
 
     def _groups(self, proposals: list) -> list[list[int]]:
         """The passes a turn runs: all sequences in one, or as many as the engine's row cap
