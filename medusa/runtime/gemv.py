@@ -41,7 +41,7 @@ from medusa.runtime.files import atomic_file, cache_root
 log = logging.getLogger("medusa.kernels")
 
 SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 PROFILER_NAME = "medusa::gemv"
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
