@@ -27,6 +27,7 @@ import io
 import json
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,8 +121,13 @@ ALL = [c for p in DOCS for c in doc_commands(p)] + [c for p in RECIPES for c in 
 
 # -- the tools ---------------------------------------------------------------------------
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"docs_scripts_{name}", REPO / "scripts" / f"{name}.py")
+    key = f"docs_scripts_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # registered: a script may register torch ops whose functions dynamo later looks up by module
+    sys.modules[key] = module
     spec.loader.exec_module(module)
     return module
 

@@ -121,7 +121,9 @@ def test_bench_mode_vllm_eagle3_exports_eagle3_heads(tmp_path):
 
     folder = target_folder(tmp_path)
     model, _ = load_target(str(folder), device="cpu", dtype=torch.float32)
-    eagle3 = save_heads(init_eagle3_for(model, 5, vocab=torch.arange(0, model.config.vocab_size, 2)), tmp_path / "e3")
+    # vLLM's drafter fuses three target layers; the tiny target has two, so one is read twice
+    eagle3 = save_heads(init_eagle3_for(model, 5, vocab=torch.arange(0, model.config.vocab_size, 2),
+                                        feature_layers=[0, 1, 1]), tmp_path / "e3")
     try:
         spec = speculative_config("vllm-eagle3", argparse.Namespace(model=str(folder), heads=None, eagle3_heads=str(eagle3)))
         assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 5
