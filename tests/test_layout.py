@@ -191,3 +191,31 @@ def test_library_modules_stay_small():
     """No module of the library outgrows one job: at most MAX_MODULE_LINES lines each."""
     found = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not found, f"modules over {MAX_MODULE_LINES} lines: {found}"
+
+
+def early_returns(path: Path) -> list[str]:
+    """``test_*`` functions of ``path`` with a bare ``return`` in their own body (not in a nested
+    function): a test that stops early on hardware it needs passes without saying so, where
+    ``pytest.skip(reason)`` shows in the report."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            stack = list(node.body)
+            while stack:
+                child = stack.pop()
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                    continue
+                if isinstance(child, ast.Return) and child.value is None:
+                    found.append(f"{node.name}:{child.lineno}")
+                stack.extend(ast.iter_child_nodes(child))
+    return found
+
+
+def test_tests_skip_with_a_reason_instead_of_returning_early():
+    found = {path.name: hits for path in sorted((ROOT.parent / "tests").glob("test_*.py")) if (hits := early_returns(path))}
+    assert not found, f"tests that return early (use pytest.skip(reason)): {found}"
+
+
+def test_the_early_return_check_sees_one(tmp_path):
+    (tmp_path / "test_m.py").write_text("def test_a():\n    def inner():\n        return\n    if True:\n        return\n")
+    assert early_returns(tmp_path / "test_m.py") == ["test_a:5"]
