@@ -57,6 +57,7 @@ from transformers import CompileConfig, GenerationConfig, StaticCache
 
 import medusa
 from infer import bench_llamacpp, bench_vllm
+from medusa.api import SHIPPED
 from medusa.config import HelpFormatter, count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
@@ -64,12 +65,11 @@ from medusa.decoding.proposers import MODES as ENGINE_MODES
 from medusa.decoding.proposers import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models import kinds
 from medusa.models.target import set_chat_template
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import kernels_arg, split_kernels
 
-SIZED_KINDS = (*EAGLE_KINDS, "block")  # heads whose tree is drafted per step, sized for the machine
 DEFAULT_PROMPTS = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"  # package data
 
 
@@ -216,7 +216,13 @@ def hf_generate(engine: Engine, ids: list[int], config: GenerationConfig, model=
 
 def _static_tree(engine: Engine, tree: str | None) -> str | None:
     """--tree for an engine with Medusa heads; eagle heads grow their own tree per step."""
-    return tree if engine.heads is not None and engine.heads.config.kind == "medusa" else None
+    return tree if _drafts(engine) is False else None
+
+
+def _drafts(engine: Engine) -> bool | None:
+    """Whether the engine's heads draft per step, sized for the machine (False: a static tree;
+    None: no heads)."""
+    return None if engine.heads is None else kinds.kind(engine.heads.config.kind).drafts_per_step
 
 
 def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
@@ -224,14 +230,14 @@ def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
     tree's budget of eagle heads, the block heads' proposal (chain and siblings)."""
     if engine.heads is None:
         return None
-    if engine.heads.config.kind in SIZED_KINDS:
+    if _drafts(engine):
         return engine.proposer(engine.heads.config.kind).max_rows
     return len(engine.tree_paths(tree)) + 1
 
 
 def _sizes_reason(engine: Engine) -> str | None:
     """How the eagle or block heads' trees were sized (None: neither)."""
-    if engine.heads is None or engine.heads.config.kind not in SIZED_KINDS:
+    if not _drafts(engine):
         return None
     trees = engine.plan.decision("trees")
     return trees.reason if trees is not None else "calibrated for the device type"
@@ -326,8 +332,8 @@ def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
 
 
 COMPILED = "+compile"  # mode suffix: the engine mode with a compiled pass, beside the eager one in the same run
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "block")  # mode suffix @KIND: the engine mode on heads of that kind
-UNSHIPPED = ("block",)  # kinds no heads ship for: their modes need --heads or --KIND-heads
+HEAD_KINDS = kinds.KINDS  # mode suffix @KIND: the engine mode on heads of that kind
+UNSHIPPED = tuple(k for k in HEAD_KINDS if k not in SHIPPED)  # kinds no heads ship for: their modes need --heads or --KIND-heads
 JACOBI = "+lookahead"  # mode hybrid's suffix: its pass also runs lookahead's window and pool n-grams
 _SPEC = re.compile(rf"^(?P<base>[a-z0-9]+)(?:@(?P<kind>{'|'.join(HEAD_KINDS)}))?(?P<jacobi>\{JACOBI})?"
                    rf"(?P<compiled>\{COMPILED})?(?::(?P<kernels>[a-z0-9>]+))?$")
@@ -678,8 +684,7 @@ def prepare(bench: Bench, modes: list[str]) -> None:
     """Every engine the modes run on, loaded before any timing; --tree used by one of them."""
     specs = [s for s in map(mode_spec, modes) if s is not None]
     engines = [(s, engine_for(bench, s)) for s in specs]
-    static = [s.base for s, e in engines if s.base in ("medusa", "hybrid") and e.heads is not None
-              and e.heads.config.kind == "medusa"]
+    static = [s.base for s, e in engines if s.base in ("medusa", "hybrid") and _drafts(e) is False]
     if bench.tree is not None and not static:
         raise MedusaError(f"--tree shapes the static tree of Medusa heads (modes medusa, hybrid on Medusa heads), which "
                           f"none of {', '.join(modes)} uses (eagle heads grow their tree per step): drop --tree")
@@ -689,8 +694,7 @@ def prepare(bench: Bench, modes: list[str]) -> None:
 def eagle_engine(bench: Bench) -> Engine | None:
     """The engine the eagle (or block) modes ran on (loaded for them, else the main one with such heads)."""
     eager = [(kind, e) for (kind, compiled, _, _), e in bench.engines.items() if not compiled]
-    found = [e for kind, e in eager if kind in SIZED_KINDS] + [e for _, e in eager if e.heads is not None
-                                                               and e.heads.config.kind in SIZED_KINDS]
+    found = [e for kind, e in eager if kind is not None and kinds.kind(kind).sized] + [e for _, e in eager if _drafts(e)]
     return found[0] if found else None
 
 
@@ -701,8 +705,9 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, modes: "
           f"{', '.join(modes)}", file=sys.stderr)
     for engine in {id(e): e for e in bench.engines.values()}.values():
-        if engine.heads is not None and engine.heads.config.kind in SIZED_KINDS:
-            print(f"{'block proposals' if engine.heads.config.kind == 'block' else 'eagle trees'}{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
+        if _drafts(engine):
+            what = "eagle trees" if kinds.kind(engine.heads.config.kind).dynamic_tree else "block proposals"
+            print(f"{what}{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
     if runs_lookahead(modes):
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
     bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing

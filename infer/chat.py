@@ -31,7 +31,7 @@ from medusa.config import HelpFormatter, count
 from medusa.conversation import Conversation
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.text import TextStream
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models import kinds
 from medusa.models.target import set_chat_template
 from medusa.runtime.kernels import kernels_arg
 
@@ -335,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="Hub id, model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", help="heads folder, or 'init' for untrained heads (default: the embedded model's shipped "
-                                   "heads for the device, EAGLE-3 on a CPU and Medusa on CUDA; with --mode medusa or "
-                                   "--mode eagle its shipped heads of that kind)")
+                                   "heads for the device, EAGLE-3 on a CPU and Medusa on CUDA; with --mode medusa, "
+                                   "eagle or eagle3 its shipped heads of that kind)")
     p.add_argument("--draft", help="draft model for --mode draft: folder, Hub id, .gguf file or 'default' "
                                    "(default: none)")
     p.add_argument("--mode", help="medusa, eagle, eagle3 or block (the loaded heads' kind), hybrid (heads + prompt lookup), draft, lookup, "
@@ -401,6 +401,16 @@ def embedded_needs_dequantising() -> bool:
     return not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file()
 
 
+def heads_for(args: argparse.Namespace) -> str | None:
+    """The heads to load: --heads, else for the embedded default model the shipped heads of the
+    kind --mode names (every kind in medusa.api.SHIPPED), else None (medusa.load's default)."""
+    from medusa.api import SHIPPED
+
+    if args.heads is None and args.model is None and args.mode in SHIPPED:
+        return args.mode  # this mode names a kind: the shipped heads of it (medusa.api.default_heads)
+    return args.heads
+
+
 def load_engine(args: argparse.Namespace, style: Style) -> Engine:
     import medusa
     from medusa.runtime.files import cache_root
@@ -412,9 +422,7 @@ def load_engine(args: argparse.Namespace, style: Style) -> Engine:
                       "cached for next time)"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        heads = args.heads
-        if heads is None and args.model is None and args.mode in ("medusa", "eagle"):
-            heads = args.mode  # these modes name the kind: the shipped heads of it (medusa.api.default_heads)
+        heads = heads_for(args)
         # --tree goes with each call (pick_mode says when the loaded heads cannot use it)
         engine = medusa.load(args.model, heads=heads, draft=args.draft, device=args.device, dtype=args.dtype,
                              compile={"on": True, "off": False, "auto": "auto"}[args.compile], kernels=args.kernels,
@@ -501,12 +509,13 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
              f"· context {window} tokens")]
     # what the machine plan picked and why (dtype, kernels, rows, heads' dtype, trees)
     lines += [line for line in engine.describe() if not line.startswith(("passes", "mode"))]
-    if engine.heads is not None and engine.heads.config.kind in EAGLE_KINDS:
+    facts = None if engine.heads is None else kinds.kind(engine.heads.config.kind)
+    if facts is not None and facts.dynamic_tree:
         from medusa.decoding.proposers import Hybrid
         from medusa.decoding.tree import tree_key
 
         c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
-        proposer = engine.proposer(mode if mode in ("eagle", "hybrid") else "eagle")
+        proposer = engine.proposer(mode if mode in facts.modes else c.kind)  # lookup, baseline: the heads' own
         size = (proposer.heads if isinstance(proposer, Hybrid) else proposer).size
         device = key if key in engine.heads.dynamic else engine.device.type
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
@@ -516,10 +525,10 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         if table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
             chain += f" (else from {len(table):,} n-grams of {table.sequences:,} answers)"
         kind = (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary)"
-                if c.kind == "eagle3" else f"eagle ({c.eagle_layout})")
+                if facts.fused else f"eagle ({c.eagle_layout})")
         lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
                      f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
-    elif engine.heads is not None and engine.heads.config.kind == "block":
+    elif facts is not None and facts.drafts_per_step:
         lines.append(block_line(args, engine, mode))
     elif engine.heads is not None:
         c = engine.heads.config

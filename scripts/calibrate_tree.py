@@ -34,7 +34,8 @@ from medusa.config import HelpFormatter, count
 from medusa.decoding.eagle_draft import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
-from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS
+from medusa.models.heads_config import CALIBRATION_NAME
+from medusa.models.kinds import kind
 from medusa.models.target import set_chat_template
 from medusa.runtime.files import atomic_file, read_json
 from medusa.runtime.kernels import kernels_arg
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, reference = held_out_prompts(args, engine.tokenizer)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(args, engine, answers, reference)
-        if heads.config.kind in (*EAGLE_KINDS, "block"):  # block heads: sized as a DynamicTree too
+        if kind(heads.config.kind).drafts_per_step:  # block heads: sized as a DynamicTree too
             return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
         ranks = head_ranks(args, engine, prompts, answers)
         counts_paths = path_counts(ranks)

@@ -40,6 +40,7 @@ from medusa.hub.export import (
 )
 from medusa.hub.hub import card_base_model, folder_listing, read_heads, resolve_heads_folder
 from medusa.models.heads_config import CALIBRATION_NAME
+from medusa.models.kinds import kind
 from medusa.models.target import parse_dtype
 from medusa.runtime.files import read_json
 
@@ -95,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         writable_folder(Path(args.output).parent, "--output")
         folder = resolve_heads_folder(args.heads)
         config, state = read_heads(folder, target_model(folder, args.model))
-        layout = args.to or ("vllm" if config.kind == "eagle" else "speculators")
+        facts = kind(config.kind)
+        layout = args.to or (*facts.exports, "speculators")[0]  # the kind's default layout (none: refused below)
         draft_vocab = read_draft_vocab(folder) if args.draft_vocab else None
         check_kind_exportable(config)
         lm_head, target_config = None, None
-        if config.kind == "eagle":
+        if "eagle_layout" in facts.own_fields:
             check_eagle_exportable(config, layout)  # before loading the target
-            target_config = target_text_config(config, args.model)
-        elif config.kind == "eagle3":
+        if facts.on_target:
             target_config = target_text_config(config, args.model)
         elif config.projection == "shared":
             target = target_for(config, args.model)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if layout == "speculators":
         print(f"serve with:\n  vllm serve {out}" + ("" if base else "   (its config names no target: pass --model)"))
     if layout == "vllm":
-        method = config.kind if config.kind in ("eagle", "eagle3") else "medusa"
+        method = config.kind  # vLLM's method is the kind's name
         spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": config.num_heads})
         base = args.model or card_base_model(config.base_model) or "TARGET"
         print(f"serve with:\n  vllm serve {base} --speculative-config '{spec}'")

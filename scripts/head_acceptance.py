@@ -29,7 +29,7 @@ from medusa.autotune.trees import acceptance_by_size, candidate_ranks
 from medusa.config import HelpFormatter, count
 from medusa.decoding.eagle_draft import DynamicTree
 from medusa.errors import MedusaError
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.kinds import kind
 from medusa.runtime import hf as kv
 
 
@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             engine = medusa.load(target=base, heads=name, autotune=False)
             heads = engine.heads
             with torch.inference_mode(), engine.kernel_scope():
-                if heads.config.kind in (*EAGLE_KINDS, "block"):
+                facts = kind(heads.config.kind)
+                if facts.drafts_per_step:
                     # a block drafts no deeper than its k tokens; eagle heads' chains go on
-                    depth = min(args.depth, heads.config.num_heads) if heads.config.kind == "block" else args.depth
+                    depth = args.depth if facts.dynamic_tree else min(args.depth, heads.config.num_heads)
                     acc = acceptance_by_size(heads, engine.model, pairs, DynamicTree(nodes=depth, depth=depth, topk=1))
                     # accepted[n - 1]: mean tokens accepted with a chain of n; its increments: right through depth n
                     per_depth = [a - b for a, b in zip(acc.accepted, [0.0] + acc.accepted[:-1])]

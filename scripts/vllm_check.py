@@ -31,6 +31,7 @@ from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
 from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.hub.vllm_client import VLLMWorker, export_for_vllm
+from medusa.models.kinds import kind
 from medusa.models.target import default_model_dir
 
 # Short everyday requests (not MT-Bench): identity is checked, not tuned for.
@@ -110,9 +111,10 @@ def export_speculators(heads: str, model: str | None, target: str, out: Path) ->
 
     config, state = read_heads(resolve_heads_folder(heads))
     lm_head, target_config = None, None
-    if config.kind == "eagle3":
+    facts = kind(config.kind)
+    if facts.on_target:
         target_config = target_text_config(config, model)
-    elif config.kind == "medusa" and config.projection == "shared":
+    elif config.projection == "shared":
         lm_head = target_lm_head(config, model, dtype=torch.float32)
     export_heads(config, state, out, "speculators", lm_head=lm_head, dtype=torch.float32, target_config=target_config,
                  verifier={"name_or_path": target, "architectures": (target_config or {}).get("architectures") or []})
@@ -124,7 +126,7 @@ def check(heads: str, args: argparse.Namespace, prompts: list[str], out: Path) -
     engine = medusa.load(model=args.model, heads=heads, device="cpu", dtype="float32")
     engine.heads.set_draft_vocab(None)  # vLLM drafts over the full vocabulary (see export_for_vllm)
     target = args.model or str(default_model_dir())
-    if args.layout == "speculators" and engine.heads.config.kind != "eagle":
+    if args.layout == "speculators" and "speculators" in kind(engine.heads.config.kind).exports:
         spec = export_speculators(heads, args.model, target, out)
         served, speculative = out, None  # vLLM reads the target and the speculative config from the folder
     else:

@@ -28,6 +28,7 @@ from medusa.autotune.sizing import heads_fingerprint, measure_sizes, sizable, si
 from medusa.decoding.passes import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
+from medusa.models.kinds import kind
 from medusa.runtime import gemv
 from medusa.runtime.exact import set_exact
 from medusa.runtime.kernels import PackedLinears, kernels_key, onednn_available
@@ -218,7 +219,7 @@ def adopt_draft_dtype(heads, dtype: str | None) -> None:
     if dtype is None:
         return
     if dtype == "int8":
-        if heads.config.kind != "eagle":
+        if not kind(heads.config.kind).int8:
             raise MedusaError("draft_dtype int8 is for eagle heads (their linears and draft vocabulary run on int8 "
                               "weights): use bfloat16 for Medusa heads")
         heads.to_int8()

@@ -39,7 +39,7 @@ from medusa.decoding.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.passes import pass_bucket
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.kinds import kind
 from medusa.runtime import hf as kv
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
@@ -48,7 +48,6 @@ PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an a
 # VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
 # (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
 REPS = 13
-SIZED_KINDS = (*EAGLE_KINDS, "block")  # heads whose proposal is drafted per step and sized here
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
 def drafter(heads, device: torch.device, depth: int, topk: int):
     """The proposer of ``heads``' kind drafting its largest proposal of shape ``(depth, topk)``:
     an EAGLE tree expands ``topk`` nodes into ``topk`` children per level, a block ``topk`` per depth."""
-    if heads.config.kind == "block":
+    if not kind(heads.config.kind).dynamic_tree:  # a block's chain and siblings
         return BlockProposer(heads, device, DynamicTree(nodes=depth * topk, depth=depth, topk=topk))
     return EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
 
@@ -129,11 +128,12 @@ def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[
 
 def heads_fingerprint(heads) -> str:
     """What of the heads the sizing's timings depend on (part of the cache key)."""
-    if heads.config.kind in ("eagle3", "block"):  # its own lm_head: the draft vocabulary it always scores
+    facts = kind(heads.config.kind)
+    if facts.fused:  # its own lm_head: the draft vocabulary it always scores
         vocab = heads.config.draft_vocab_size
     else:
         vocab = heads.config.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
-    block = f" k{heads.config.num_heads} l{heads.config.num_layers}" if heads.config.kind == "block" else ""
+    block = f" k{heads.config.num_heads} l{heads.config.num_layers}" if facts.block_trained else ""
     return (f"{heads.config.kind} h{heads.config.hidden_size} v{vocab}{block} {heads.fc.weight.dtype}"
             + (" int8" if heads.int8 else ""))
 
@@ -144,7 +144,7 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
     apply). A CPU engine with compiled passes is sized from the eager passes' costs at its padded
     sizes (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX
     Xeon (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
-    if heads is None or heads.config.kind not in SIZED_KINDS or (compile and compile != "auto" and device.type != "cpu"):
+    if heads is None or not kind(heads.config.kind).sized or (compile and compile != "auto" and device.type != "cpu"):
         return {}
     return measured_curves(heads, device, dtype)
 

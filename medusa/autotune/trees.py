@@ -30,6 +30,7 @@ from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import spelled
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
+from medusa.models.kinds import kind
 from medusa.runtime import hf as kv
 
 Path_ = tuple[int, ...]
@@ -213,7 +214,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     (:func:`simulate`; chain length 0 is mode eagle)."""
     device = heads.fc.weight.device
     # block heads (medusa.decoding.block_draft) read the same features, rank their nodes alike
-    proposer = (BlockProposer if heads.config.kind == "block" else EagleProposer)(heads, device, size)
+    proposer = (EagleProposer if kind(heads.config.kind).dynamic_tree else BlockProposer)(heads, device, size)
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)

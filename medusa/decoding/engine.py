@@ -34,7 +34,7 @@ from medusa.decoding.tree import compile_tree, load_tree, tree_key
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.kinds import kind, kinds_where
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
 
@@ -52,9 +52,9 @@ def truncate(proposal: Proposal, rows: int) -> Proposal:
 def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
     """``tree`` if it shapes something: a tree passed for eagle or block heads' modes, whose tree
     is drafted per step (sized for the device), would be silently ignored, so it is an error."""
-    kinds = (*EAGLE_KINDS, "block")
-    if tree is not None and heads is not None and heads.config.kind in kinds and mode in (*kinds, "hybrid"):
-        grows = "grows" if heads.config.kind in EAGLE_KINDS else "is drafted"
+    facts = None if heads is None else kind(heads.config.kind)
+    if tree is not None and facts is not None and facts.drafts_per_step and mode in (*kinds_where("drafts_per_step"), "hybrid"):
+        grows = "grows" if facts.dynamic_tree else "is drafted"
         raise MedusaError(f"a tree (--tree) shapes the static tree of Medusa heads, but these are {heads.config.kind} "
                           f"heads, whose tree {grows} per step (sized for the device): drop the tree, or use Medusa "
                           "heads (mode medusa)")
@@ -258,11 +258,12 @@ class Engine:
         if not isinstance(mode, str):
             return mode
         no_tree_for_eagle(tree, self.heads, mode)
-        static = self.heads is not None and self.heads.config.kind == "medusa" and mode in ("medusa", "hybrid")
+        facts = None if self.heads is None else kind(self.heads.config.kind)
+        static = facts is not None and not facts.drafts_per_step and mode in facts.modes  # Medusa's tree
         paths = self.tree_paths(tree) if static else None
         plan = self.plan  # sizes measured here (None: calibrated for the device type)
-        size = {"eagle": plan.eagle, "eagle3": plan.eagle, "block": plan.eagle, "hybrid": plan.hybrid,
-                "lookahead": plan.lookahead}.get(mode)
+        size = (plan.eagle if mode in kinds_where("sized")  # the kinds that draft per step, sized alike
+                else {"hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode))
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead)
 

@@ -34,7 +34,7 @@ from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, chain, compile_tree
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import EAGLE_KINDS
+from medusa.models.kinds import KINDS, kind
 from medusa.models.target import context_window
 from medusa.runtime import hf as kv
 from medusa.runtime.ngrams import NgramTable
@@ -284,8 +284,8 @@ def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int
     return LookaheadProposer(device, size, text=config.lookahead_text)
 
 
-MODES = ("baseline", "medusa", "eagle", "eagle3", "block", "draft", "lookup", "hybrid", "lookahead")
-HEADS_MODES = ("medusa", *EAGLE_KINDS, "block")  # the modes named after a heads kind (each needs heads of it)
+MODES = ("baseline", *KINDS, "draft", "lookup", "hybrid", "lookahead")
+HEADS_MODES = KINDS  # the modes named after a heads kind (each needs heads of it)
 LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
 
 
@@ -323,10 +323,10 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
                     size: DynamicTree | None, dtype: torch.dtype, hybrid: bool) -> tuple[Proposer, int]:
     """The heads' own proposer (Medusa's static tree, EAGLE's dynamic tree, the block's chain)
     and the lookup chain's length mode hybrid puts beside it (0: none, as sized)."""
-    kind = heads.config.kind
-    if kind == "medusa":
+    facts = kind(heads.config.kind)
+    if not facts.drafts_per_step:
         return MedusaProposer(heads, paths or [], device), config.chain()
-    if kind == "block":
+    if not facts.dynamic_tree:  # a block's chain and siblings
         size = size or block_size_for(heads, device, dtype, hybrid=hybrid)
         guessed: Proposer = BlockProposer(heads, device, size=size, dtype=dtype)
     else:
@@ -362,10 +362,10 @@ def make_proposer(
     if mode in (*HEADS_MODES, "hybrid"):
         if heads is None:
             raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
-        kind = heads.config.kind
-        if mode != "hybrid" and kind != mode:
-            raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {kind} heads: "
-                              f"use mode={kind!r} (or 'hybrid'), or load {mode} heads")
+        loaded = heads.config.kind
+        if mode not in kind(loaded).modes:
+            raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
+                              f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
         guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here

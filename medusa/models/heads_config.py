@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.models.kinds import KINDS, kind, kinds_where  # noqa: F401 (KINDS: kept for its importers)
 from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 from medusa.runtime.files import atomic_folder, read_json
 
@@ -26,13 +27,11 @@ CALIBRATION_NAME = "calibration.json"
 REFETCH = "download or copy the heads folder again (or export it again where it was trained), or pass another folder"
 MODEL_TYPE = "medusa_heads"
 PROJECTIONS = ("shared", "per_head")
-# "medusa": independent heads, one per future token (medusa.models.heads); "eagle": one
-# autoregressive decoder layer over the target's features (medusa.models.eagle_heads); "eagle3":
-# one layer over several of the target's layers fused, with its own vocabulary (medusa.models.eagle3_heads);
-# "block": a block of num_heads tokens drafted in one pass over fused layers (medusa.models.block_heads).
-KINDS = ("medusa", "eagle", "eagle3", "block")
-FUSED_KINDS = ("eagle3", "block")  # heads over several target layers fused, with their own draft vocabulary
-EAGLE_KINDS = ("eagle", "eagle3")  # heads that draft autoregressively, growing a dynamic tree per step
+# The kinds and their facts: medusa.models.kinds (these names are kept for their importers).
+FUSED_KINDS = kinds_where("fused")  # heads over several target layers fused, with their own draft vocabulary
+EAGLE_KINDS = kinds_where("dynamic_tree")  # heads that draft autoregressively, growing a dynamic tree per step
+# The config fields of one kind or a few (medusa.models.kinds.Kind.own_fields): dropped from other kinds' folders.
+KIND_FIELDS = ("eagle_layout", "fc_bias", "feature_layers", "draft_vocab_size", "norm_before_residual", "draft_layer")
 # How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle_heads):
 # "norms" (the layer's own input norm, then the target's final norm: folders written before
 # layouts existed) or "eagle1" (neither: vLLM's EAGLE-1 Llama drafter, so it exports to vLLM).
@@ -64,35 +63,33 @@ class HeadsConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise MedusaError(f"unknown heads kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        facts = kind(self.kind)  # one line naming the known kinds for an unknown one
         if self.eagle_layout not in EAGLE_LAYOUTS:
             raise MedusaError(f"unknown eagle layout {self.eagle_layout!r}: use one of {', '.join(EAGLE_LAYOUTS)}")
         if self.projection not in PROJECTIONS:
             raise MedusaError(f"unknown head projection {self.projection!r}: use one of {', '.join(PROJECTIONS)}")
-        if self.kind in FUSED_KINDS:
+        if facts.fused:
             if not self.feature_layers or len(self.feature_layers) < 2 or not self.draft_vocab_size:
                 raise MedusaError(f"{self.kind} heads need feature_layers (two or more target layers) and a draft_vocab_size: "
                                   f"write the folder with train/train_heads.py --kind {self.kind}")
             if not 0 < self.draft_vocab_size <= self.vocab_size:
                 raise MedusaError(f"{self.kind} draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
-        if self.kind == "block" and self.num_layers not in (1, 2):
-            raise MedusaError(f"block heads have 1 or 2 decoder layers, got num_layers {self.num_layers}")
+        if facts.layers is not None and self.num_layers not in facts.layers:
+            raise MedusaError(f"{self.kind} heads have {' or '.join(map(str, facts.layers))} decoder layers, "
+                              f"got num_layers {self.num_layers}")
         if self.num_heads < 1 or self.num_layers < 0:
             raise MedusaError(f"heads need num_heads >= 1 and num_layers >= 0, got {self.num_heads} and {self.num_layers}")
 
     def to_dict(self) -> dict[str, Any]:
         data = {"model_type": MODEL_TYPE, **asdict(self)}
-        if self.kind != "eagle":
-            del data["eagle_layout"]  # Medusa folders stay as they were
-        if self.kind != "eagle" or not self.fc_bias:
-            del data["fc_bias"]  # eagle folders written before the flag stay as they were
-        if self.kind not in FUSED_KINDS:
-            del data["feature_layers"], data["draft_vocab_size"]
-        if self.kind != "eagle3":
-            del data["norm_before_residual"]
-        if self.draft_layer is None or self.kind != "eagle3":
-            del data["draft_layer"]
+        own = kind(self.kind).own_fields  # other kinds' fields are dropped: Medusa folders stay as they were
+        for name in KIND_FIELDS:
+            if name not in own:
+                del data[name]
+        if not self.fc_bias:
+            data.pop("fc_bias", None)  # eagle folders written before the flag stay as they were
+        if self.draft_layer is None:
+            data.pop("draft_layer", None)
         return data
 
     @classmethod

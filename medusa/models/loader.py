@@ -10,9 +10,6 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.models import published
-from medusa.models.block_heads import BlockHeads
-from medusa.models.eagle3_heads import Eagle3Heads
-from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
@@ -22,6 +19,7 @@ from medusa.models.heads_config import (
     base_model_name,
     read_heads_config,
 )
+from medusa.models.kinds import kind
 from medusa.runtime.files import read_json, read_tensors
 from medusa.runtime.ngrams import NGRAMS_NAME, NgramTable
 
@@ -76,17 +74,18 @@ def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model:
                 f"({config.base_model or 'unknown base'}), but the target has hidden size {hidden} and vocab {vocab}: "
                 "use heads trained for this model"
             )
-    if config.kind in ("eagle", "eagle3", "block"):
+    facts = kind(config.kind)
+    if facts.on_target:
         if model is None:
             raise MedusaError(f"{where} holds {config.kind} heads, which are built on their target: pass the target model")
-        heads: nn.Module = {"eagle": EagleHeads, "eagle3": Eagle3Heads, "block": BlockHeads}[config.kind](config, model)
+        heads: nn.Module = facts.heads_class()(config, model)
         check_state(config, heads.state_dict(), state, where)
     else:
         with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections
             check_state(config, MedusaHeads(config).state_dict(), state, where)
         heads = MedusaHeads(config)
     if lm_head is not None:
-        if config.kind == "medusa":
+        if not facts.on_target:  # heads apart from their target share its lm_head
             heads.bind(lm_head)
         device = device or lm_head.weight.device
         dtype = dtype or lm_head.weight.dtype

@@ -114,13 +114,13 @@ def detect(folder: str | Path) -> str | None:
     data = _config_dict(folder)
     if data is None or data.get("model_type") == MODEL_TYPE or "medusa_num_heads" in data:
         return None
-    kind = data.get("speculators_model_type")
-    if kind is not None:
-        if kind == "eagle3":
+    spec_type = data.get("speculators_model_type")  # the speculators format's own names, not a heads kind
+    if spec_type is not None:
+        if spec_type == "eagle3":
             return SPECULATORS_EAGLE3
-        if kind == "medusa":
+        if spec_type == "medusa":
             return SPECULATORS_MEDUSA
-        raise MedusaError(f"{folder} holds speculators {kind!r} heads, which no heads kind here computes: "
+        raise MedusaError(f"{folder} holds speculators {spec_type!r} heads, which no heads kind here computes: "
                           "this engine reads speculators eagle3 and medusa checkpoints")
     if data.get("model_type") == "medusa":
         return VLLM_MEDUSA

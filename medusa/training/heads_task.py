@@ -35,7 +35,8 @@ from medusa.models.block_heads import init_block_for
 from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
-from medusa.models.heads_config import CALIBRATION_NAME, EAGLE_KINDS, FUSED_KINDS, base_model_name, save_heads
+from medusa.models.heads_config import CALIBRATION_NAME, base_model_name, save_heads
+from medusa.models.kinds import kind
 from medusa.models.loader import heads_from_state, init_heads_for, load_heads
 from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
@@ -65,7 +66,7 @@ class HeadsTrainer(nn.Module):
         self.heads = heads
         self.cfg = cfg
         self.vocab = vocab  # [S] token ids the heads' softmax covers, None: all
-        self.weights = (block_weights(cfg.num_heads, cfg.block_decay) if cfg.kind == "block"
+        self.weights = (block_weights(cfg.num_heads, cfg.block_decay) if kind(cfg.kind).block_trained
                         else head_weights(cfg.num_heads, cfg.head_weight_decay, cfg.head_weights))
         if cfg.lora:
             self.target = target  # trainable adapters inside
@@ -138,12 +139,12 @@ class HeadsTask:
             vocab = frequent_tokens(seen, cfg.train_vocab, target.get_output_embeddings().weight.shape[0],
                                     splits.fill).to(device)
         heads = self.heads(target, accelerator, vocab)
-        if cfg.kind in FUSED_KINDS:
+        if kind(cfg.kind).fused:
             vocab = None  # the heads' own lm_head is the draft vocabulary
         if cfg.lora:
             target = attach_lora(target, cfg)
             heads.bind(target.get_output_embeddings())
-        layers = tuple(heads.feature_layers) if cfg.kind in FUSED_KINDS else None  # one cache for both kinds
+        layers = tuple(heads.feature_layers) if kind(cfg.kind).fused else None  # one cache for both kinds
         caches = open_caches(cfg, target, splits, accelerator, layers) if cfg.cache_dir else {}
         train = self.batches(splits.train, caches.get("train"), device)
         held_out = self.batches(splits.eval, caches.get("eval"), device) if splits.eval else None
@@ -168,9 +169,10 @@ class HeadsTask:
             raise MedusaError(f"init_heads {cfg.init_heads} holds {heads.config.kind} heads but kind is {cfg.kind}: "
                               "set kind to match")
         # calibrated for the old weights: recalibrate after training
-        if cfg.kind in EAGLE_KINDS:
+        facts = kind(cfg.kind)
+        if facts.dynamic_tree:
             heads.dynamic, heads.measured = {}, {}
-        elif cfg.kind == "medusa":
+        elif not facts.drafts_per_step:  # Medusa's static trees
             heads.trees = {}
         heads.config.base_model = base_model_name(target)
         heads.set_draft_vocab(None)
@@ -186,7 +188,7 @@ class HeadsTask:
         """Micro-batches from sequences (the target runs each step), from cached positions, or
         (eagle) from whole cached sequences."""
         cfg = self.cfg
-        if cache is not None and cfg.kind in FUSED_KINDS:
+        if cache is not None and kind(cfg.kind).fused:
             return Batches(sequences(cache), cfg.batch_size, lambda b: cached_batch(cache, b, device))
         if cache is not None and cfg.kind == "eagle":
             return Batches(sequences(cache), cfg.batch_size, lambda b: {"eagle": sequence_batch(cache, b, device)})

@@ -1,0 +1,107 @@
+"""The heads kinds, one registry: what each kind is, as data.
+
+Code that behaves differently per kind asks :func:`kind` (``kind(cfg.kind).drafts_per_step``)
+instead of comparing the kind's name. A kind's implementation is named by dotted path and
+imported only when asked for (:meth:`Kind.heads_class`), so this module imports nothing heavy
+and ties no other module to it. Adding a kind starts with an entry in :data:`REGISTRY`
+(CONTRIBUTING.md lists the other files it touches).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from medusa.errors import MedusaError
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One heads kind's facts."""
+
+    name: str  # the ``kind`` a heads folder's config.json names, and the mode that runs it alone
+    summary: str  # one line: what the heads are
+    heads: str  # "module:Class" of the heads, built from a HeadsConfig
+    proposer: str  # "module:Class" of its proposer (medusa.decoding), built by proposers.make_proposer
+    loss: str  # "module:function" of its training loss (medusa.training), called by training/heads_task.py
+    # the modules that are this kind's alone (they may compare its name); the others ask this registry
+    own_modules: tuple[str, ...] = ()
+    # over several target layers fused (``feature_layers``), with its own lm_head over a draft
+    # vocabulary (``draft_vocab_size``): training reads a frozen target's layers
+    fused: bool = False
+    # drafts autoregressively, growing a dynamic tree per step (EAGLE-1/2 and EAGLE-3)
+    dynamic_tree: bool = False
+    # drafts its proposal per step (not a static tree): sized per device (medusa/autotune/sizing.py)
+    drafts_per_step: bool = False
+    # built on its target (holds it by reference; the loader needs the target to build it)
+    on_target: bool = False
+    # trained on a frozen target's feature cache only (no lora, cache_dir needed)
+    cache_only: bool = False
+    # trained on blocks of tokens from sampled anchors (block_anchors, block_decay)
+    block_trained: bool = False
+    int8: bool = False  # may draft on int8 weights (draft_dtype int8: its linears and draft vocabulary)
+    layers: tuple[int, ...] | None = None  # the decoder layers (num_layers) it may have; None: any
+    # the HeadsConfig fields only this kind writes to config.json (other kinds drop them)
+    own_fields: tuple[str, ...] = ()
+    # the published layouts it exports to (medusa/hub/export.py), the default first; () none
+    exports: tuple[str, ...] = ()
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The engine modes that run these heads: its own name, and hybrid (beside a lookup chain)."""
+        return (self.name, "hybrid")
+
+    @property
+    def sized(self) -> bool:
+        """Sized for the machine (trees or proposals measured per device): the kinds that draft per step."""
+        return self.drafts_per_step
+
+    def heads_class(self) -> type:
+        """The class of these heads, imported now."""
+        return named(self.heads)
+
+
+def named(dotted: str):
+    """The object a ``"module:name"`` path names, its module imported now."""
+    module, _, name = dotted.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+REGISTRY: dict[str, Kind] = {k.name: k for k in (
+    Kind("medusa", "independent heads, one per future token, over a static tree",
+         heads="medusa.models.heads:MedusaHeads", proposer="medusa.decoding.proposers:MedusaProposer",
+         loss="medusa.training.losses:heads_loss", own_modules=("medusa.models.heads",),
+         exports=("speculators", "vllm", "fasterdecoding")),
+    Kind("eagle", "one autoregressive decoder layer over the target's last feature",
+         heads="medusa.models.eagle_heads:EagleHeads", proposer="medusa.decoding.eagle_draft:EagleProposer",
+         loss="medusa.training.eagle_ttt:eagle_loss",
+         own_modules=("medusa.models.eagle_heads", "medusa.decoding.eagle_draft", "medusa.training.eagle_ttt"),
+         dynamic_tree=True, drafts_per_step=True,
+         on_target=True, cache_only=True, int8=True, own_fields=("eagle_layout", "fc_bias"), exports=("vllm",)),
+    Kind("eagle3", "one decoder layer over several target layers fused, with its own vocabulary",
+         heads="medusa.models.eagle3_heads:Eagle3Heads", proposer="medusa.decoding.eagle_draft:EagleProposer",
+         loss="medusa.training.eagle3_ttt:eagle3_loss", own_modules=("medusa.models.eagle3_heads", "medusa.training.eagle3_ttt"),
+         fused=True, dynamic_tree=True, drafts_per_step=True,
+         on_target=True, own_fields=("feature_layers", "draft_vocab_size", "norm_before_residual", "draft_layer"),
+         exports=("speculators", "vllm")),
+    Kind("block", "a block of num_heads tokens drafted in one pass over fused layers",
+         heads="medusa.models.block_heads:BlockHeads", proposer="medusa.decoding.block_draft:BlockProposer",
+         loss="medusa.training.block_train:block_loss",
+         own_modules=("medusa.models.block_heads", "medusa.decoding.block_draft", "medusa.training.block_train"),
+         fused=True, drafts_per_step=True, on_target=True,
+         block_trained=True, layers=(1, 2), own_fields=("feature_layers", "draft_vocab_size")),
+)}
+KINDS = tuple(REGISTRY)  # every kind's name, in registry order
+
+
+def kind(name: str) -> Kind:
+    """The registered kind called ``name``; one line naming the known kinds otherwise."""
+    found = REGISTRY.get(name)
+    if found is None:
+        raise MedusaError(f"unknown heads kind {name!r}: use one of {', '.join(KINDS)}")
+    return found
+
+
+def kinds_where(fact: str) -> tuple[str, ...]:
+    """The names of the kinds whose ``fact`` (a :class:`Kind` field or property) is true."""
+    return tuple(k.name for k in REGISTRY.values() if getattr(k, fact))
