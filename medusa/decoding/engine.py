@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,7 +18,6 @@ from medusa.decoding.generation import Generation, GenerationResult, GenerationS
 from medusa.decoding.pass_build import PassBuild, start_build
 from medusa.decoding.passes import (
     AUTO,
-    PASS_BUCKETS,
     PassStrategy,
     kernel_scope,
     make_passes,
@@ -28,8 +27,9 @@ from medusa.decoding.passes import (
 )
 from medusa.decoding.plan import Plan, check_plan, default_mode
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
-from medusa.decoding.sampling import SamplingConfig, next_token
-from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.run import Decoding, prefill_chunks
+from medusa.decoding.sampling import SamplingConfig
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import compile_tree, load_tree, tree_key
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
@@ -338,53 +338,12 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
                  sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None) -> DecodeState:
-        steps = self._prefill_chunks(ids, state, stats, sampling, max_new_tokens, passes)
+        steps = prefill_chunks(self, ids, state, stats, sampling, max_new_tokens, passes)
         while True:
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
-
-    @torch.inference_mode()
-    def _prefill_chunks(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                        sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None,
-                        ) -> Generator[None, None, DecodeState]:
-        """The prefill, one pass of at most :attr:`prefill_chunk` prompt tokens per ``next`` (a
-        scheduler runs other sequences' steps between them); returns the new state. Alone and in
-        a scheduler a prompt is cut at the same places, so its cache holds the same values."""
-        passes = passes or self.passes  # compile="auto" picks per generation (PassStrategy.for_generation)
-        cache, start, share = None, 0, CacheShare()
-        if state is not None and kv.is_static(state.cache) == passes.static:
-            cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
-            start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-            start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
-            if state.share is not None and state.share.owned_by(state):
-                cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
-                # every holder trusts only the common prefix from now on, before the cache is
-                # touched: a prefill that fails (Ctrl-C, out of memory) leaves them consistent
-                share.narrow(start)
-                kv.crop(cache, start)
-            else:  # its cache was taken by another generation since: branch off a copy
-                cache = kv.copy_prefix(state.cache, start, self.model)
-        if cache is None:
-            cache = passes.new_cache()
-        stats.prefill_tokens = len(ids) - start
-        step = self.prefill_chunk or len(ids)
-        hiddens = []
-        for at in range(start, len(ids), step):
-            if hiddens:
-                yield
-            new = torch.tensor([ids[at: at + step]], device=self.device)
-            logits, hidden = passes.prefill(cache, new, at, max_new_tokens)
-            hiddens.append(hidden)
-        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)  # [n, H]
-        generator = sampling.generator(self.device)
-        root = next_token(logits[-1], sampling, generator)
-        new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
-                                logits=logits[-1], sampling=sampling, generator=generator, prefill_hidden=hidden,
-                                share=share, carry={} if state is None else dict(state.carry))
-        share.take(new_state, start)
-        return new_state
 
     @torch.inference_mode()
     def step(self, state: DecodeState, proposal: Proposal, min_rows: int = 1) -> StepOutcome:
@@ -454,14 +413,6 @@ class Engine:
                 outcomes[i] = self.step(r.state, proposals[i], r.least)
         return outcomes
 
-    def _stop_reason(self, state: DecodeState, stop: threading.Event) -> str | None:
-        """Why the loop must stop before the next step (None: go on)."""
-        if stop.is_set():
-            return "stopped"
-        if self.max_positions is not None and state.length + 1 > self.max_positions:
-            return "context"  # the root's KV entry has no slot left
-        return None
-
     def _propose(self, proposer: Proposer, state: DecodeState, room: int, rows_cap: int | None = None) -> Proposal:
         """The proposer's tree for this step, within the token budget and the context, and within
         ``rows_cap`` rows (a batch's share): 1 row drafts nothing at all, fewer rows draft no
@@ -483,102 +434,3 @@ class Engine:
         if self.max_positions is not None and state.length + reach + 1 > self.max_positions:
             proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
         return proposal
-
-    @staticmethod
-    def _trim(state: DecodeState, keep: int) -> None:
-        """Drop tokens cut off by EOS or the length limit from the state, keeping the cache and
-        token list consistent for a later turn that reuses them."""
-        del state.tokens[keep:]
-        if state.length > len(state.tokens) - 1:
-            state.length = len(state.tokens) - 1
-            kv.crop(state.cache, state.length)
-        state.valid, state.budget = state.length, None
-
-
-class Decoding:
-    """One generation's own half of the decode loop: prefill, then propose -> (a target pass
-    verifies the proposal, alone or packed beside other sequences') -> advance, until a stop
-    reason. :meth:`Engine._run` drives one alone; :class:`medusa.serving.scheduler.Scheduler`
-    drives many, one packed pass per step. The caller holds the engine's lock and kernel scope."""
-
-    def __init__(self, engine: Engine, ids: list[int], proposer: Proposer, max_new_tokens: int,
-                 prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig) -> None:
-        self.engine, self.ids, self.proposer, self.max_new_tokens = engine, ids, proposer, max_new_tokens
-        self.prior, self.stop, self.sampling = prior, stop, sampling
-        self.stats = GenerationStats()
-        self.emitted: list[int] = []
-        self.reason: str | None = None
-        self.state: DecodeState | None = None
-        self.least = min(getattr(proposer, "min_rows", 1), engine.max_rows or PASS_BUCKETS[-1])
-        self._t0 = time.perf_counter()
-
-    def prefill(self) -> list[int]:
-        """Run the prompt; the first token's chunk (empty if nothing may be emitted)."""
-        for _ in self.prefill_chunks():
-            pass
-        return self.first_chunk()
-
-    def prefill_chunks(self) -> Generator[None, None, None]:
-        """:meth:`prefill` one pass at a time (``next`` runs one); then :meth:`first_chunk`."""
-        engine = self.engine
-        passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
-        self.state = yield from engine._prefill_chunks(self.ids, self.prior, self.stats, self.sampling,
-                                                       self.max_new_tokens, passes)
-
-    def first_chunk(self) -> list[int]:
-        """After the prefill: the first token, cut by EOS or the length limit."""
-        state = self.state
-        self.stats.prefill_seconds = time.perf_counter() - self._t0
-        chunk, self.reason = cut_chunk([int(state.root)], self.engine.eos, self.max_new_tokens)
-        state.tokens.append(int(state.root))
-        self.emitted += chunk
-        self.stats.new_tokens = len(self.emitted)
-        return chunk
-
-    def begin(self) -> None:
-        self.proposer.begin(self.state)
-
-    def propose(self, rows_cap: int | None = None) -> Proposal | None:
-        """This step's proposal (within ``rows_cap`` rows: a batch's share), or None when the
-        generation is over (:attr:`reason` says why)."""
-        if self.reason is None:
-            self.reason = self.engine._stop_reason(self.state, self.stop)
-        if self.reason is not None:
-            return None
-        t1 = time.perf_counter()
-        proposal = self.engine._propose(self.proposer, self.state, self.max_new_tokens - len(self.emitted), rows_cap)
-        self.stats.draft_seconds += time.perf_counter() - t1
-        return proposal
-
-    def advance(self, outcome: StepOutcome) -> tuple[list[int], int]:
-        """Record a verified step: the tokens it emits and how many of them were drafted."""
-        t3 = time.perf_counter()
-        self.proposer.update(self.state, outcome)
-        self.stats.update_seconds += time.perf_counter() - t3
-        chunk, self.reason = cut_chunk(outcome.tokens, self.engine.eos, self.max_new_tokens - len(self.emitted))
-        self.emitted += chunk
-        self.stats.steps += 1
-        self.stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
-        self.stats.new_tokens = len(self.emitted)
-        # All but the step's last token were drafted (fewer if the chunk was cut).
-        return chunk, (min(len(chunk), len(outcome.tokens) - 1) if chunk else 0)
-
-    def result(self) -> GenerationResult:
-        """The finished generation (its state trimmed to what was emitted, for a later turn)."""
-        self.engine._trim(self.state, len(self.ids) + len(self.emitted))
-        self.stats.seconds = time.perf_counter() - self._t0
-        return GenerationResult(tokens=self.emitted, stats=self.stats, finish_reason=self.reason or "stopped",
-                                state=self.state)
-
-
-def cut_chunk(chunk: list[int], eos: Collection[int], room: int) -> tuple[list[int], str | None]:
-    """A step's tokens cut at the first EOS and at ``room`` tokens left, with the finish
-    reason that cut implies (None: neither applies and decoding goes on)."""
-    reason = None
-    for i, t in enumerate(chunk):
-        if t in eos:
-            chunk, reason = chunk[: i + 1], "eos"
-            break
-    if len(chunk) > room or (len(chunk) == room and reason is None):
-        chunk, reason = chunk[:room], "length"
-    return chunk, reason
