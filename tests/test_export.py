@@ -16,7 +16,8 @@ from torch import nn
 
 import medusa
 from medusa.errors import MedusaError
-from medusa.hub.export import export_heads, load_plain_tensors, read_fasterdecoding
+from medusa.hub.export import export_heads
+from medusa.hub.fasterdecoding import load_plain_tensors, read_fasterdecoding
 from medusa.hub.hub import load_heads_from, read_heads
 from medusa.models.heads_config import save_heads
 from medusa.models.loader import heads_from_state

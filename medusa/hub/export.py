@@ -1,4 +1,4 @@
-"""Other tools' checkpoint layouts: read FasterDecoding Medusa-1 heads, write vLLM and FasterDecoding.
+"""Other tools' checkpoint layouts, written: vLLM's drafters, the speculators format and FasterDecoding.
 
 Our layout (``medusa/models/heads_config.py``) is ``config.json`` (``model_type: medusa_heads``) plus
 ``model.safetensors`` with
@@ -6,12 +6,8 @@ Our layout (``medusa/models/heads_config.py``) is ``config.json`` (``model_type:
     blocks.{head}.{layer}.linear.weight / .bias   [H, H] / [H]
     proj.{head}.weight                            [V, H]   (projection="per_head" only)
 
-FasterDecoding/Medusa (Medusa-1) saves ``config.json`` with ``medusa_num_heads``,
-``medusa_num_layers`` and ``base_model_name_or_path``, and the heads' state dict in
-``medusa_lm_head.safetensors`` (older releases: a pickled ``medusa_lm_head.pt``) with
-
-    {head}.{layer}.linear.weight / .bias          the residual blocks
-    {head}.{num_layers}.weight                    each head's own vocabulary projection
+FasterDecoding/Medusa (Medusa-1)'s layout is described (and read) in :mod:`medusa.hub.fasterdecoding`;
+the speculators format's configs are built in :mod:`medusa.hub.speculators`.
 
 vLLM's Medusa drafter (``model_type: medusa``, ``vllm/model_executor/models/medusa.py``)
 reads ``model.safetensors`` with
@@ -51,8 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -60,104 +54,16 @@ import torch
 from safetensors.torch import save_file
 
 from medusa.errors import MedusaError
-from medusa.models.heads_config import CONFIG_NAME, REFETCH, WEIGHTS_NAME, HeadsConfig
-from medusa.runtime.files import atomic_folder, read_tensors, refuse_foreign
+from medusa.hub import speculators
+from medusa.hub.fasterdecoding import FD_WEIGHTS
+from medusa.models.heads_config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from medusa.runtime.files import atomic_folder, refuse_foreign
 
-FD_WEIGHTS = "medusa_lm_head.safetensors"
-FD_PICKLE = "medusa_lm_head.pt"
 LAYOUTS = ("speculators", "vllm", "fasterdecoding")
 _EXPORT_FILES = {CONFIG_NAME, WEIGHTS_NAME, FD_WEIGHTS}
 
 # vLLM's EAGLE-1 drafters by the target's model_type (EAGLEConfig prefixes the architecture with "Eagle").
 EAGLE1_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-
-_FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
-_FD_PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
-# Prefixes FasterDecoding-derived checkpoints put before the ModuleList keys.
-_FD_PREFIXES = ("medusa_head.", "medusa_heads.")
-
-
-# -- reading FasterDecoding checkpoints ------------------------------------------------------
-def is_fasterdecoding_folder(folder: str | Path) -> bool:
-    path = Path(folder) / CONFIG_NAME
-    if not path.is_file():
-        return False
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):  # cut off or garbage: the heads reader names the file
-        return False
-    return isinstance(data, dict) and "medusa_num_heads" in data
-
-
-def load_plain_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """A pickled state dict, loaded with ``torch.load(weights_only=True)`` only.
-
-    Anything that is not plain tensors under string keys is refused: unpickling arbitrary
-    objects can run code, so a ``.pt`` file that needs more than tensors is not trusted.
-    """
-    path = Path(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, ValueError, EOFError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MedusaError(
-            f"refused to load {path}: it is not a plain-tensor checkpoint ({first[:160]}); "
-            "only tensors are unpickled (torch.load weights_only=True): convert it to safetensors where it was made"
-        ) from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise MedusaError(f"refused to load {path}: expected a dict of tensors, found {type(state).__name__} with other objects")
-    return state
-
-
-def _strip_prefix(key: str) -> str:
-    for prefix in _FD_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
-
-
-def read_fasterdecoding(folder: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
-    """Config and state dict, in our layout, of a FasterDecoding Medusa-1 checkpoint folder."""
-    folder = Path(folder)
-    data = json.loads((folder / CONFIG_NAME).read_text())
-    try:
-        num_heads, num_layers = int(data["medusa_num_heads"]), int(data.get("medusa_num_layers", 1))
-    except (KeyError, TypeError, ValueError):
-        raise MedusaError(f"{folder / CONFIG_NAME} has no integer medusa_num_heads/medusa_num_layers") from None
-    if (folder / FD_WEIGHTS).is_file():
-        raw = read_tensors(folder / FD_WEIGHTS, REFETCH)
-    elif (folder / FD_PICKLE).is_file():
-        raw = load_plain_tensors(folder / FD_PICKLE)
-    else:
-        raise MedusaError(f"{folder} is a FasterDecoding Medusa config without weights: expected {FD_WEIGHTS} or {FD_PICKLE}")
-    raw = {_strip_prefix(k): v for k, v in raw.items()}
-
-    state: dict[str, torch.Tensor] = {}
-    for head in range(num_heads):
-        for layer in range(num_layers):
-            for kind in ("weight", "bias"):
-                key = f"{head}.{layer}.linear.{kind}"
-                if key not in raw:
-                    raise MedusaError(f"{folder} does not match its config: {key} is missing for {num_heads} heads x {num_layers} layers")
-                state[f"blocks.{head}.{layer}.linear.{kind}"] = raw[key]
-        key = f"{head}.{num_layers}.weight"
-        if key not in raw:
-            raise MedusaError(f"{folder} does not match its config: projection {key} is missing")
-        state[f"proj.{head}.weight"] = raw[key]
-    # Heads beyond medusa_num_heads (a config trimmed after training) are simply not used;
-    # anything that is no head parameter at all means the layout is not what we think.
-    unknown = [k for k in raw if not (_FD_BLOCK.match(k) or _FD_PROJ.match(k))]
-    if unknown:
-        raise MedusaError(f"{folder} has weights that are not Medusa-1 heads ({', '.join(sorted(unknown)[:3])}): not a FasterDecoding heads checkpoint")
-
-    vocab, hidden = state["proj.0.weight"].shape
-    config = HeadsConfig(
-        hidden_size=int(hidden), vocab_size=int(vocab), num_heads=num_heads, num_layers=num_layers,
-        projection="per_head", base_model=data.get("base_model_name_or_path"),
-        extra={"imported_from": "FasterDecoding Medusa-1", "source": str(folder)},
-    )
-    return config, state
-
 
 # -- writing ---------------------------------------------------------------------------------
 def target_for(config: HeadsConfig, model: str | None = None) -> str | None:
@@ -379,76 +285,6 @@ def check_three_layers(config: HeadsConfig) -> None:
                           f"({config.feature_layers}) but vLLM's EAGLE-3 drafter reads three: serve them with this engine")
 
 
-def speculators_config(algorithm: str, steps: int, verifier: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``speculators_config`` block: vLLM serves the folder as a draft of
-    ``verifier.name_or_path`` proposing ``speculative_tokens`` per step."""
-    verifier = verifier or {}
-    return {"algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier.get("name_or_path"), "architectures": list(verifier.get("architectures") or [])}}
-
-
-def speculators_eagle3_config(config: HeadsConfig, target_config: dict[str, Any], dtype: torch.dtype,
-                              verifier: dict[str, Any] | None) -> dict[str, Any]:
-    """speculators' ``Eagle3SpeculatorConfig``: the drafter's one-layer Llama config as
-    ``transformer_layer_config`` (``vocab_size`` the target's), every norm flag written out."""
-    layer = vllm_eagle3_config(config, target_config, dtype)
-    keep = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "mlp_bias",
-            "rope_parameters", "rope_theta", "rope_scaling", "num_hidden_layers", "tie_word_embeddings", "dtype")
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {k: layer[k] for k in keep if k in layer},
-        "draft_vocab_size": config.draft_vocab_size,
-        "norm_before_residual": config.norm_before_residual,  # vLLM takes true when it is missing
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-        "target_hidden_size": None,  # the draft is as wide as the target
-        "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
-        "embed_requires_grad": False,
-        "speculators_config": speculators_config("eagle3", config.num_heads, verifier),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def speculators_eagle3_state(config: HeadsConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The heads' tensors (speculators' names are theirs) with ``t2d``, the ``[V]`` mask of the
-    draft vocabulary, beside ``d2t``; both left out over the full vocabulary, as speculators does.
-    No ``embed_tokens``: vLLM then shares the target's, which these heads embed with."""
-    out = vllm_eagle3_state(config, state)
-    if "d2t" in out:
-        ids = torch.arange(config.draft_vocab_size) + out["d2t"].cpu()
-        out["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-    return out
-
-
-def speculators_medusa_config(config: HeadsConfig, dtype: torch.dtype, verifier: dict[str, Any] | None) -> dict[str, Any]:
-    """speculators' ``MedusaSpeculatorConfig``."""
-    return {
-        "architectures": ["MedusaModel"],
-        "speculators_model_type": "medusa",
-        "num_heads": config.num_heads,
-        "num_hidden_layers": config.num_layers,
-        "medusa_hidden_size": config.hidden_size,
-        "medusa_vocab_size": config.vocab_size,
-        "truncated_vocab_size": 0,
-        "original_lm_head": config.projection == "shared",
-        "medusa_fc_bias": True,  # our residual blocks have biases
-        "speculators_config": speculators_config("medusa", config.num_heads, verifier),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def speculators_medusa_state(config: HeadsConfig, state: dict[str, torch.Tensor],
-                             lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """vLLM's Medusa names (speculators' are the same). Shared heads keep one copy of the
-    target's projection as ``lm_head.weight``: speculators' own loader takes the verifier's in
-    its place, and vLLM's Medusa drafter reads its projection from the checkpoint."""
-    return vllm_state(config, state, lm_head)
-
-
 def check_kind_exportable(config: HeadsConfig) -> None:
     """Block heads have no serving engine's layout to export to: one line saying so, before
     anything (a target) is loaded."""
@@ -475,38 +311,58 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     check_kind_exportable(config)
     if config.kind == "eagle3":
-        if layout == "fasterdecoding":
-            raise MedusaError(f"eagle3 heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")
-        if draft_vocab is not None:
-            raise MedusaError("eagle3 heads carry their own draft vocabulary (d2t): drop --draft-vocab")
-        if target_config is None:
-            raise MedusaError("eagle3 heads export with their target's config: pass the target model (--model)")
-        check_three_layers(config)
-        if layout == "speculators":
-            tensors = _cast(speculators_eagle3_state(config, state), dtype)
-            cfg = speculators_eagle3_config(config, target_config, tensors["fc.weight"].dtype, verifier)
-            return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
-        tensors = _cast(vllm_eagle3_state(config, state), dtype)
-        return _write(Path(out), tensors, WEIGHTS_NAME, vllm_eagle3_config(config, target_config, tensors["fc.weight"].dtype))
-    if config.kind == "eagle" and layout == "speculators":
+        tensors, cfg = _eagle3_export(config, state, layout, dtype, draft_vocab, target_config, verifier)
+    elif config.kind == "eagle":
+        tensors, cfg = _eagle_export(config, state, layout, dtype, draft_vocab, target_config)
+    else:
+        return _medusa_export(config, state, Path(out), layout, lm_head, dtype, draft_vocab, verifier)
+    return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
+
+
+def _eagle3_export(config: HeadsConfig, state: dict[str, torch.Tensor], layout: str, dtype: torch.dtype | None,
+                   draft_vocab, target_config: dict[str, Any] | None, verifier: dict[str, Any] | None):
+    """EAGLE-3 heads' tensors and config in ``layout`` (speculators' or vLLM's own)."""
+    if layout == "fasterdecoding":
+        raise MedusaError(f"eagle3 heads have no {layout} export: FasterDecoding's layout holds Medusa heads only")
+    if draft_vocab is not None:
+        raise MedusaError("eagle3 heads carry their own draft vocabulary (d2t): drop --draft-vocab")
+    if target_config is None:
+        raise MedusaError("eagle3 heads export with their target's config: pass the target model (--model)")
+    check_three_layers(config)
+    tensors = _cast(vllm_eagle3_state(config, state), dtype)
+    layer = vllm_eagle3_config(config, target_config, tensors["fc.weight"].dtype)
+    if layout == "speculators":
+        return (_cast(speculators.eagle3_state(config, tensors), None),
+                speculators.eagle3_config(config, layer, tensors["fc.weight"].dtype, verifier))
+    return tensors, layer
+
+
+def _eagle_export(config: HeadsConfig, state: dict[str, torch.Tensor], layout: str, dtype: torch.dtype | None,
+                  draft_vocab, target_config: dict[str, Any] | None):
+    """EAGLE-1 heads' tensors and config in vLLM's layout (the only one serving them)."""
+    if layout == "speculators":
         raise MedusaError("eagle heads export to vLLM's EAGLE-1 drafter only (the speculators format is written for "
                           "eagle3 and medusa heads): use --to vllm")
-    if config.kind == "eagle":
-        check_eagle_exportable(config, layout)
-        if draft_vocab is not None:
-            raise MedusaError("vLLM's EAGLE-1 drafter scores the full vocabulary: drop --draft-vocab for eagle heads")
-        if target_config is None:
-            raise MedusaError("eagle heads export with their target's config: pass the target model (--model)")
-        tensors = _cast(vllm_eagle_state(config, state), dtype)
-        cfg = vllm_eagle_config(config, target_config, tensors["fc.weight"].dtype)
-        return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
+    check_eagle_exportable(config, layout)
+    if draft_vocab is not None:
+        raise MedusaError("vLLM's EAGLE-1 drafter scores the full vocabulary: drop --draft-vocab for eagle heads")
+    if target_config is None:
+        raise MedusaError("eagle heads export with their target's config: pass the target model (--model)")
+    tensors = _cast(vllm_eagle_state(config, state), dtype)
+    return tensors, vllm_eagle_config(config, target_config, tensors["fc.weight"].dtype)
+
+
+def _medusa_export(config: HeadsConfig, state: dict[str, torch.Tensor], out: Path, layout: str,
+                   lm_head: torch.Tensor | None, dtype: torch.dtype | None, draft_vocab,
+                   verifier: dict[str, Any] | None) -> Path:
+    """Medusa heads in ``layout``: speculators', vLLM's (optionally over a draft vocabulary) or
+    FasterDecoding's."""
     if layout == "speculators":
         if draft_vocab is not None:
             raise MedusaError("the speculators export of Medusa heads drafts over the full vocabulary: drop --draft-vocab, "
                               "or export --to vllm for a draft vocabulary")
-        tensors = _cast(speculators_medusa_state(config, state, lm_head), dtype)
-        weights_dtype = tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
-        return _write(Path(out), tensors, WEIGHTS_NAME, speculators_medusa_config(config, weights_dtype, verifier))
+        tensors = _cast(vllm_state(config, state, lm_head), dtype)  # speculators' names are vLLM's
+        return _write(out, tensors, WEIGHTS_NAME, speculators.medusa_config(config, _projection_dtype(tensors), verifier))
     token_map = None
     if draft_vocab is not None:
         if layout != "vllm":
@@ -514,18 +370,16 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
         token_map = torch.as_tensor(draft_vocab, dtype=torch.long).unique()  # sorted ids
         if token_map.numel() == 0 or int(token_map.min()) < 0 or int(token_map.max()) >= config.vocab_size:
             raise MedusaError(f"draft vocabulary ids must lie in [0, {config.vocab_size}): recalibrate the heads for this model")
-    if layout == "vllm":
-        tensors, name = vllm_state(config, state, lm_head, token_map), WEIGHTS_NAME
-    else:
-        tensors, name = fasterdecoding_state(config, state, lm_head), FD_WEIGHTS
-    tensors = _cast(tensors, dtype)
-    if layout == "vllm":
-        weights_dtype = tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
-        cfg = vllm_config(config, weights_dtype, None if token_map is None else token_map.numel())
-    else:
-        cfg = fasterdecoding_config(config)
+    if layout == "fasterdecoding":
+        return _write(out, _cast(fasterdecoding_state(config, state, lm_head), dtype), FD_WEIGHTS,
+                      fasterdecoding_config(config))
+    tensors = _cast(vllm_state(config, state, lm_head, token_map), dtype)
+    cfg = vllm_config(config, _projection_dtype(tensors), None if token_map is None else token_map.numel())
+    return _write(out, tensors, WEIGHTS_NAME, cfg)
 
-    return _write(Path(out), tensors, name, cfg)
+
+def _projection_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    return tensors["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"].dtype
 
 
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.hub.card import HUB_ID, card_base_model, model_card, public_record
-from medusa.hub.export import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
+from medusa.hub.fasterdecoding import FD_PICKLE, FD_WEIGHTS, is_fasterdecoding_folder, read_fasterdecoding
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import (
     CALIBRATION_NAME,
