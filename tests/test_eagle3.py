@@ -24,7 +24,8 @@ from medusa.training.batches import collate
 from medusa.training.data import Example
 from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
 from medusa.training.eagle_ttt import sequences
-from medusa.training.feature_cache import FeatureCache, build_cache, fingerprint, is_complete, run_layers
+from medusa.training.feature_build import build_cache
+from medusa.training.feature_cache import FeatureCache, fingerprint, is_complete, run_layers
 from medusa.training.loop import TrainConfig, train
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")

@@ -306,7 +306,7 @@ def test_a_damaged_feature_cache_is_rebuilt_with_one_warning(trained, tmp_path, 
 
     from medusa.models.target import load_target
     from medusa.training.data import build_datasets
-    from medusa.training.feature_cache import open_caches
+    from medusa.training.feature_build import open_caches
 
     setup, root = trained
     cache = shutil.copytree(root / "features", tmp_path / "features")
@@ -1037,7 +1037,7 @@ def _examples(n: int = 12, seed: int = 0):
 def test_a_feature_cache_larger_than_the_free_disk_is_one_line_before_anything_is_allocated(tmp_path):
     import shutil as sh
 
-    from medusa.training.feature_cache import build_cache
+    from medusa.training.feature_build import build_cache
 
     examples = _examples()
     free = sh.disk_usage(tmp_path).free
@@ -1053,7 +1053,8 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 from tiny import tiny_model
 from test_faults import _examples
-from medusa.training.feature_cache import build_cache, run_target
+from medusa.training.feature_build import build_cache
+from medusa.training.feature_cache import run_target
 model = tiny_model("llama", vocab_size=96)
 calls = []
 def target(ids, attn):
@@ -1069,7 +1070,8 @@ def test_a_killed_feature_cache_build_resumes_where_it_stopped(tmp_path):
     import subprocess
     import sys
 
-    from medusa.training.feature_cache import FeatureCache, build_cache, run_target
+    from medusa.training.feature_build import build_cache
+    from medusa.training.feature_cache import FeatureCache, run_target
 
     examples, folder = _examples(), tmp_path / "train"
     proc = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(folder), str(REPO / "tests")], cwd=REPO,
@@ -1101,7 +1103,7 @@ def test_a_second_run_on_one_feature_cache_folder_waits_for_the_first(trained, t
     from accelerate import Accelerator
 
     from medusa.training.data import build_datasets
-    from medusa.training.feature_cache import build_lock, open_caches
+    from medusa.training.feature_build import build_lock, open_caches
 
     setup, _ = trained
     cfg = run_config(setup, tmp_path / "run", cache_dir=str(tmp_path / "features"))

@@ -197,7 +197,7 @@ def test_feature_cache_is_keyed_on_the_weights_not_the_name(setup, tmp_path):
 
 
 def test_a_cache_for_more_data_runs_the_target_over_the_new_sequences_only(setup, tmp_path, monkeypatch):
-    from medusa.training import feature_cache
+    from medusa.training import feature_build, feature_cache
 
     ran = []  # the real target runs; this records how many tokens it was given
 
@@ -206,7 +206,7 @@ def test_a_cache_for_more_data_runs_the_target_over_the_new_sequences_only(setup
         return run_target(model, ids, attn)
 
     run_target = feature_cache.run_target
-    monkeypatch.setattr(feature_cache, "run_target", counted)
+    monkeypatch.setattr(feature_build, "run_target", counted)  # what open_caches runs
     more = str(write_counting_data(tmp_path / "more.jsonl", 24, seed=9, length=20))  # sequences the first lacks
     cache = tmp_path / "cache"
     kw = dict(distill=1.0, positions_per_batch=32, max_steps=1)

@@ -52,7 +52,8 @@ from medusa.runtime.hf import lm_logits
 from medusa.training.batches import Batches, collate
 from medusa.training.checkpoints import CHECKPOINTS
 from medusa.training.data import DataSplits, Example
-from medusa.training.feature_cache import FeatureCache, open_caches
+from medusa.training.feature_build import open_caches
+from medusa.training.feature_cache import FeatureCache
 from medusa.training.losses import frequent_tokens, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 log = logging.getLogger("medusa.training.draft_task")

@@ -45,7 +45,8 @@ from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
 from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
 from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
-from medusa.training.feature_cache import FeatureCache, open_caches, run_target
+from medusa.training.feature_build import open_caches
+from medusa.training.feature_cache import FeatureCache, run_target
 from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
 
 log = logging.getLogger("medusa.training.heads_task")
