@@ -171,63 +171,73 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "medusa"}]}
 
-    async def complete(request: Request, chat: bool):
-        try:
-            body = await _read(request)
-            server._check_model(body)
-            ids = server.chat_prompt(body) if chat else server.text_prompt(body)
-            loop, events = asyncio.get_running_loop(), asyncio.Queue()
-            # the scheduler thread hands each event to this loop as it is queued
-            stream = server.submit(ids, body, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        except Overloaded as exc:
-            return error(429, str(exc), "rate_limit_error", "queue_full")
-        except Closed as exc:
-            return error(503, str(exc), "server_error", "shutting_down")
-        except MedusaError as exc:
-            return error(400, str(exc))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        text = TextStream(server.engine.tokenizer)
-        if body.get("stream"):
-            usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(server, stream, events, text, rid, chat, len(ids), usage_chunk, request),
-                                     media_type="text/event-stream")
-        parts = []
-        try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        stream.cancel()
-                        return error(499, "the client went away")
-                    continue
-                if kind == "tokens":
-                    parts.append(text.push(value))
-                elif kind == "done":
-                    stream.result = value
-                    break
-                else:
-                    return error(500, str(value), "server_error")
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        parts.append(text.flush())
-        content = "".join(parts)
-        reason = FINISH.get(stream.result.finish_reason, "stop")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": server.model_name, "choices": [choice], "usage": server.usage(len(ids), stream)}
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, chat=True)
+        return await _complete(server, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await complete(request, chat=False)
+        return await _complete(server, request, chat=False)
 
     return app
+
+
+async def _complete(server: Server, request: Request, chat: bool):
+    """One completion request: checked and queued, then streamed as events or answered whole."""
+    try:
+        body = await _read(request)
+        server._check_model(body)
+        ids = server.chat_prompt(body) if chat else server.text_prompt(body)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        # the scheduler thread hands each event to this loop as it is queued
+        stream = server.submit(ids, body, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    except Overloaded as exc:
+        return error(429, str(exc), "rate_limit_error", "queue_full")
+    except Closed as exc:
+        return error(503, str(exc), "server_error", "shutting_down")
+    except MedusaError as exc:
+        return error(400, str(exc))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    text = TextStream(server.engine.tokenizer)
+    if body.get("stream"):
+        usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_sse(server, stream, events, text, rid, chat, len(ids), usage_chunk, request),
+                                 media_type="text/event-stream")
+    content = await _collect(stream, events, text, request)
+    if not isinstance(content, str):
+        return content  # an error response
+    reason = FINISH.get(stream.result.finish_reason, "stop")
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
+              if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": server.model_name, "choices": [choice], "usage": server.usage(len(ids), stream)}
+
+
+async def _collect(stream: Stream, events: asyncio.Queue, text: TextStream, request: Request):
+    """A non-streamed answer's text, whole (or the error response that ended it); a client that
+    goes away cancels the stream."""
+    parts = []
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    stream.cancel()
+                    return error(499, "the client went away")
+                continue
+            if kind == "tokens":
+                parts.append(text.push(value))
+            elif kind == "done":
+                stream.result = value
+                break
+            else:
+                return error(500, str(value), "server_error")
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    parts.append(text.flush())
+    return "".join(parts)
 
 
 async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: TextStream, rid: str, chat: bool,
