@@ -29,8 +29,6 @@ ALLOWED = {
                             "(tests/test_layout.py), so it cannot ask the registry"),
     "medusa/training/heads_task.py": (7, "the training task's per-kind dispatch (fresh heads, loss, batches): "
                                          "each kind's training hook in the registry is still to come"),
-    "medusa/hub/export.py": (4, "the exporter's per-kind writers (4 before its split into medusa/hub/speculators.py "
-                                "and fasterdecoding.py, 3 after)"),
 }
 
 

@@ -57,6 +57,7 @@ from medusa.errors import MedusaError
 from medusa.hub import speculators
 from medusa.hub.fasterdecoding import FD_WEIGHTS
 from medusa.models.heads_config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from medusa.models.kinds import kind
 from medusa.runtime.files import atomic_folder, refuse_foreign
 
 LAYOUTS = ("speculators", "vllm", "fasterdecoding")
@@ -288,9 +289,9 @@ def check_three_layers(config: HeadsConfig) -> None:
 def check_kind_exportable(config: HeadsConfig) -> None:
     """Block heads have no serving engine's layout to export to: one line saying so, before
     anything (a target) is loaded."""
-    if config.kind == "block":
-        raise MedusaError("block heads have no vLLM or FasterDecoding export (neither serves this layout): "
-                          "decode them with this engine (mode block, or hybrid)")
+    if not kind(config.kind).exports:
+        raise MedusaError(f"{config.kind} heads have no vLLM or FasterDecoding export (neither serves this layout): "
+                          f"decode them with this engine (mode {config.kind}, or hybrid)")
 
 
 def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str | Path, layout: str,
@@ -310,12 +311,10 @@ def export_heads(config: HeadsConfig, state: dict[str, torch.Tensor], out: str |
     if layout not in LAYOUTS:
         raise MedusaError(f"unknown export layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     check_kind_exportable(config)
-    if config.kind == "eagle3":
-        tensors, cfg = _eagle3_export(config, state, layout, dtype, draft_vocab, target_config, verifier)
-    elif config.kind == "eagle":
-        tensors, cfg = _eagle_export(config, state, layout, dtype, draft_vocab, target_config)
-    else:
+    writer = _WRITERS[config.kind]  # every kind the registry gives export layouts has one
+    if writer is _medusa_export:
         return _medusa_export(config, state, Path(out), layout, lm_head, dtype, draft_vocab, verifier)
+    tensors, cfg = writer(config, state, layout, dtype, draft_vocab, target_config, verifier)
     return _write(Path(out), tensors, WEIGHTS_NAME, cfg)
 
 
@@ -338,7 +337,7 @@ def _eagle3_export(config: HeadsConfig, state: dict[str, torch.Tensor], layout: 
 
 
 def _eagle_export(config: HeadsConfig, state: dict[str, torch.Tensor], layout: str, dtype: torch.dtype | None,
-                  draft_vocab, target_config: dict[str, Any] | None):
+                  draft_vocab, target_config: dict[str, Any] | None, verifier: dict[str, Any] | None = None):
     """EAGLE-1 heads' tensors and config in vLLM's layout (the only one serving them)."""
     if layout == "speculators":
         raise MedusaError("eagle heads export to vLLM's EAGLE-1 drafter only (the speculators format is written for "
@@ -376,6 +375,10 @@ def _medusa_export(config: HeadsConfig, state: dict[str, torch.Tensor], out: Pat
     tensors = _cast(vllm_state(config, state, lm_head, token_map), dtype)
     cfg = vllm_config(config, _projection_dtype(tensors), None if token_map is None else token_map.numel())
     return _write(out, tensors, WEIGHTS_NAME, cfg)
+
+
+# one writer per kind with export layouts (medusa.models.kinds: Kind.exports)
+_WRITERS = {"medusa": _medusa_export, "eagle": _eagle_export, "eagle3": _eagle3_export}
 
 
 def _projection_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
