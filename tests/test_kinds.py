@@ -4,6 +4,7 @@ and no other module compares a kind's name (counted here)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from medusa.errors import MedusaError
 from medusa.models import kinds
 from medusa.models.heads_config import EAGLE_KINDS, FUSED_KINDS, KIND_FIELDS, HeadsConfig
-from medusa.models.kinds import KINDS, REGISTRY, kind, kinds_where, named
+from medusa.models.kinds import KINDS, REGISTRY, TRAINING_HOOKS, kind, kinds_where, named
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ("medusa", "infer", "train", "scripts")
@@ -27,8 +28,6 @@ COMPARISON = re.compile(rf"(?<!for )\bkind\b\s*(?:==|!=|not\s+in\b|in\b)[^\n#]*?
 ALLOWED = {
     "medusa/config.py": (3, "TrainConfig's per-kind checks: medusa.config sits below medusa.models "
                             "(tests/test_layout.py), so it cannot ask the registry"),
-    "medusa/training/heads_task.py": (7, "the training task's per-kind dispatch (fresh heads, loss, batches): "
-                                         "each kind's training hook in the registry is still to come"),
 }
 
 
@@ -86,6 +85,17 @@ def test_every_kind_names_code_that_exists():
             assert (REPO / (module.replace(".", "/") + ".py")).is_file(), module
         assert set(k.own_fields) <= set(KIND_FIELDS)
         assert k.modes == (k.name, "hybrid")
+
+
+def test_every_kinds_training_hooks_resolve_to_callables_of_one_signature():
+    """training/heads_task.py calls each kind's hooks with the same arguments: every one
+    resolves, is callable and takes exactly the parameters TRAINING_HOOKS names."""
+    for k in REGISTRY.values():
+        for hook, params in TRAINING_HOOKS.items():
+            fn = named(getattr(k, hook))
+            assert callable(fn), (k.name, hook)
+            assert tuple(inspect.signature(fn).parameters) == params, (k.name, hook)
+            assert getattr(k, hook).partition(":")[0].startswith("medusa.training."), (k.name, hook)
 
 
 def test_every_kinds_config_validates_and_keeps_its_own_fields():

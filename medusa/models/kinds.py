@@ -23,7 +23,11 @@ class Kind:
     summary: str  # one line: what the heads are
     heads: str  # "module:Class" of the heads, built from a HeadsConfig
     proposer: str  # "module:Class" of its proposer (medusa.decoding), built by proposers.make_proposer
-    loss: str  # "module:function" of its training loss (medusa.training), called by training/heads_task.py
+    # its training hooks, "module:function" in its own training module (medusa.training), which
+    # training/heads_task.py calls (see TRAINING_HOOKS for their signatures):
+    fresh_heads: str  # new heads for a target: (target, cfg, vocab) -> heads
+    loss: str  # one micro-batch's loss: (heads, target, batch, cfg, weights, vocab) -> (loss, counts)
+    cached_batches: str  # micro-batches read from a feature cache: (cache, cfg, device) -> Batches
     # the modules that are this kind's alone (they may compare its name); the others ask this registry
     own_modules: tuple[str, ...] = ()
     # over several target layers fused (``feature_layers``), with its own lm_head over a draft
@@ -61,6 +65,15 @@ class Kind:
         return named(self.heads)
 
 
+# The fields naming a kind's training hooks, and the parameters each one takes (cfg: a
+# TrainConfig; vocab: the training vocabulary subset, None: all; weights: per-head loss weights).
+TRAINING_HOOKS = {
+    "fresh_heads": ("target", "cfg", "vocab"),
+    "loss": ("heads", "target", "batch", "cfg", "weights", "vocab"),
+    "cached_batches": ("cache", "cfg", "device"),
+}
+
+
 def named(dotted: str):
     """The object a ``"module:name"`` path names, its module imported now."""
     module, _, name = dotted.partition(":")
@@ -70,23 +83,29 @@ def named(dotted: str):
 REGISTRY: dict[str, Kind] = {k.name: k for k in (
     Kind("medusa", "independent heads, one per future token, over a static tree",
          heads="medusa.models.heads:MedusaHeads", proposer="medusa.decoding.proposers:MedusaProposer",
-         loss="medusa.training.losses:heads_loss", own_modules=("medusa.models.heads",),
+         fresh_heads="medusa.training.medusa_train:fresh_heads", loss="medusa.training.medusa_train:batch_loss",
+         cached_batches="medusa.training.medusa_train:cached_batches",
+         own_modules=("medusa.models.heads", "medusa.training.medusa_train"),
          exports=("speculators", "vllm", "fasterdecoding")),
     Kind("eagle", "one autoregressive decoder layer over the target's last feature",
          heads="medusa.models.eagle_heads:EagleHeads", proposer="medusa.decoding.eagle_draft:EagleProposer",
-         loss="medusa.training.eagle_ttt:eagle_loss",
+         fresh_heads="medusa.training.eagle_ttt:fresh_heads", loss="medusa.training.eagle_ttt:batch_loss",
+         cached_batches="medusa.training.eagle_ttt:cached_batches",
          own_modules=("medusa.models.eagle_heads", "medusa.decoding.eagle_draft", "medusa.training.eagle_ttt"),
          dynamic_tree=True, drafts_per_step=True,
          on_target=True, cache_only=True, int8=True, own_fields=("eagle_layout", "fc_bias"), exports=("vllm",)),
     Kind("eagle3", "one decoder layer over several target layers fused, with its own vocabulary",
          heads="medusa.models.eagle3_heads:Eagle3Heads", proposer="medusa.decoding.eagle_draft:EagleProposer",
-         loss="medusa.training.eagle3_ttt:eagle3_loss", own_modules=("medusa.models.eagle3_heads", "medusa.training.eagle3_ttt"),
+         fresh_heads="medusa.training.eagle3_ttt:fresh_heads", loss="medusa.training.eagle3_ttt:batch_loss",
+         cached_batches="medusa.training.eagle3_ttt:cached_batches",
+         own_modules=("medusa.models.eagle3_heads", "medusa.training.eagle3_ttt"),
          fused=True, dynamic_tree=True, drafts_per_step=True,
          on_target=True, own_fields=("feature_layers", "draft_vocab_size", "norm_before_residual", "draft_layer"),
          exports=("speculators", "vllm")),
     Kind("block", "a block of num_heads tokens drafted in one pass over fused layers",
          heads="medusa.models.block_heads:BlockHeads", proposer="medusa.decoding.block_draft:BlockProposer",
-         loss="medusa.training.block_train:block_loss",
+         fresh_heads="medusa.training.block_train:fresh_heads", loss="medusa.training.block_train:batch_loss",
+         cached_batches="medusa.training.eagle3_ttt:cached_batches",  # the cache EAGLE-3 heads of its layers use
          own_modules=("medusa.models.block_heads", "medusa.decoding.block_draft", "medusa.training.block_train"),
          fused=True, drafts_per_step=True, on_target=True,
          block_trained=True, layers=(1, 2), own_fields=("feature_layers", "draft_vocab_size")),

@@ -24,17 +24,35 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from medusa.models.block_heads import BlockHeads
+from medusa.config import TrainConfig
+from medusa.models.block_heads import BlockHeads, init_block_for
+from medusa.models.heads_config import base_model_name
+from medusa.training.eagle3_ttt import with_features
 from medusa.training.losses import IGNORE, add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
 
 def block_weights(block_size: int, decay: float) -> list[float]:
     """``exp(-i / decay)`` for block positions ``i = 0 .. k-1``."""
     return [math.exp(-i / decay) for i in range(block_size)]
+
+
+def fresh_heads(target: nn.Module, cfg: TrainConfig, vocab: torch.Tensor | None = None) -> BlockHeads:
+    """New block heads of ``num_heads`` tokens for ``target``, ``vocab`` their draft vocabulary."""
+    return init_block_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target), cfg.num_layers)
+
+
+def batch_loss(heads: BlockHeads, target: nn.Module, batch: dict[str, Any], cfg: TrainConfig, weights: list[float],
+               vocab: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`block_loss` over one micro-batch, the fused layers from the cache or from the frozen
+    target now (``vocab`` unused: the heads' own draft vocabulary)."""
+    batch = with_features(target, batch, heads.feature_layers, cfg)
+    return block_loss(heads, batch, weights, cfg.block_anchors, cfg.distill, cfg.seed)
 
 
 def sample_anchors(answer: torch.Tensor, lengths: torch.Tensor, block_size: int, count: int, seed: int,

@@ -17,13 +17,19 @@ and no scored row attends to one (padding sits at the end).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+from torch import nn
 
-from medusa.models.eagle3_heads import Eagle3Heads
+from medusa.config import TrainConfig
+from medusa.models.eagle3_heads import Eagle3Heads, init_eagle3_for
 from medusa.models.eagle_heads import additive_mask
+from medusa.models.heads_config import base_model_name
 from medusa.runtime.hf import new_cache
-from medusa.training.eagle_ttt import ttt_visible
+from medusa.training.batches import Batches
+from medusa.training.eagle_ttt import sequences, ttt_visible
 from medusa.training.feature_cache import FeatureCache, run_layers
 from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
@@ -57,6 +63,31 @@ def cached_batch(cache: FeatureCache, bounds: np.ndarray, device: torch.device) 
         batch["teacher_ids"][i, :n] = torch.from_numpy(np.array(cache.teacher_ids[sl]).astype(np.int64))
         batch["teacher_logp"][i, :n] = torch.from_numpy(np.array(cache.teacher_logp[sl])).float()
     return {name: t.to(device) for name, t in batch.items()}
+
+
+def fresh_heads(target: nn.Module, cfg: TrainConfig, vocab: torch.Tensor | None = None) -> Eagle3Heads:
+    """New EAGLE-3 heads for ``target`` over its ``feature_layers``, ``vocab`` their draft vocabulary."""
+    return init_eagle3_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target))
+
+
+def cached_batches(cache: FeatureCache, cfg: TrainConfig, device: torch.device) -> Batches:
+    """Micro-batches of ``batch_size`` cached sequences, right-padded (:func:`cached_batch`): the
+    fused layers' inputs, which block heads over the same layers read too."""
+    return Batches(sequences(cache), cfg.batch_size, lambda b: cached_batch(cache, b, device))
+
+
+def with_features(target: nn.Module, batch: dict[str, Any], layers: tuple[int, ...], cfg: TrainConfig) -> dict[str, Any]:
+    """``batch`` with the fused layers' inputs and the target's top-k: from the cache, or from
+    the frozen target run over it now (:func:`target_outputs`)."""
+    if "features" in batch:
+        return batch
+    return {**batch, **target_outputs(target, batch["input_ids"], batch["attention_mask"], layers, cfg.teacher_topk)}
+
+
+def batch_loss(heads: Eagle3Heads, target: nn.Module, batch: dict[str, Any], cfg: TrainConfig, weights: list[float],
+               vocab: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`eagle3_loss` over one micro-batch (``vocab`` unused: the heads' own draft vocabulary)."""
+    return eagle3_loss(heads, with_features(target, batch, heads.feature_layers, cfg), weights)
 
 
 def eagle3_loss(heads: Eagle3Heads, batch: dict[str, torch.Tensor], weights: list[float],

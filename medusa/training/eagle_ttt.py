@@ -16,11 +16,17 @@ selects those keys. Rows whose chain would start before the sequence are not sco
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from medusa.models.eagle_heads import EagleHeads, additive_mask
+from medusa.config import TrainConfig
+from medusa.models.eagle_heads import EagleHeads, additive_mask, init_eagle_for
+from medusa.models.heads_config import base_model_name
+from medusa.training.batches import Batches
 from medusa.training.feature_cache import FeatureCache
 from medusa.training.losses import add_counts, soft_cross_entropy, teacher_in_vocab, vocab_index
 
@@ -44,6 +50,23 @@ def sequence_batch(cache: FeatureCache, bounds: np.ndarray, device: torch.device
                     "teacher_ids": torch.from_numpy(np.array(cache.teacher_ids[sl])).long().to(device),
                     "teacher_logp": torch.from_numpy(np.array(cache.teacher_logp[sl])).float().to(device)})
     return out
+
+
+def fresh_heads(target: nn.Module, cfg: TrainConfig, vocab: torch.Tensor | None = None) -> EagleHeads:
+    """New eagle heads for ``target`` (``eagle_init``, ``eagle_layout``); ``vocab`` unused: the
+    heads share the target's ``lm_head``."""
+    return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init, layout=cfg.eagle_layout)
+
+
+def cached_batches(cache: FeatureCache, cfg: TrainConfig, device: torch.device) -> Batches:
+    """Micro-batches of ``batch_size`` whole cached sequences (:func:`sequence_batch`)."""
+    return Batches(sequences(cache), cfg.batch_size, lambda b: {"eagle": sequence_batch(cache, b, device)})
+
+
+def batch_loss(heads: EagleHeads, target: nn.Module, batch: dict[str, Any], cfg: TrainConfig, weights: list[float],
+               vocab: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`eagle_loss` over one micro-batch of cached sequences (eagle trains on the cache only)."""
+    return eagle_loss(heads, batch["eagle"], weights, vocab, cfg.feature_weight)
 
 
 def ttt_visible(n: int, step: int, device: torch.device) -> torch.Tensor:

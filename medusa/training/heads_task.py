@@ -13,6 +13,11 @@
   micro-batch, or once over the data with ``cache_dir`` (the fused layers' inputs cached).
 * Block (``kind: block``): a block of ``num_heads`` tokens drafted in one pass over the same
   fused layers (``block_train.py``); it reads the cache EAGLE-3 heads of those layers wrote.
+
+What differs per kind lives in the kind's own training module, named by its entry in
+``medusa/models/kinds.py``: ``fresh_heads`` (new heads for a target), ``loss`` (one micro-batch's
+loss and counts) and ``cached_batches`` (micro-batches read from a feature cache); Medusa's are
+in ``medusa_train.py``. This module builds, batches, saves and asks the kind's hooks.
 """
 
 from __future__ import annotations
@@ -31,23 +36,18 @@ from torch import nn
 
 from medusa.config import TrainConfig, to_dict
 from medusa.errors import MedusaError
-from medusa.models.block_heads import init_block_for
-from medusa.models.eagle3_heads import init_eagle3_for
-from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
 from medusa.models.heads_config import CALIBRATION_NAME, base_model_name, save_heads
-from medusa.models.kinds import kind
-from medusa.models.loader import heads_from_state, init_heads_for, load_heads
+from medusa.models.kinds import kind, named
+from medusa.models.loader import heads_from_state, load_heads
 from medusa.models.target import DEFAULT_MODEL_ID, load_target
 from medusa.training.batches import Batches, collate
-from medusa.training.block_train import block_loss, block_weights
+from medusa.training.block_train import block_weights
 from medusa.training.data import DataSplits, Example
 from medusa.training.distributed import whole_weights
-from medusa.training.eagle3_ttt import cached_batch, eagle3_loss, target_outputs
-from medusa.training.eagle_ttt import eagle_loss, sequence_batch, sequences
 from medusa.training.feature_build import open_caches
-from medusa.training.feature_cache import FeatureCache, run_target
-from medusa.training.losses import frequent_tokens, head_weights, heads_loss, lm_distill_loss, shift_targets
+from medusa.training.feature_cache import FeatureCache
+from medusa.training.losses import frequent_tokens, head_weights
 
 log = logging.getLogger("medusa.training.heads_task")
 
@@ -69,6 +69,7 @@ class HeadsTrainer(nn.Module):
         self.vocab = vocab  # [S] token ids the heads' softmax covers, None: all
         self.weights = (block_weights(cfg.num_heads, cfg.block_decay) if kind(cfg.kind).block_trained
                         else head_weights(cfg.num_heads, cfg.head_weight_decay, cfg.head_weights))
+        self._loss = named(kind(cfg.kind).loss)  # the kind's loss over one micro-batch
         if cfg.lora:
             self.target = target  # trainable adapters inside
         else:
@@ -81,49 +82,7 @@ class HeadsTrainer(nn.Module):
         # A vocabulary subset only makes training cheaper: evaluation scores the full
         # vocabulary, as decoding does.
         vocab = self.vocab if self.training else None
-        if self.cfg.kind == "block":  # the fused layers from the cache, else from the frozen target now
-            if "features" not in batch:
-                batch = {**batch, **target_outputs(self._target(), batch["input_ids"], batch["attention_mask"],
-                                                   self.heads.feature_layers, self.cfg.teacher_topk)}
-            return block_loss(self.heads, batch, self.weights, self.cfg.block_anchors, self.cfg.distill, self.cfg.seed)
-        if self.cfg.kind == "eagle3" and "features" in batch:  # the target's layers, from the cache
-            return eagle3_loss(self.heads, batch, self.weights)
-        if self.cfg.kind == "eagle3":  # the frozen target's layers, then the unrolled head
-            outputs = target_outputs(self._target(), batch["input_ids"], batch["attention_mask"],
-                                     self.heads.feature_layers, self.cfg.teacher_topk)
-            return eagle3_loss(self.heads, {**batch, **outputs}, self.weights)
-        if "eagle" in batch:  # whole cached sequences, unrolled by the eagle head
-            return eagle_loss(self.heads, batch["eagle"], self.weights, vocab, self.cfg.feature_weight)
-        if "hidden" in batch:  # from the feature cache
-            return heads_loss(self.heads, batch["hidden"], batch["targets"], self.weights, self.cfg.distill, vocab)
-        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]  # [B, T] each
-        target = self._target()
-        with torch.no_grad():
-            # The frozen original: for Medusa-2 the same model with its adapters off.
-            if self.cfg.lora:
-                with target.disable_adapter():
-                    t_hidden, t_logits = run_target(target, ids, attn)
-            else:
-                t_hidden, t_logits = run_target(target, ids, attn)
-            top_ids = top_logp = None
-            if self.cfg.distill > 0:
-                k = min(self.cfg.teacher_topk, t_logits.shape[-1])
-                top, top_ids = t_logits.float().topk(k, dim=-1)  # [B, T, k]
-                top_logp = top - torch.logsumexp(t_logits.float(), dim=-1, keepdim=True)
-        if self.cfg.lora:
-            hidden, logits = run_target(target, ids, attn)  # [B, T, H], [B, T, V] with grads
-        else:
-            hidden = t_hidden
-        targets = shift_targets(ids, mask * attn, self.cfg.num_heads, top_ids, top_logp)
-        loss, counts = heads_loss(self.heads, hidden.reshape(-1, hidden.shape[-1]), targets, self.weights,
-                                  self.cfg.distill, vocab)
-        if self.cfg.lora:
-            keep = attn.bool()
-            lm = lm_distill_loss(logits[keep], t_logits[keep])
-            loss = loss + self.cfg.lm_loss_weight * lm
-            counts["lm_kl"] = lm.detach().reshape(1)  # summed over micro-batches and processes,
-            counts["lm_batches"] = torch.ones_like(counts["lm_kl"])  # then divided by their number
-        return loss, counts
+        return self._loss(self.heads, self._target(), batch, self.cfg, self.weights, vocab)
 
 
 @dataclass
@@ -156,15 +115,7 @@ class HeadsTask:
         a shared projection staying the target's own. ``vocab``: eagle3's and block's draft vocabulary."""
         cfg = self.cfg
         if not cfg.init_heads:
-            if cfg.kind == "block":
-                return init_block_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target),
-                                      cfg.num_layers).float()
-            if cfg.kind == "eagle3":
-                return init_eagle3_for(target, cfg.num_heads, vocab, cfg.feature_layers, base_model_name(target)).float()
-            if cfg.kind == "eagle":
-                return init_eagle_for(target, cfg.num_heads, base_model_name(target), init=cfg.eagle_init,
-                                      layout=cfg.eagle_layout).float()
-            return init_heads_for(target, cfg.num_heads, cfg.num_layers, cfg.projection).float()
+            return named(kind(cfg.kind).fresh_heads)(target, cfg, vocab).float()
         heads = load_heads(cfg.init_heads, target, device=accelerator.device, dtype=torch.float32)
         if heads.config.kind != cfg.kind:
             raise MedusaError(f"init_heads {cfg.init_heads} holds {heads.config.kind} heads but kind is {cfg.kind}: "
@@ -186,19 +137,11 @@ class HeadsTask:
         return heads
 
     def batches(self, examples: list[Example], cache: FeatureCache | None, device: torch.device) -> Batches:
-        """Micro-batches from sequences (the target runs each step), from cached positions, or
-        (eagle) from whole cached sequences."""
+        """Micro-batches from sequences (the target runs each step), or read from the feature
+        cache as the kind's ``cached_batches`` reads it (positions, or whole sequences)."""
         cfg = self.cfg
-        if cache is not None and kind(cfg.kind).fused:
-            return Batches(sequences(cache), cfg.batch_size, lambda b: cached_batch(cache, b, device))
-        if cache is not None and cfg.kind == "eagle":
-            return Batches(sequences(cache), cfg.batch_size, lambda b: {"eagle": sequence_batch(cache, b, device)})
         if cache is not None:
-            def fetch(pos: np.ndarray) -> dict[str, Any]:
-                hidden, targets = cache.batch(pos, cfg.num_heads, device)
-                return {"hidden": hidden, "targets": targets}
-
-            return Batches(cache.positions(cfg.num_heads), cfg.positions_per_batch, fetch)
+            return named(kind(cfg.kind).cached_batches)(cache, cfg, device)
         return Batches(np.arange(len(examples)), cfg.batch_size, lambda ix: collate([examples[i] for i in ix], device))
 
     def param_groups(self, module: HeadsTrainer) -> list[dict[str, Any]]:
