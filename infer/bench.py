@@ -256,8 +256,8 @@ def lookahead_size(text: str) -> tuple[int, int, int]:
 
 def _lookahead_reason(engine: Engine) -> str:
     """Mode lookahead's W, N, G on ``engine`` and why."""
-    size = engine.proposer("lookahead").size
-    return f"W={size.window} N={size.ngram} G={size.guesses} ({size.rows} rows): {size.reason}"
+    proposer = engine.proposer("lookahead")
+    return f"{proposer.describe()}: {proposer.size.reason}"
 
 
 def _sync(engine: Engine) -> None:
@@ -706,8 +706,9 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
           f"{', '.join(modes)}", file=sys.stderr)
     for engine in {id(e): e for e in bench.engines.values()}.values():
         if _drafts(engine):
-            what = "eagle trees" if kinds.kind(engine.heads.config.kind).dynamic_tree else "block proposals"
-            print(f"{what}{' (compiled)' if engine.passes.compiled else ''}: {_sizes_reason(engine)}", file=sys.stderr)
+            proposal = engine.proposer(engine.heads.config.kind).describe()
+            print(f"{engine.heads.config.kind} heads' {proposal}{' (compiled)' if engine.passes.compiled else ''}: "
+                  f"{_sizes_reason(engine)}", file=sys.stderr)
     if runs_lookahead(modes):
         print(f"lookahead: {_lookahead_reason(bench.main)}", file=sys.stderr)
     bench.compile_seconds = precompile(modes, bench)  # compiled passes: every size, before any timing
@@ -740,7 +741,18 @@ def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str
             "compiled_tree_sizes": _sizes_reason(compiled) if compiled is not None else None,
             "lookahead": _lookahead_reason(engine) if runs_lookahead(modes) else None,
             "kernel_plans": {k[3]: e.describe() for k, e in bench.engines.items() if k[3] is not None} or None,
-            "fastest_transformers": fastest}
+            "proposals": _proposals(bench, modes), "fastest_transformers": fastest}
+
+
+def _proposals(bench: Bench, modes: list[str]) -> dict[str, str]:
+    """Each engine mode's proposal, in its proposer's words (Proposer.describe)."""
+    out = {}
+    for name in modes:
+        spec = mode_spec(name)
+        if spec is not None:
+            engine = engine_for(bench, spec)
+            out[name] = engine.proposer(spec.base, _static_tree(engine, bench.tree)).describe()
+    return out
 
 
 def write_results(args: argparse.Namespace, meta: dict, summary: dict, reference: str | None, heads) -> None:

@@ -484,19 +484,14 @@ def _sizes(sizes: list[int]) -> str:
 
 
 def block_line(args: argparse.Namespace, engine: Engine, mode: str) -> str:
-    """The banner's line for block heads: the block, its layers and vocabulary, the proposal's size."""
-    from medusa.decoding.proposers import Hybrid
-
+    """The banner's line for block heads: the block, its layers and vocabulary, the proposal."""
     c = engine.heads.config
-    proposer = engine.proposer(mode if mode in ("block", "hybrid") else "block")
-    block = proposer.heads if isinstance(proposer, Hybrid) else proposer
+    facts = kinds.kind(c.kind)
+    proposer = engine.proposer(mode if mode in facts.modes else c.kind)  # lookup, baseline: the heads' own
     label = "sized here" if engine.plan.eagle is not None else "default"
-    shape = (f"top-1 chain of {block.nodes}" if block.topk == 1
-             else f"{block.nodes} nodes (chain {block.depth} deep, top-{block.topk} per depth)")
-    chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
     return (f"heads   {args.heads} · block of {c.num_heads} tokens per drafter pass (layers "
             f"{', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary) · "
-            f"proposal {label}: {shape}{chain}")
+            f"proposal {label}: {proposer.describe()}")
 
 
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
@@ -511,23 +506,17 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     lines += [line for line in engine.describe() if not line.startswith(("passes", "mode"))]
     facts = None if engine.heads is None else kinds.kind(engine.heads.config.kind)
     if facts is not None and facts.dynamic_tree:
-        from medusa.decoding.proposers import Hybrid
         from medusa.decoding.tree import tree_key
 
         c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
         proposer = engine.proposer(mode if mode in facts.modes else c.kind)  # lookup, baseline: the heads' own
-        size = (proposer.heads if isinstance(proposer, Hybrid) else proposer).size
         device = key if key in engine.heads.dynamic else engine.device.type
         label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
         label = "sized here" if engine.plan.eagle is not None else label
-        chain = f" + {proposer.lookup.k}-token lookup chain" if isinstance(proposer, Hybrid) else ""
-        table = proposer.lookup.table if isinstance(proposer, Hybrid) else None
-        if table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
-            chain += f" (else from {len(table):,} n-grams of {table.sequences:,} answers)"
         kind = (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary)"
                 if facts.fused else f"eagle ({c.eagle_layout})")
         lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
-                     f"dynamic tree {label} ({size.nodes} nodes, depth {size.depth}, top-{size.topk}){chain}")
+                     f"{label}: {proposer.describe()}")
     elif facts is not None and facts.drafts_per_step:
         lines.append(block_line(args, engine, mode))
     elif engine.heads is not None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from medusa.decoding.eagle_draft import DynamicTree, _compiled, select
-from medusa.decoding.state import DecodeState, Proposal, StepOutcome
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import chain, tree_key
 
 INITIAL_CAPACITY = 256  # context slots allocated per drafter layer before the first doubling
@@ -63,7 +63,7 @@ def block_paths(depth: int, topk: int) -> list[Path_]:
     return [(0,) * d + (r,) for d in range(depth) for r in range(topk)]
 
 
-class BlockProposer:
+class BlockProposer(Proposer):
     """Block heads proposing the top-1 chain of one drafter pass, with siblings (see the module docstring)."""
 
     def __init__(self, heads: nn.Module, device: torch.device, size: DynamicTree | None = None,
@@ -93,6 +93,10 @@ class BlockProposer:
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
         return 1 + self.nodes
+
+    def describe(self) -> str:
+        return (f"top-1 chain of {self.nodes}" if self.topk == 1
+                else f"{self.nodes} nodes (chain {self.depth} deep, top-{self.topk} per depth)")
 
     # -- the context buffer of verified positions ---------------------------------------
     def _ensure(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

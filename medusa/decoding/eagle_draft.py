@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.state import DecodeState, Proposal, StepOutcome
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
 from medusa.models.eagle_heads import EagleHeads, additive_mask
 from medusa.runtime import hf as kv
@@ -77,7 +77,7 @@ def select(paths: list[Path_], scores: list[float], nodes: int) -> list[int]:
     return kept
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """EAGLE heads proposing a dynamic tree each step (see the module docstring)."""
 
     def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None,
@@ -102,6 +102,9 @@ class EagleProposer:
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
         return 1 + self.size.nodes
+
+    def describe(self) -> str:
+        return f"dynamic tree ({self.size.nodes} nodes, depth {self.size.depth}, top-{self.size.topk})"
 
     # -- the head's cache of accepted pairs ---------------------------------------------
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:

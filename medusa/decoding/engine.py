@@ -29,7 +29,7 @@ from medusa.decoding.plan import Plan, check_plan, default_mode
 from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
 from medusa.decoding.run import Decoding, prefill_chunks
 from medusa.decoding.sampling import SamplingConfig
-from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome, as_proposer
 from medusa.decoding.tree import compile_tree, load_tree, tree_key
 from medusa.decoding.verify import Accepted, verify
 from medusa.errors import MedusaError
@@ -218,7 +218,7 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
             )
         proposer = self.proposer(mode, tree)
-        if getattr(proposer, "greedy_only", False) and not sampling.greedy:
+        if proposer.greedy_only and not sampling.greedy:
             name = mode if isinstance(mode, str) else type(mode).__name__
             raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
         return Decoding(self, ids, proposer, max_new_tokens, state, threading.Event(), sampling)
@@ -256,7 +256,7 @@ class Engine:
         ``mode`` is used as is."""
         mode = self.default_mode if mode is None else mode
         if not isinstance(mode, str):
-            return mode
+            return as_proposer(mode)
         no_tree_for_eagle(tree, self.heads, mode)
         facts = None if self.heads is None else kind(self.heads.config.kind)
         static = facts is not None and not facts.drafts_per_step and mode in facts.modes  # Medusa's tree
@@ -288,13 +288,13 @@ class Engine:
         # rows given with a mode's name: every size up to it (the mode may need what is absent)
         proposer = None if rows is not None and isinstance(mode, str) else self.proposer(mode, tree)
         if rows is None:
-            rows = getattr(proposer, "max_rows", None)
+            rows = proposer.max_rows
             if rows is None:
                 raise MedusaError(f"{type(mode).__name__} does not say how large its proposals get (no max_rows): "
                                   "pass precompile(rows=N)")
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
-        least = min(getattr(proposer, "min_rows", 1), max(rows, 1))  # smaller passes pad up to it (step)
+        least = min(1 if proposer is None else proposer.min_rows, max(rows, 1))  # smaller passes pad up to it (step)
         return sorted({pass_bucket(n) for n in range(least, max(rows, 1) + 1)})
 
     def compile_sizes(self, buckets: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:

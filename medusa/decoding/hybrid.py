@@ -28,7 +28,7 @@ def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int,
     return tree, base_nodes, chain_nodes, len(tree.paths) == max(map(len, tree.paths), default=0)
 
 
-class Hybrid:
+class Hybrid(Proposer):
     """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup
     (``lookup``: a :class:`~medusa.decoding.proposers.PromptLookup`), verified together in one
     target pass; with ``lookahead``, lookahead's pool n-grams and window too (greedy only).
@@ -48,10 +48,14 @@ class Hybrid:
     def __init__(self, heads: Proposer, lookup: Proposer, device: torch.device,
                  lookahead: LookaheadProposer | None = None) -> None:
         self.heads, self.lookup, self.device, self.lookahead = heads, lookup, device, lookahead
-        rows = getattr(heads, "max_rows", None)  # None: a heads proposer that does not say
+        rows = heads.max_rows  # None: a heads proposer that does not say
         self.max_rows = None if rows is None else rows + lookup.k + (0 if lookahead is None else lookahead.max_rows - 1)
-        self.min_rows = getattr(heads, "min_rows", 1)
+        self.min_rows = heads.min_rows
         self.jacobi = False  # this generation runs the lookahead part (greedy ones only)
+
+    def describe(self) -> str:
+        text = f"{self.heads.describe()} + {self.lookup.describe()}"
+        return text if self.lookahead is None else f"{text} + {self.lookahead.describe()} (greedy answers)"
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.state import DecodeState, Proposal, SideRows, StepOutcome
+from medusa.decoding.state import DecodeState, Proposal, Proposer, SideRows, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, graft
 from medusa.errors import MedusaError
 
@@ -189,7 +189,7 @@ def window_layout(levels: int, width: int, n: int, device: str = "cpu") -> tuple
     return depth.to(device), sees.to(device)
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """Mode lookahead (see the module docstring): greedy only."""
 
     greedy_only = True
@@ -205,6 +205,10 @@ class LookaheadProposer:
         self.levels: list[list[int]] = []  # oldest first, ``window`` tokens each; [0][0] is the root's place
         self.iterations = 0  # Jacobi iterations run: until N - 2, the oldest level is still a guess of context
         self.indexed = 0  # text n-grams ending at or before this position are in the pool
+
+    def describe(self) -> str:
+        s = self.size
+        return f"lookahead (window {s.window}, {s.ngram}-grams, {s.guesses} guesses: up to {s.rows} rows)"
 
     def begin(self, state: DecodeState) -> None:
         if not state.sampling.greedy:

@@ -40,7 +40,7 @@ from medusa.runtime import hf as kv
 from medusa.runtime.ngrams import NgramTable
 
 
-class Autoregressive:
+class Autoregressive(Proposer):
     """Plain decoding: the tree is the root alone, one token per target pass."""
 
     def __init__(self, device: torch.device) -> None:
@@ -57,8 +57,11 @@ class Autoregressive:
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
 
+    def describe(self) -> str:
+        return "one token per pass"
 
-class MedusaProposer:
+
+class MedusaProposer(Proposer):
     """Medusa heads proposing the top-k of each head, arranged by a static tree."""
 
     def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]], device: torch.device) -> None:
@@ -97,6 +100,9 @@ class MedusaProposer:
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
 
+    def describe(self) -> str:
+        return f"static tree ({self.tree.num_nodes} nodes, depth {self.tree.max_depth})"
+
 
 def _chain_tree(trees: dict[int, TreeBuffers], k: int, device: torch.device) -> TreeBuffers:
     """The compiled chain of ``k`` candidates, built once per length."""
@@ -105,7 +111,7 @@ def _chain_tree(trees: dict[int, TreeBuffers], k: int, device: torch.device) -> 
     return trees[k]
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """Classic speculative decoding: a small causal LM drafts ``k`` tokens one by one.
 
     The draft keeps its own KV cache of ``cached`` tokens, always a prefix of the
@@ -154,6 +160,10 @@ class DraftModel:
     @property
     def min_rows(self) -> int:
         return 1 if self.adaptive else 1 + self.k
+
+    def describe(self) -> str:
+        how = f"up to {self.max_tokens}, fewer when unsure" if self.adaptive else f"{self.k}"
+        return f"draft model chain ({how} tokens)"
 
     def begin(self, state: DecodeState) -> None:
         self.cache = kv.new_cache()
@@ -214,7 +224,7 @@ class DraftModel:
             self.k = min(self.k + 2, self.max_tokens) if accepted >= self.drafted else max(self.k - 1, 1)
 
 
-class PromptLookup:
+class PromptLookup(Proposer):
     """Training-free drafting by n-gram lookup in the prompt and the text generated so far.
 
     The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up
@@ -246,6 +256,12 @@ class PromptLookup:
     def begin(self, state: DecodeState) -> None:
         self.index = {}
         self.indexed = 0
+
+    def describe(self) -> str:
+        text = f"{self.k}-token lookup chain"
+        if self.table is not None:  # where the text has no match, the chain comes from the heads' n-gram table
+            text += f" (else from {len(self.table):,} n-grams of {self.table.sequences:,} answers)"
+        return text
 
     def propose(self, state: DecodeState) -> Proposal:
         tokens = state.tokens

@@ -77,7 +77,7 @@ class Decoding:
         self.emitted: list[int] = []
         self.reason: str | None = None
         self.state: DecodeState | None = None
-        self.least = min(getattr(proposer, "min_rows", 1), engine.max_rows or PASS_BUCKETS[-1])
+        self.least = min(proposer.min_rows, engine.max_rows or PASS_BUCKETS[-1])
         self._t0 = time.perf_counter()
 
     def prefill(self) -> list[int]:

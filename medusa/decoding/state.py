@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache
 
 from medusa.decoding.sampling import SamplingConfig
 from medusa.decoding.tree import TreeBuffers
+from medusa.errors import MedusaError
 
 
 class CacheShare:
@@ -144,11 +144,65 @@ class Proposal:
     side: SideRows | None = None
 
 
-class Proposer(Protocol):
+class Proposer:
+    """What proposes the candidates a target pass verifies, and what it says of itself.
+
+    Every mode's proposer derives from this class, and the engine, the scheduler, the chat and
+    the bench ask only what it declares: ``max_rows`` (the largest proposal, root included;
+    None: it does not say, and compiled passes need ``precompile(rows=N)``), ``min_rows`` (the
+    smallest but for a budget cut: a compiled pass pads up to it), ``greedy_only`` (it cannot
+    verify sampled answers) and :meth:`describe`. An object of another class with ``begin``,
+    ``propose`` and ``update`` is used through :func:`as_proposer`.
+    """
+
+    max_rows: int | None = None
+    min_rows: int = 1
+    greedy_only: bool = False
+
     def begin(self, state: DecodeState) -> None:
         """Called after the prompt is prefilled, before the first ``propose``."""
 
-    def propose(self, state: DecodeState) -> Proposal: ...
+    def propose(self, state: DecodeState) -> Proposal:
+        raise NotImplementedError
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         """Called after each verified step with what was accepted."""
+
+    def describe(self) -> str:
+        """What a proposal is, in a few words (the chat's banner, the bench's notes)."""
+        return type(self).__name__
+
+
+class _Foreign(Proposer):
+    """A proposer of the caller's own class, which declares what it may (``max_rows``, ...)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.max_rows = getattr(inner, "max_rows", None)
+        self.min_rows = getattr(inner, "min_rows", 1)
+        self.greedy_only = getattr(inner, "greedy_only", False)
+
+    def begin(self, state: DecodeState) -> None:
+        self.inner.begin(state)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        return self.inner.propose(state)
+
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        self.inner.update(state, outcome)
+
+    def describe(self) -> str:
+        own = getattr(self.inner, "describe", None)
+        return own() if callable(own) else type(self.inner).__name__
+
+
+def as_proposer(obj) -> Proposer:
+    """``obj`` as a :class:`Proposer`: itself if it is one, else wrapped (it must have
+    ``begin``, ``propose`` and ``update``)."""
+    if isinstance(obj, Proposer):
+        return obj
+    missing = [m for m in ("begin", "propose", "update") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise MedusaError(f"{type(obj).__name__} is not a proposer (no {', '.join(missing)}): pass a mode name, or "
+                          "an object with begin(state), propose(state) and update(state, outcome)")
+    return _Foreign(obj)

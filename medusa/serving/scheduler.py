@@ -267,7 +267,7 @@ class Scheduler:
         if len(running) <= 1:
             return [None] * len(running)
         budget = max(self.row_budget, len(running))
-        wanted = [getattr(s.run.proposer, "max_rows", None) or budget for s in running]
+        wanted = [s.run.proposer.max_rows or budget for s in running]
         fixed = [not s.run.sampling.greedy for s in running]
         shares = share_rows(wanted, fixed, budget, offset=self.steps)
         return [None if f else n for n, f in zip(shares, fixed)]
