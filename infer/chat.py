@@ -516,7 +516,7 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
         kind = (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary)"
                 if facts.fused else f"eagle ({c.eagle_layout})")
         lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
-                     f"{label}: {proposer.describe()}")
+                     f"proposal {label}: {proposer.describe()}")
     elif facts is not None and facts.drafts_per_step:
         lines.append(block_line(args, engine, mode))
     elif engine.heads is not None:
