@@ -6,6 +6,7 @@ neither imports the other for its types.
 
 from __future__ import annotations
 
+import abc
 import weakref
 from dataclasses import dataclass, field
 
@@ -144,7 +145,7 @@ class Proposal:
     side: SideRows | None = None
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """What proposes the candidates a target pass verifies, and what it says of itself.
 
     Every mode's proposer derives from this class, and the engine, the scheduler, the chat and
@@ -160,13 +161,16 @@ class Proposer:
     greedy_only: bool = False
 
     def begin(self, state: DecodeState) -> None:
-        """Called after the prompt is prefilled, before the first ``propose``."""
+        """Called after the prompt is prefilled, before the first ``propose`` (default: nothing)."""
+        return None
 
+    @abc.abstractmethod
     def propose(self, state: DecodeState) -> Proposal:
-        raise NotImplementedError
+        """This step's candidates: a tree rooted at ``state.root`` and its tokens."""
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        """Called after each verified step with what was accepted."""
+        """Called after each verified step with what was accepted (default: nothing)."""
+        return None
 
     def describe(self) -> str:
         """What a proposal is, in a few words (the chat's banner, the bench's notes)."""
