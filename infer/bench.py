@@ -61,8 +61,8 @@ from medusa.api import SHIPPED
 from medusa.config import HelpFormatter, count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import MODES as ENGINE_MODES
-from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.proposers.factory import MODES as ENGINE_MODES
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.decoding.sampling import ACCEPTANCE, SamplingConfig
 from medusa.errors import MedusaError, require_extra
 from medusa.models import kinds

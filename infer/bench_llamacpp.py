@@ -1,10 +1,10 @@
 """llama.cpp as a peer in ``infer.bench``: modes ``llamacpp`` and ``llamacpp-lookup``.
 
 Each mode decodes through one long-lived llama-cpp-python worker
-(``medusa.hub.llamacpp_client``, in its own venv, built on first use: about 7 minutes on 2
+(``medusa.peers.llamacpp_client``, in its own venv, built on first use: about 7 minutes on 2
 cores; ``MEDUSA_LLAMACPP_PYTHON`` names an existing install instead), started by the bench's
 warm-up and reused for every prompt, so the model load stays out of the timing. It reads the
-target's weights as an F32 GGUF file (``medusa.models.gguf_f32``: the same dequantised values
+target's weights as an F32 GGUF file (``medusa.peers.gguf_f32``: the same dequantised values
 transformers computes with), runs as many threads as torch does here, and decodes the bench's
 own prompt token ids one prompt at a time, greedy, up to the same max tokens, stopping after
 an end-of-sequence token as ``hf`` does; the worker times the generation alone.
@@ -22,7 +22,7 @@ import atexit
 from collections.abc import Callable
 from typing import Any
 
-from medusa.decoding.proposers import LOOKUP_TOKENS
+from medusa.decoding.proposers.factory import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 
 MODES = ("llamacpp", "llamacpp-lookup")
@@ -42,8 +42,8 @@ def worker(name: str, args: argparse.Namespace, max_new_tokens: int, prompt_toke
     if name not in WORKERS:
         import torch
 
-        from medusa.hub.llamacpp_client import LlamaCppWorker
-        from medusa.models.gguf_f32 import f32_gguf
+        from medusa.peers.gguf_f32 import f32_gguf
+        from medusa.peers.llamacpp_client import LlamaCppWorker
 
         if args.dtype not in (None, "float32", "fp32"):
             raise MedusaError(f"the llamacpp modes decode in float32 (an F32 GGUF); drop --dtype {args.dtype} "

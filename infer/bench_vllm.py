@@ -1,6 +1,6 @@
 """vLLM as a peer in ``infer.bench``: modes ``vllm``, ``vllm-ngram``, ``vllm-heads``, ``vllm-eagle`` and ``vllm-eagle3``.
 
-Each mode decodes through one long-lived vLLM worker (``medusa.hub.vllm_client``), started
+Each mode decodes through one long-lived vLLM worker (``medusa.peers.vllm_client``), started
 by the bench's warm-up and reused for every prompt, so the model load stays out of the
 timing. Prompts are the bench's own token ids, one at a time (batch size 1), greedy, with
 the same max tokens; the worker times ``LLM.generate`` alone.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medusa.decoding.proposers import LOOKUP_TOKENS
+from medusa.decoding.proposers.factory import LOOKUP_TOKENS
 from medusa.errors import MedusaError
 
 WORKERS: dict[str, Any] = {}  # mode -> VLLMWorker, for the whole run
@@ -43,7 +43,7 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
 
     from medusa.api import default_heads
     from medusa.hub.hub import read_heads, resolve_heads_folder
-    from medusa.hub.vllm_client import export_for_vllm
+    from medusa.peers.vllm_client import export_for_vllm
 
     if name in ("vllm-eagle", "vllm-eagle3"):
         kind = name.removeprefix("vllm-")
@@ -66,8 +66,8 @@ def speculative_config(name: str, args: argparse.Namespace) -> dict[str, Any] | 
 def worker(name: str, args: argparse.Namespace):
     """The mode's worker, started on first use (the bench's warm-up)."""
     if name not in WORKERS:
-        from medusa.hub.vllm_client import VLLMWorker
         from medusa.models.target import default_model_dir
+        from medusa.peers.vllm_client import VLLMWorker
 
         if args.dtype not in (None, "float32", "fp32"):
             raise MedusaError(f"the vllm modes decode in float32 here; drop --dtype {args.dtype} or the vllm modes")

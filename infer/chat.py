@@ -238,7 +238,7 @@ class Chat:
     # -- commands -------------------------------------------------------------------------
     def command(self, line: str) -> bool:
         """Run a /command; False when the session should end."""
-        from medusa.decoding.proposers import MODES
+        from medusa.decoding.proposers.factory import MODES
         from medusa.errors import MedusaError
 
         name, _, arg = line.strip().partition(" ")

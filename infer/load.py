@@ -88,8 +88,8 @@ def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.P
         if server == "medusa-baseline":
             cmd += ["--mode", "baseline"]
     elif server == "llama-server":
-        from medusa.hub.llama_server import ensure_llama_server, server_command
-        from medusa.models.gguf_f32 import f32_gguf
+        from medusa.peers.gguf_f32 import f32_gguf
+        from medusa.peers.llama_server import ensure_llama_server, server_command
 
         ensure_llama_server()
         cmd = server_command(f32_gguf(None), args.port, args.max_batch, torch.get_num_threads())

@@ -5,7 +5,7 @@ EPYCs, docs/compile.md#compiled; 12-15% per pass in bfloat16 on the AMX Xeon, bi
 docs/compile.md#compiled-exact-passes), but compiling one pass size of the embedded model takes about a
 minute on a 2-core CPU. So nothing compiles inside the chat: with ``--compile auto`` (its default) the chat
 answers eagerly and builds the sizes that are not saved yet in the background, at low priority
-(``Engine.build_passes``, medusa/decoding/pass_build.py, the library code this command wraps);
+(``Engine.build_passes``, medusa/decoding/passes/build.py, the library code this command wraps);
 once all are, the running chat's next answer is compiled, and later starts load them.
 
 Run it by hand to have the passes ready before a first chat or benchmark::
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import medusa
-    from medusa.decoding.pass_build import build_here
+    from medusa.decoding.passes.build import build_here
     from medusa.errors import MedusaError
 
     if args.threads:

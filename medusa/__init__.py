@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from medusa.conversation import Conversation
     from medusa.decoding.engine import Engine, GenerationResult, GenerationStats
     from medusa.decoding.plan import Plan
-    from medusa.decoding.proposers import ProposerConfig
+    from medusa.decoding.proposers.factory import ProposerConfig
     from medusa.decoding.sampling import SamplingConfig
     from medusa.decoding.tree import compile_tree
     from medusa.errors import MedusaError

@@ -10,7 +10,7 @@ import torch
 
 from medusa.autotune.planner import Planner, make_plan
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.hub.hub import load_heads_from
 from medusa.models.draft import load_draft

@@ -31,7 +31,7 @@ import medusa
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import acceptance_by_size, candidate_ranks, choose_dynamic, choose_tree, path_counts
 from medusa.config import HelpFormatter, count
-from medusa.decoding.eagle_draft import DynamicTree
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME

@@ -27,7 +27,7 @@ from tqdm import tqdm
 import medusa
 from medusa.autotune.trees import acceptance_by_size, candidate_ranks
 from medusa.config import HelpFormatter, count
-from medusa.decoding.eagle_draft import DynamicTree
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.errors import MedusaError
 from medusa.models.kinds import kind
 from medusa.runtime import hf as kv

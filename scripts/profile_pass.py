@@ -32,7 +32,7 @@ import torch
 
 import medusa
 from medusa.config import HelpFormatter, count
-from medusa.decoding.passes import kernel_scope
+from medusa.decoding.passes.strategies import kernel_scope
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import kernels_arg
 

@@ -30,9 +30,9 @@ import medusa
 from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS
 from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
-from medusa.hub.vllm_client import VLLMWorker, export_for_vllm
 from medusa.models.kinds import kind
 from medusa.models.target import default_model_dir
+from medusa.peers.vllm_client import VLLMWorker, export_for_vllm
 
 # Short everyday requests (not MT-Bench): identity is checked, not tuned for.
 PROMPTS = (
@@ -69,7 +69,7 @@ def engine_chain(engine, ids: list[int], max_new_tokens: int, spec: dict):
     of ``num_speculative_tokens`` (each Medusa head's top-1, or that many eagle draft steps)."""
     k = spec["num_speculative_tokens"]
     if spec["method"] in ("eagle", "eagle3"):
-        from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
+        from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 
         chain = EagleProposer(engine.heads, engine.device, DynamicTree(nodes=k, depth=k, topk=1))
         return engine.generate(ids, max_new_tokens=max_new_tokens, mode=chain)

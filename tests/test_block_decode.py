@@ -16,9 +16,9 @@ from test_hub import populate_hf_cache
 from tiny import hf_greedy, tiny_model
 
 import medusa
-from medusa.decoding.block_draft import BlockProposer, block_paths, block_size_for
-from medusa.decoding.eagle_draft import DynamicTree
 from medusa.decoding.engine import Engine
+from medusa.decoding.proposers.block import BlockProposer, block_paths, block_size_for
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.errors import MedusaError
 from medusa.hub.hub import build_publish_folder, load_heads_from
 from medusa.models.block_heads import BlockHeads, init_block_for
@@ -300,7 +300,7 @@ def test_block_proposals_are_sized_from_this_machines_pass_costs(tmp_path):
     from medusa.autotune.planner import Planner
     from medusa.autotune.trees import acceptance_by_size
     from medusa.decoding.plan import Plan
-    from medusa.decoding.proposers import Hybrid
+    from medusa.decoding.proposers.hybrid import Hybrid
 
     model = tiny_model("llama")
     ids = prompt(9)

@@ -125,7 +125,7 @@ def test_calibrate_script_end_to_end(tmp_path):
 def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     # Dynamic-tree sizes of EAGLE heads are kept per device and dtype, like Medusa trees: a
     # bfloat16 run must not overwrite the float32 entry, and each engine reads its own.
-    from medusa.decoding.eagle_draft import DynamicTree
+    from medusa.decoding.proposers.eagle import DynamicTree
     from medusa.models.eagle_heads import init_eagle_for
 
     target, model = _tiny_target(tmp_path)
@@ -214,7 +214,7 @@ def test_block_heads_are_calibrated_and_decode_with_the_calibrated_size(tmp_path
     """Block heads go through the same calibration as EAGLE heads (acceptance curves per proposal
     shape, the pass-cost curve): calibration.json gets their sizes, and a loaded engine's block
     proposer takes them (the sizes the loader reads for EAGLE heads, now for block heads too)."""
-    from medusa.decoding.eagle_draft import DynamicTree
+    from medusa.decoding.proposers.eagle import DynamicTree
     from medusa.models.block_heads import init_block_for
 
     target, model = _tiny_target(tmp_path)

@@ -12,7 +12,7 @@ from tiny import tiny_model
 from tiny_heads import random_heads
 
 from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads_config import HeadsConfig
 
@@ -64,7 +64,7 @@ def test_default_heads_are_the_kind_measured_fastest_on_the_device_type():
 def test_eagle_drafting_reads_nothing_back_until_every_level_is_queued():
     # A read from the device (.tolist(), .item(), a tensor as a Python bool) makes a GPU wait
     # for the work queued so far; on the meta device it raises instead. The tree's growth
-    # (medusa/decoding/eagle_draft.py: EagleProposer._draft) must queue every level without one.
+    # (medusa/decoding/proposers/eagle.py: EagleProposer._draft) must queue every level without one.
     model = tiny_model("llama")
     heads = noisy_eagle(model)
     heads.set_draft_vocab(list(range(0, model.config.vocab_size, 2)))

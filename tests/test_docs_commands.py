@@ -158,7 +158,7 @@ def parse(parser: argparse.ArgumentParser, args: list[str], parse_args=None) -> 
 
 
 def check_modes(name: str, ns: argparse.Namespace) -> None:
-    from medusa.decoding.proposers import MODES
+    from medusa.decoding.proposers.factory import MODES
 
     if getattr(ns, "mode", None) is not None:
         assert ns.mode in MODES, f"{name}: --mode {ns.mode} is not a mode ({', '.join(MODES)})"
@@ -283,7 +283,7 @@ def test_documented_command_parses(command):
 
 @pytest.mark.parametrize("mode, where", [m for p in DOCS for m in python_modes(p)], ids=lambda x: str(x))
 def test_python_examples_name_real_modes(mode, where):
-    from medusa.decoding.proposers import MODES
+    from medusa.decoding.proposers.factory import MODES
 
     assert mode in MODES, f"{where}: mode={mode!r} is not a mode ({', '.join(MODES)})"
 

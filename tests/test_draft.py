@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import medusa
 from medusa.decoding.engine import Engine, StepOutcome
-from medusa.decoding.proposers import DraftModel, ProposerConfig
+from medusa.decoding.proposers.draft_model import DraftModel
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.decoding.sampling import SamplingConfig, probabilities
 from medusa.errors import MedusaError
 from medusa.models import draft as draft_module

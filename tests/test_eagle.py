@@ -7,8 +7,8 @@ import torch
 from tiny import ARCHS, hf_greedy, tiny_model
 
 import medusa
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer, select
 from medusa.decoding.engine import Engine
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer, select
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
 from medusa.models.eagle_heads import EagleHeads, init_eagle_for

@@ -6,9 +6,11 @@ from test_sampling import chi_square_pvalue, marginal_heads, target_law
 from tiny import ARCHS, WINDOWED, hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import DraftModel, MedusaProposer, PromptLookup, Proposal
+from medusa.decoding.proposers.draft_model import DraftModel
+from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.medusa import MedusaProposer
 from medusa.decoding.sampling import SamplingConfig
-from medusa.decoding.state import DecodeState
+from medusa.decoding.state import DecodeState, Proposal
 from medusa.decoding.tree import chain, compile_tree
 from medusa.errors import MedusaError
 from medusa.models.draft import shallow_draft

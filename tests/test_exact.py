@@ -14,7 +14,7 @@ from medusa.autotune.device import MIN_ROWS, _order_sensitive, invariant_rows, l
 from medusa.autotune.dtype import dtype_rule
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.decoding.tree import compile_tree
 from medusa.errors import MedusaError
 from medusa.runtime import exact

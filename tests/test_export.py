@@ -494,8 +494,8 @@ def test_eagle3_export_is_vllm_s_eagle3_drafter(target, tmp_path, capsys):
 def test_block_heads_are_refused_in_one_line(target, tmp_path, capsys):
     """No serving engine reads the block layout: the API, the script and the vLLM export path say
     so in one line, and write nothing."""
-    from medusa.hub.vllm_client import export_for_vllm
     from medusa.models.block_heads import init_block_for
+    from medusa.peers.vllm_client import export_for_vllm
 
     _, model = target
     folder = save_heads(init_block_for(model, block_size=4, vocab=torch.arange(64)), tmp_path / "block")

@@ -396,7 +396,7 @@ def test_a_damaged_converted_model_folder_is_dropped_with_one_warning(files, tmp
 
 
 def test_a_vllm_venv_stamp_of_another_version_means_installing_again(tmp_path, caplog, monkeypatch):
-    from medusa.hub.vllm_client import _STAMP, VLLM_PACKAGE, vllm_python
+    from medusa.peers.vllm_client import _STAMP, VLLM_PACKAGE, vllm_python
 
     monkeypatch.delenv("MEDUSA_VLLM_PYTHON", raising=False)
     venv = tmp_path / "venv"
@@ -604,7 +604,7 @@ def test_two_gguf_files_of_one_name_and_size_are_two_converted_models(tmp_path):
 def test_the_llama_cpp_f32_cache_is_keyed_by_content(tmp_path):
     from gguf import GGUFReader
 
-    from medusa.models.gguf_f32 import f32_gguf
+    from medusa.peers.gguf_f32 import f32_gguf
 
     a, b = _same_name_and_size(tmp_path)
     out_a, out_b = (f32_gguf(str(f), cache_dir=tmp_path / "cache") for f in (a, b))
@@ -878,7 +878,7 @@ def test_a_chat_message_that_is_not_utf8_is_one_line(files, how):
 # -- background builds, workers --------------------------------------------------------------------
 def test_a_background_pass_build_is_not_started_without_memory_for_a_second_target(tmp_path, monkeypatch):
     # --compile auto started a process loading a second copy of the target with no memory check.
-    from medusa.decoding.pass_build import available_memory, memory_problem, start_build
+    from medusa.decoding.passes.build import available_memory, memory_problem, start_build
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     model = load_target(str(tiny_target(tmp_path / "target")), device="cpu", dtype="float32")[0]
@@ -910,7 +910,7 @@ for line in sys.stdin:
 def _echo_worker(tmp_path: Path, **kw):
     import sys
 
-    from medusa.hub.sidecar import JsonWorker, clean_env
+    from medusa.peers.sidecar import JsonWorker, clean_env
 
     script = tmp_path / "echo_worker.py"
     script.write_text(ECHO_WORKER)
@@ -968,7 +968,7 @@ def test_a_peer_worker_sees_only_the_allow_listed_environment(tmp_path, monkeypa
 PARENT_OF_A_WORKER = """
 import json, sys
 from pathlib import Path
-from medusa.hub.sidecar import JsonWorker, clean_env
+from medusa.peers.sidecar import JsonWorker, clean_env
 worker = JsonWorker("tester", Path(sys.executable), Path(sys.argv[1]), {}, clean_env(), startup_timeout=120,
                     own_group=True)
 print(json.dumps({"worker": worker._proc.pid, "child": worker.ready["child"]}), flush=True)

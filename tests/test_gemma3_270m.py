@@ -71,7 +71,7 @@ def test_every_mode_equals_generate(gemma, which, n):
 def test_eagle3_heads_and_lookahead_in_hybrid_equal_generate(gemma):
     """EAGLE-3 heads (untrained, a 32k-token draft vocabulary) on Gemma's layers, alone and in
     hybrid with lookahead's window and pool in the same pass."""
-    from medusa.decoding.proposers import ProposerConfig
+    from medusa.decoding.proposers.factory import ProposerConfig
     from medusa.models.eagle3_heads import init_eagle3_for
 
     heads = init_eagle3_for(gemma.model, 7, vocab=torch.arange(32768))

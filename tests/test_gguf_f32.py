@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from medusa.errors import MedusaError
-from medusa.models.gguf_f32 import f32_gguf
+from medusa.peers.gguf_f32 import f32_gguf
 
 
 def quantised_gguf(path):

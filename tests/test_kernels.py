@@ -13,9 +13,9 @@ from medusa.autotune.cache import PlanCache
 from medusa.autotune.device import MIN_ROWS, decide_kernels
 from medusa.autotune.planner import Planner
 from medusa.decoding.engine import Engine
-from medusa.decoding.passes import PACKED_ROWS
+from medusa.decoding.passes.strategies import PACKED_ROWS
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import ProposerConfig
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact
 from medusa.runtime.kernels import PACKING_VERSION, PackedLinears, linear_layers, onednn_available, pack, sibling_groups

@@ -125,7 +125,7 @@ def test_a_kind_with_layer_counts_refuses_others():
 def test_the_old_constants_come_from_the_registry():
     assert FUSED_KINDS == ("eagle3", "block") and EAGLE_KINDS == ("eagle", "eagle3")
     assert kinds_where("sized") == kinds_where("drafts_per_step") == ("eagle", "eagle3", "block")
-    from medusa.decoding.proposers import HEADS_MODES, MODES
+    from medusa.decoding.proposers.factory import HEADS_MODES, MODES
 
     assert HEADS_MODES == KINDS and set(KINDS) <= set(MODES)
 

@@ -103,18 +103,20 @@ def test_no_import_cycles_behind_function_level_imports():
 
 
 # The layers, bottom up: each may import only those below it (and its own package).
-# entry points -> api -> autotune -> decoding / training / hub -> models -> runtime (+ errors, config)
+# entry points -> api -> autotune -> decoding / training / peers -> hub -> models -> runtime (+ errors, config)
 ABOVE = {
     "medusa.errors": ("medusa.config", "medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training",
-                      "medusa.hub", "medusa.autotune", "medusa.api"),
+                      "medusa.hub", "medusa.peers", "medusa.autotune", "medusa.api"),
     "medusa.config": ("medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training", "medusa.hub",
-                      "medusa.autotune", "medusa.api"),
-    "medusa.runtime": ("medusa.models", "medusa.decoding", "medusa.training", "medusa.hub", "medusa.autotune",
-                       "medusa.api"),
-    "medusa.models": ("medusa.decoding", "medusa.training", "medusa.hub", "medusa.autotune", "medusa.api"),
-    "medusa.decoding": ("medusa.autotune", "medusa.api"),
-    "medusa.training": ("medusa.autotune", "medusa.api"),
-    "medusa.hub": ("medusa.autotune", "medusa.api"),
+                      "medusa.peers", "medusa.autotune", "medusa.api"),
+    "medusa.runtime": ("medusa.models", "medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers",
+                       "medusa.autotune", "medusa.api"),
+    "medusa.models": ("medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers", "medusa.autotune",
+                      "medusa.api"),
+    "medusa.decoding": ("medusa.peers", "medusa.autotune", "medusa.api"),
+    "medusa.training": ("medusa.peers", "medusa.autotune", "medusa.api"),
+    "medusa.hub": ("medusa.peers", "medusa.autotune", "medusa.api"),
+    "medusa.peers": ("medusa.autotune", "medusa.api"),
     "medusa.autotune": ("medusa.api",),
 }
 

@@ -16,7 +16,7 @@ import pytest
 
 from infer import bench
 from medusa.errors import MedusaError
-from medusa.hub.llamacpp_client import llamacpp_python
+from medusa.peers.llamacpp_client import llamacpp_python
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from infer import bench
 from medusa.errors import MedusaError
 from medusa.hub import llamacpp_client
-from medusa.hub.llamacpp_client import LlamaCppWorker, llamacpp_python
+from medusa.peers.llamacpp_client import LlamaCppWorker, llamacpp_python
 
 
 def test_a_missing_llamacpp_python_is_a_one_line_error(monkeypatch, tmp_path):

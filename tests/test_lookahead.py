@@ -7,7 +7,10 @@ import torch
 from tiny import hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
-from medusa.decoding.lookahead import (
+from medusa.decoding.plan import Plan
+from medusa.decoding.proposers.factory import ProposerConfig
+from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookahead import (
     POOL_KEY,
     LookaheadProposer,
     LookaheadSize,
@@ -15,8 +18,8 @@ from medusa.decoding.lookahead import (
     size_lookahead,
     window_layout,
 )
-from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import Hybrid, MedusaProposer, PromptLookup, ProposerConfig
+from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.medusa import MedusaProposer
 from medusa.decoding.tree import graft
 from medusa.errors import MedusaError
 from medusa.models.eagle3_heads import init_eagle3_for

@@ -8,7 +8,10 @@ from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import Hybrid, MedusaProposer, PromptLookup, ProposerConfig
+from medusa.decoding.proposers.factory import ProposerConfig
+from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.medusa import MedusaProposer
 from medusa.errors import MedusaError
 from medusa.models.loader import init_heads_for
 
@@ -163,7 +166,7 @@ def test_hybrid_chain_shares_the_nodes_the_heads_drafted_too():
 
 
 def test_hybrid_layout_attaches_the_chain_below_the_deepest_shared_node():
-    from medusa.decoding.hybrid import _hybrid_layout
+    from medusa.decoding.proposers.hybrid import _hybrid_layout
     from medusa.decoding.tree import spelled
 
     base = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))

@@ -16,9 +16,11 @@ from test_eagle import PROMPT, noisy_eagle
 from tiny import hf_greedy, tiny_model
 
 from medusa.autotune.trees import acceptance_by_size
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import Hybrid, PromptLookup, ProposerConfig, make_proposer
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.factory import ProposerConfig, make_proposer
+from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookup import PromptLookup
 from medusa.decoding.state import DecodeState
 from medusa.errors import MedusaError
 from medusa.models.eagle_heads import init_eagle_for

@@ -1,4 +1,4 @@
-"""Pass strategies (medusa/decoding/passes.py): each decodes what eager passes decode, the
+"""Pass strategies (medusa/decoding/passes/strategies.py): each decodes what eager passes decode, the
 factory picks the right one, ``compile="auto"`` picks per generation, and the background build
 builds what is missing.
 
@@ -17,9 +17,9 @@ from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.decoding import compiled
-from medusa.decoding.compiled import SavedPasses
 from medusa.decoding.engine import Engine
-from medusa.decoding.passes import (
+from medusa.decoding.passes.saved import SavedPasses
+from medusa.decoding.passes.strategies import (
     SLOT_STEP,
     AutoPasses,
     PassStrategy,

@@ -5,7 +5,7 @@ import pytest
 from test_batch import MODES, engine_for, run_mode
 from tiny import hf_greedy
 
-from medusa.decoding.proposers import Autoregressive
+from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.state import Proposer, as_proposer
 from medusa.errors import MedusaError
 

@@ -14,10 +14,11 @@ from medusa.autotune.cache import PlanCache
 from medusa.autotune.planner import Planner
 from medusa.autotune.sizing import SIZES, bucketed, drafting_ms, monotone
 from medusa.autotune.trees import Acceptance, acceptance_by_size, choose_dynamic
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers import LOOKUP_TOKENS, Hybrid, ProposerConfig
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.factory import LOOKUP_TOKENS, ProposerConfig
+from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.models.loader import init_heads_for
 
 # one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that

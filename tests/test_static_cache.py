@@ -120,7 +120,7 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatc
 def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     # Modes whose proposals vary in size (lookup's chain, hybrid's tree + chain, trees cut by
     # the token budget) run padded to PASS_BUCKETS: outputs unchanged, few distinct graphs.
-    from medusa.decoding.passes import PASS_BUCKETS, pad_pass, pass_bucket
+    from medusa.decoding.passes.strategies import PASS_BUCKETS, pad_pass, pass_bucket
 
     assert [pass_bucket(n) for n in (1, 3, 5, 13, 17, 33, 600)] == [1, 4, 8, 16, 24, 48, 600]
     tokens, depth = torch.tensor([4, 5, 6]), torch.tensor([0, 1, 1])
@@ -151,7 +151,7 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
 def test_precompile_covers_every_pass_and_capacity(arch):
     # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
     # capacity (a long prompt, a regrown cache), compiles nothing more and stays exact.
-    from medusa.decoding.passes import PASS_BUCKETS, pass_bucket
+    from medusa.decoding.passes.strategies import PASS_BUCKETS, pass_bucket
 
     torch._dynamo.reset()
     kwargs = {"sliding_window": 8} if arch == "gemma3" else {}
@@ -201,7 +201,7 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
 def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
     # A CPU-compiled engine reserves the prompt plus SLOT_STEP slots and grows SLOT_STEP at a
     # time (attention reads every slot); a reused state keeps growing; tokens stay exact.
-    from medusa.decoding.passes import SLOT_STEP
+    from medusa.decoding.passes.strategies import SLOT_STEP
 
     torch._dynamo.reset()
     model = tiny_model("llama", max_position_embeddings=2048)
@@ -244,7 +244,7 @@ def test_a_tree_cut_short_by_the_budget_pads_up_to_the_precompiled_sizes():
     # precompile("hybrid") compiles from the whole tree's size up; steps near the end of an
     # answer, whose tree the token budget cuts to 1-3 rows, run padded into those graphs:
     # nothing compiles during the answers, and the tokens stay exact.
-    from medusa.decoding.passes import pass_bucket
+    from medusa.decoding.passes.strategies import pass_bucket
 
     torch._dynamo.reset()
     model = tiny_model("llama", max_position_embeddings=2048)
@@ -299,7 +299,7 @@ def test_the_bench_runs_compiled_modes_beside_eager_ones(tmp_path):
 
 
 def test_a_second_engine_loads_the_saved_passes_instead_of_tracing(tmp_path):
-    # Each pass size is compiled ahead of time and saved (medusa/decoding/compiled.py); an
+    # Each pass size is compiled ahead of time and saved (medusa/decoding/passes/saved.py); an
     # engine for a model of the same architecture and config loads them: nothing is traced,
     # its own weights are read at each pass, any capacity works, and the tokens stay exact.
     first = tiny_model("llama", max_position_embeddings=2048)
@@ -320,7 +320,7 @@ def test_a_second_engine_loads_the_saved_passes_instead_of_tracing(tmp_path):
 
 
 def test_saved_passes_are_keyed_by_what_the_graph_bakes_in():
-    from medusa.decoding.compiled import fingerprint
+    from medusa.decoding.passes.saved import fingerprint
 
     llama = fingerprint(tiny_model("llama"), "default", "inductor")
     assert fingerprint(tiny_model("llama", seed=5), "default", "inductor") == llama  # weights are inputs
@@ -451,7 +451,7 @@ def test_passes_compiled_after_the_same_random_seed_stay_apart():
 
 
 def test_the_single_use_entries_saved_passes_leave_are_pruned_after_a_day(tmp_path, monkeypatch):
-    from medusa.decoding.compiled import prune_nonces
+    from medusa.decoding.passes.saved import prune_nonces
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     entries = {}

@@ -19,7 +19,7 @@ import pytest
 from tiny_heads import REPO
 
 from medusa.errors import MedusaError
-from medusa.hub.vllm_client import VLLMWorker, vllm_python
+from medusa.peers.vllm_client import VLLMWorker, vllm_python
 
 
 def load_script():

@@ -25,7 +25,7 @@ from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
 from medusa.autotune.sizing import heads_fingerprint, measure_sizes, sizable, sizes_from
-from medusa.decoding.passes import kernel_scope, pass_rows
+from medusa.decoding.passes.strategies import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
 from medusa.models.kinds import kind

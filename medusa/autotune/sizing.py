@@ -19,7 +19,7 @@ bucket come free. Compiled engines off the CPU keep the calibrated sizes.
 
 Block heads (``kind: block``) are sized by the same code: a shape ``(depth, topk)`` is their
 top-1 chain of ``depth`` tokens with ``topk`` candidates per depth
-(:mod:`medusa.decoding.block_draft`), ``nodes`` the best of those verified, and mode eagle's
+(:mod:`medusa.decoding.proposers.block`), ``nodes`` the best of those verified, and mode eagle's
 size is mode block's (``Plan.eagle``).
 """
 
@@ -33,10 +33,10 @@ import torch
 
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
-from medusa.decoding.block_draft import BlockProposer
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
-from medusa.decoding.lookahead import LookaheadSize, size_lookahead
-from medusa.decoding.passes import pass_bucket
+from medusa.decoding.passes.strategies import pass_bucket
+from medusa.decoding.proposers.block import BlockProposer
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
 from medusa.models.kinds import kind

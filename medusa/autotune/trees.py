@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.block_draft import BlockProposer
-from medusa.decoding.eagle_draft import DynamicTree, EagleProposer
-from medusa.decoding.proposers import PromptLookup
+from medusa.decoding.proposers.block import BlockProposer
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.lookup import PromptLookup
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import spelled
 from medusa.models.eagle_heads import EagleHeads
@@ -213,7 +213,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     too, and decoding with a chain of every length up to it beside the N best nodes is replayed
     (:func:`simulate`; chain length 0 is mode eagle)."""
     device = heads.fc.weight.device
-    # block heads (medusa.decoding.block_draft) read the same features, rank their nodes alike
+    # block heads (medusa.decoding.proposers.block) read the same features, rank their nodes alike
     proposer = (EagleProposer if kind(heads.config.kind).dynamic_tree else BlockProposer)(heads, device, size)
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None

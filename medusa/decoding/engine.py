@@ -15,8 +15,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.decoding import MAX_NEW_TOKENS
 from medusa.decoding.generation import Generation, GenerationResult, GenerationStats, as_token_list
-from medusa.decoding.pass_build import PassBuild, start_build
-from medusa.decoding.passes import (
+from medusa.decoding.passes.build import PassBuild, start_build
+from medusa.decoding.passes.strategies import (
     AUTO,
     PassStrategy,
     kernel_scope,
@@ -26,7 +26,8 @@ from medusa.decoding.passes import (
     use_exact,
 )
 from medusa.decoding.plan import Plan, check_plan, default_mode
-from medusa.decoding.proposers import Autoregressive, ProposerConfig, make_proposer
+from medusa.decoding.proposers.autoregressive import Autoregressive
+from medusa.decoding.proposers.factory import ProposerConfig, make_proposer
 from medusa.decoding.run import Decoding, prefill_chunks
 from medusa.decoding.sampling import SamplingConfig
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome, as_proposer
@@ -71,8 +72,8 @@ def feature_layers(heads) -> tuple[int, ...] | None:
 class Engine:
     """A target model plus whatever proposes for it (heads, ...), decoding one sequence.
 
-    How its target passes run is :attr:`passes`, a :class:`~medusa.decoding.passes.PassStrategy`
-    built from ``compile`` and ``static_cache`` (medusa/decoding/passes.py):
+    How its target passes run is :attr:`passes`, a :class:`~medusa.decoding.passes.strategies.PassStrategy`
+    built from ``compile`` and ``static_cache`` (medusa/decoding/passes/strategies.py):
 
     - ``compile=False``: eager passes, on a dynamic cache (on a static one with ``static_cache``);
     - ``compile=True``: compiled passes on a static cache: on a CPU each pass size compiled once
@@ -316,7 +317,7 @@ class Engine:
         building the others in a background process at low priority (the chat does this with
         ``compile="auto"``; a generation runs compiled once all its sizes are saved). ``source``:
         where that process loads the target from (default: the folder or Hub id it was loaded
-        from). Returns a :class:`~medusa.decoding.pass_build.PassBuild`; nothing is built for
+        from). Returns a :class:`~medusa.decoding.passes.build.PassBuild`; nothing is built for
         passes that save nothing (eager, CUDA graphs)."""
         sizes = self.pass_sizes(mode, tree) if self.passes.saved is not None else []
         return start_build(self.passes, sizes, self._kernels, source, trust_remote_code)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from medusa.decoding.eagle_draft import DynamicTree
-from medusa.decoding.lookahead import LookaheadSize
+from medusa.decoding.proposers.eagle import DynamicTree
+from medusa.decoding.proposers.lookahead import LookaheadSize
 from medusa.errors import MedusaError
 
 # What each field holds when nothing is measured (Plan.default): the target's dtype as loaded,
@@ -46,7 +46,7 @@ class Plan:
     most (None: any, or exact attention's cap), from the invariance probe in half precision;
     ``draft_dtype``: the heads' dtype (None: as they are); ``eagle``/``hybrid``: EAGLE trees sized
     for this machine, or with block heads the block's proposal (mode block's and mode hybrid's;
-    medusa/decoding/block_draft.py) (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
+    medusa/decoding/proposers/block.py) (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
     G from the same pass costs (None: by device type); ``pass_ms``: the pass costs the sizing timed."""
 
     dtype: str | None = None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from medusa.decoding.generation import GenerationResult, GenerationStats
-from medusa.decoding.passes import PASS_BUCKETS, PassStrategy
+from medusa.decoding.passes.strategies import PASS_BUCKETS, PassStrategy
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
 from medusa.runtime import hf as kv

@@ -190,3 +190,10 @@ def tree_key(device_type: str, dtype: torch.dtype) -> str:
     depends on the device and the dtype. float32 keeps the bare device type (files written
     before dtypes were told apart); other dtypes add theirs, e.g. ``"cpu-bfloat16"``."""
     return device_type if dtype == torch.float32 else f"{device_type}-{str(dtype).removeprefix('torch.')}"
+
+
+def chain_tree(trees: dict[int, TreeBuffers], k: int, device: torch.device) -> TreeBuffers:
+    """The compiled chain of ``k`` candidates, built once per length."""
+    if k not in trees:
+        trees[k] = compile_tree(chain(k)).to(device)
+    return trees[k]

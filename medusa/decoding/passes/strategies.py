@@ -7,7 +7,7 @@ sizes, masks, cache reservation and output copies are the strategy's business.
 - :class:`EagerPasses` (``name="eager"``): transformers' forward on a dynamic cache.
 - :class:`StaticPasses` (``"static"``): the same forward on a static cache (fixed shapes and addresses).
 - :class:`SavedGraphPasses` (``"saved-graphs"``): on a CPU, each pass size compiled once and
-  saved for later processes (medusa/decoding/compiled.py), on a static cache.
+  saved for later processes (medusa/decoding/passes/saved.py), on a static cache.
 - :class:`TracedPasses` (``"cuda-graphs"`` on CUDA, else ``"traced"``): ``torch.compile`` traced
   in each process (CUDA graphs, "reduce-overhead", on CUDA), on a static cache.
 - :class:`AutoPasses` (``"auto"``): per generation, the saved graphs where every size it needs
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from medusa.decoding.compiled import SavedPasses, example_pass
+from medusa.decoding.passes.saved import SavedPasses, example_pass
 from medusa.decoding.state import Proposal
 from medusa.errors import MedusaError
 from medusa.models.target import context_window
@@ -149,7 +149,7 @@ class PassStrategy:
 
     ``name`` says which kind; ``static`` whether its caches are static; ``compiled`` whether
     passes may run compiled; ``reason`` why this kind was built; ``saved`` the saved CPU graphs
-    (:class:`~medusa.decoding.compiled.SavedPasses`) where there are any; ``forward`` the
+    (:class:`~medusa.decoding.passes.saved.SavedPasses`) where there are any; ``forward`` the
     function a pass calls (:func:`medusa.runtime.hf.forward`'s signature: wrap it to watch passes).
     """
 
@@ -325,7 +325,7 @@ class AutoPasses(PassStrategy):
     """``compile="auto"`` on a CPU: a generation whose pass sizes are all saved here runs the
     saved graphs (``graphs``), any other eagerly on a dynamic cache (``eager``), and nothing
     compiles in the process. A missing size is looked for again every few seconds, so what a
-    background build saves (:mod:`medusa.decoding.pass_build`) is picked up while it runs."""
+    background build saves (:mod:`medusa.decoding.passes.build`) is picked up while it runs."""
 
     name, compiled = "auto", True
 
@@ -359,7 +359,7 @@ def _auto(device: torch.device, model: PreTrainedModel, exact: bool) -> tuple[bo
     """``compile="auto"``: whether to compile, and why. On a CPU the passes run compiled where
     this machine has them saved and eagerly otherwise, never compiling in the process
     (docs/compile.md#compiled and docs/compile.md#compiled-exact-passes; compiling takes
-    minutes, so a background build does it, :func:`medusa.decoding.pass_build.start_build`).
+    minutes, so a background build does it, :func:`medusa.decoding.passes.build.start_build`).
     Elsewhere eager: CUDA graphs compile in the process (docs/compile.md), which ``compile=True``
     asks for and auto does not do behind a user's back. Exact passes need opaque norms and
     rotary (the module surgery; a norm of another form refuses, and the passes stay eager)."""

@@ -24,7 +24,7 @@ tracing for good, with a warning; ``fallback`` says why.
 
 ``build=False`` (the engine's ``compile="auto"``) never compiles in the process: a size that is
 saved runs its graph, any other runs eagerly, and a missing size is looked for again every
-``RECHECK_S`` seconds, so the graphs a background build (medusa/decoding/pass_build.py, which
+``RECHECK_S`` seconds, so the graphs a background build (medusa/decoding/passes/build.py, which
 ``Engine.build_passes`` and the chat start) saves are picked up while the process runs. Saved files are pickles this package
 wrote itself into its own cache folder, never files from the Hub, each behind its sha256 digest,
 checked before it is unpickled (``FRAMING``). A load touches its file, and

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from medusa.decoding.lookahead import LookaheadProposer, cached_tree
+from medusa.decoding.proposers.lookahead import LookaheadProposer, cached_tree
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, graft, spelled
 
@@ -30,7 +30,7 @@ def _hybrid_layout(base: tuple[tuple[int, ...], ...], k: int, attach: tuple[int,
 
 class Hybrid(Proposer):
     """A heads proposer (Medusa's static tree or EAGLE's dynamic one) and prompt lookup
-    (``lookup``: a :class:`~medusa.decoding.proposers.PromptLookup`), verified together in one
+    (``lookup``: a :class:`~medusa.decoding.proposers.lookup.PromptLookup`), verified together in one
     target pass; with ``lookahead``, lookahead's pool n-grams and window too (greedy only).
 
     The heads' tree and, when the n-gram index finds a match, the lookup chain go into one

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa.errors import MedusaError
-from medusa.hub.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
+from medusa.peers.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
 from medusa.runtime.files import atomic_file, cache_root
 
 LLAMACPP_PACKAGE = "llama-cpp-python==0.3.36"
@@ -36,7 +36,7 @@ def default_venv() -> Path:
 
 
 def _stamped(venv: Path) -> bool:
-    """Whether the venv's install finished, for this version (:func:`medusa.hub.sidecar.stamped`)."""
+    """Whether the venv's install finished, for this version (:func:`medusa.peers.sidecar.stamped`)."""
     return stamped(venv, _STAMP, LLAMACPP_PACKAGE)
 
 
@@ -86,7 +86,7 @@ def llamacpp_python(python: str | Path | None = None, venv: str | Path | None = 
 
 class LlamaCppWorker(JsonWorker):
     """One llama.cpp model in a subprocess: ``model`` an F32 GGUF file (see
-    ``medusa.models.gguf_f32``), ``lookup`` ``{"tokens": K, "ngram": N}`` for prompt-lookup
+    ``medusa.peers.gguf_f32``), ``lookup`` ``{"tokens": K, "ngram": N}`` for prompt-lookup
     drafts (None: plain decoding), ``n_threads`` llama.cpp's threads (pass torch's count)."""
 
     def __init__(self, model: str | Path, n_threads: int, lookup: dict[str, int] | None = None,

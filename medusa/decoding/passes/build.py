@@ -2,9 +2,9 @@
 
 Compiling one pass size takes about a minute on a small CPU, so a process with
 ``compile="auto"`` compiles nothing itself: :func:`start_build` loads the sizes this machine has
-saved and starts ``python -m medusa.decoding.pass_build`` at low priority for the others. That
+saved and starts ``python -m medusa.decoding.passes.build`` at low priority for the others. That
 process loads the same target (same dtype, linear kernels and thread count, so the same saved
-files: medusa/decoding/compiled.py), compiles and saves each size, and exits; the running
+files: medusa/decoding/passes/saved.py), compiles and saves each size, and exits; the running
 engine picks the files up at its next generation that needs them. One build runs at a time per
 model and thread count (a lock file); a second one says which process holds it and exits.
 :func:`build_here` is the same build in the calling process (``python -m infer.precompile``).
@@ -27,8 +27,8 @@ from typing import TextIO
 
 import torch
 
-from medusa.decoding.compiled import build_lock, lock_holder
-from medusa.decoding.passes import PassStrategy, kernel_scope, make_passes, use_exact
+from medusa.decoding.passes.saved import build_lock, lock_holder
+from medusa.decoding.passes.strategies import PassStrategy, kernel_scope, make_passes, use_exact
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact
 from medusa.runtime.kernels import kernels_arg
@@ -127,7 +127,7 @@ def start_build(passes: PassStrategy, sizes: list[int], scope, source: str | Non
         return build
     build.log = saved.folder / "precompile.log"
     saved.folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "medusa.decoding.pass_build", "--model", _source(passes, source),
+    cmd = [sys.executable, "-m", "medusa.decoding.passes.build", "--model", _source(passes, source),
            "--sizes", ",".join(map(str, missing)), "--kernels", passes.kernels,
            "--dtype", str(passes.model.dtype).removeprefix("torch."), "--threads", str(torch.get_num_threads()),
            "--exact", "on" if is_exact(passes.model) else "off", "--nice", "19"]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     """The build process :func:`start_build` starts (it passes everything the files depend on)."""
     from medusa.models.target import load_target
 
-    p = argparse.ArgumentParser(prog="python -m medusa.decoding.pass_build",
+    p = argparse.ArgumentParser(prog="python -m medusa.decoding.passes.build",
                                 description="Compile the given pass sizes of a target on this CPU and save them.")
     p.add_argument("--model", required=True, help="the target's folder or Hub id")
     p.add_argument("--sizes", required=True, help="comma-separated pass sizes (e.g. 8,12,16)")

@@ -1,9 +1,9 @@
 """A long-lived vLLM decoding process, run by the Python of a separate vLLM install.
 
-    VENV/bin/python medusa/hub/vllm_worker.py '{"model": DIR, "speculative_config": {...}}'
+    VENV/bin/python medusa/peers/vllm_worker.py '{"model": DIR, "speculative_config": {...}}'
 
 This file imports only the standard library and vLLM: it runs inside the vLLM venv, which
-has its own pinned torch and transformers and not this project. ``medusa.hub.vllm_client`` starts
+has its own pinned torch and transformers and not this project. ``medusa.peers.vllm_client`` starts
 it and speaks JSON lines with it:
 
     worker -> {"ready": true, "vllm": VERSION}                once the model is loaded

@@ -12,7 +12,7 @@ The proposal is built from the per-position top-``topk`` of that one pass: the t
 leaves: the block drafted deeper positions after the top-1 token only). Nodes are ranked by
 cumulative draft log-probability (the chain to depth ``d - 1`` plus the node's own score) and
 the ``nodes`` best, prefix-closed, are verified, sized as an EAGLE tree is
-(:class:`~medusa.decoding.eagle_draft.DynamicTree`: ``depth`` the chain's length, ``topk`` the
+(:class:`~medusa.decoding.proposers.eagle.DynamicTree`: ``depth`` the chain's length, ``topk`` the
 candidates per depth, ``nodes`` the budget; medusa/autotune/sizing.py sizes it from this
 machine's pass costs; without calibration :func:`block_size_for` picks). With ``topk`` 1 the
 proposal is the chain of ``min(nodes, depth)`` tokens, and drafting reads nothing back to the
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from medusa.decoding.eagle_draft import DynamicTree, _compiled, select
+from medusa.decoding.proposers.eagle import DynamicTree, _compiled, select
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import chain, tree_key
 

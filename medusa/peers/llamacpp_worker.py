@@ -1,9 +1,9 @@
 """A long-lived llama.cpp decoding process, run by the Python of a llama-cpp-python install.
 
-    VENV/bin/python medusa/hub/llamacpp_worker.py '{"model": FILE.gguf, "n_ctx": N, "n_threads": T, "lookup": null}'
+    VENV/bin/python medusa/peers/llamacpp_worker.py '{"model": FILE.gguf, "n_ctx": N, "n_threads": T, "lookup": null}'
 
 This file imports only the standard library and ``llama_cpp``: it runs inside the llama.cpp
-venv, not this project's. ``medusa.hub.llamacpp_client`` starts it and speaks JSON lines with it:
+venv, not this project's. ``medusa.peers.llamacpp_client`` starts it and speaks JSON lines with it:
 
     worker -> {"ready": true, "llama_cpp": VERSION}                    once the model is loaded
     client -> {"prompt_ids": [...], "max_tokens": N, "eos": [...]}      one greedy decode, batch 1

