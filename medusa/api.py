@@ -30,10 +30,10 @@ SHIPPED_EAGLE3_HEADS = SHIPPED_HEADS.with_name("smollm2-135m-instruct-eagle3")
 
 def shipped_heads_for(device: torch.device) -> Path | None:
     """The shipped heads that measured fastest on ``device``'s type, else the next present. On a
-    CPU the EAGLE-3 heads (their hybrid mode 1.07x the EAGLE heads' on held-out prompts, AMD EPYC
-    Zen 4); on CUDA the Medusa heads, whose hybrid mode ran 1.19x the EAGLE heads' on an H200
-    (eagerly; docs/benchmarks/2026-11-26-h200.md#eager-passes): a pass is launch-bound there and
-    costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps cost more
+    CPU the EAGLE-3 heads (their hybrid mode beat the EAGLE heads' on held-out prompts:
+    docs/benchmarks/2026-11-28-epyc-zen4-eagle3.md); on CUDA the Medusa heads, whose hybrid mode beat
+    the EAGLE heads' in eager passes (docs/benchmarks/2026-11-26-h200.md#eager-passes): a GPU pass is
+    launch-bound and costs the same for 1 or 64 tokens, so the EAGLE heads' six sequential draft steps cost more
     than their extra accepted tokens save (the EAGLE-3 heads are not measured on a GPU yet)."""
     order = ((SHIPPED_HEADS, SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS) if device.type == "cuda"
              else (SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS))

@@ -5,8 +5,8 @@
 Every linear layer of the target as one pass runs it (q/k/v and gate/up stacked into one
 product each, as the packed kernels run them; the vocabulary projection included), called
 back to back with random float32 rows: torch's default kernel (``F.linear``: MKL), packed
-oneDNN and the gemv kernels (medusa/runtime/gemv.py), interleaved round by round (this VM's
-speed drifts), median per kernel. GB/s is the weights' bytes over the time: a few-row
+oneDNN and the gemv kernels (medusa/runtime/gemv.py), interleaved round by round (a shared
+machine's speed drifts), median per kernel. GB/s is the weights' bytes over the time: a few-row
 product reads every weight once, so the machine's read bandwidth bounds it. It also checks
 that the gemv kernels give each row of an n-row product bitwise its one-row product.
 docs/performance.md#gemv-kernels shows a run.

@@ -3,9 +3,8 @@
 
 - :func:`linear_invariant_rows` / :func:`invariant_rows`: the largest pass whose rows are
   bitwise their one-row results (in half precision the engine verifies at most that many rows
-  per pass; kernels may change blocking with the row count: bf16 linears invariant up to 32
-  rows on one AMX Xeon, not above; on an AMD EPYC Zen 5 a one-row bf16 product differed from
-  the same row in 2+ rows).
+  per pass; kernels may change blocking with the row count, at a count that differs between
+  CPUs, from 2 rows on some: docs/exactness.md#exactness-in-bfloat16).
 - :func:`linear_seconds`: the model's linear-layer shapes timed with synthetic inputs in a
   dtype (the dtype rule's speed gap, medusa/autotune/dtype.py: no copy of the model).
 - :func:`measure_kernels` / :func:`decide_kernels`: torch's default linear kernels (MKL for
@@ -57,8 +56,9 @@ def _order_sensitive(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
     of summation: small terms (+-1 to +-32) between pairs of +-2^30 at random places, so a
     running sum that holds a big term absorbs the small ones and another order (other lanes,
     blocking or unrolling) absorbs others. On random activations a kernel's changed order shows
-    only when a bf16 rounding happens to flip (an AMD EPYC's 64x64 bf16 linear differed from 2
-    rows with these inputs, on the model's own activations only at some prompts)."""
+    only when a bf16 rounding happens to flip, so a kernel these inputs show changing from 2 rows
+    may differ on the model's own activations only at some prompts
+    (docs/exactness.md#exactness-in-bfloat16)."""
     x = torch.randint(0, 6, (rows, k), generator=gen).float().exp2() * (torch.randint(0, 2, (rows, k), generator=gen) * 2 - 1)
     big = max(2, k // 16) // 2 * 2
     where = torch.rand(rows, k, generator=gen).argsort(-1)[:, :big]
@@ -107,8 +107,8 @@ def invariant_rows(model: PreTrainedModel, limit: int = PROBE_ROWS, prefix: int 
                    kernels: str = "default") -> int:
     """The largest ``r <= limit`` such that a pass of every size ``2..r`` gives each of its rows
     bitwise the logits of that row's one-token pass (1: none does). A device's matmul kernels
-    may change blocking with the row count (one AMX Xeon: bf16 linears invariant up to 32 rows,
-    not above), so the engine verifies at most this many rows per pass. Two probes, the smaller
+    may change blocking with the row count (docs/exactness.md#exactness-in-bfloat16), so the
+    engine verifies at most this many rows per pass. Two probes, the smaller
     wins: the model itself (one-token passes run once; the many-token passes stop at the first
     size that differs), whose rows differ only where a rounding happens to flip on this prompt,
     and its linear layers' shapes on inputs that show any change of summation order

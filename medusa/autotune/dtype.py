@@ -4,9 +4,9 @@ never from a close timing:
 
 1. **Capability.** bfloat16 only where the device multiplies it natively: a CPU with AMX
    (``amx_bf16``), a GPU that supports bfloat16 (``torch.cuda.is_bf16_supported``). An AVX2-only
-   CPU emulates bf16 matmuls (slower than float32); an AVX-512 BF16 CPU without AMX (the AMD EPYCs
-   seen) runs them, but its bf16 rows change with the row count, so both keep float32 without
-   measuring anything.
+   CPU emulates bf16 matmuls (slower than float32); an AVX-512 BF16 CPU without AMX runs them,
+   but on those measured its bf16 rows changed with the row count
+   (docs/exactness.md#exactness-in-bfloat16), so both keep float32 without measuring anything.
 2. **Exactness.** The model's linear-layer shapes in bfloat16 (weights of ones, inputs that show
    any change of summation order: :func:`medusa.autotune.device.linear_invariant_rows`) must give
    every row of passes of up to ``MIN_ROWS`` rows bitwise its one-row result. Deterministic.
@@ -15,11 +15,11 @@ never from a close timing:
    alternately, each shape's fastest round kept (:func:`medusa.autotune.device.linear_seconds`):
    bfloat16 only when it costs at most ``GAP`` (60%) of float32's at both sizes. Noise from other
    processes only adds time and the minimum discards it; what remains moves a ratio by a few
-   percent. The one-row ratio is the one far from 0.6: on an Emerald Rapids Xeon with AMX (one
-   thread, SmolLM2-135M's shapes) bfloat16 cost 1.05-1.08x float32's at one row and 0.53-0.62x
-   at 16, so the 16-row ratio alone straddled the gap from one run to the next, and its pick
-   would have changed outputs between runs for trees only AMX makes cheaper; emulated bf16 is
-   above 1 at both.
+   percent. Both sizes, because the one-row ratio is the one far from 0.6: even with AMX,
+   bfloat16 need not be cheaper than float32 at one row, while the 16-row ratio can sit at the
+   gap, so the 16-row ratio alone can straddle it from one run to the next and change outputs
+   between runs for trees only AMX makes cheaper (docs/machine-plan.md#the-dtype-rule); emulated
+   bf16 is above 1 at both.
 
 All three hold: bfloat16, and after converting, the model itself is probed for its exact passes
 (the engine verifies at most that many rows). Any fails: float32. Only float32-loaded targets are

@@ -5,13 +5,12 @@ the target accepts with the N best nodes of each draft shape (teacher-forced on 
 own answers: a property of the heads and the model, not of the machine; with the lookup
 chain's statistics for mode hybrid), and the size that was best on the machine it ran on.
 The best size follows the pass-cost curve, and that curve differs between machines of one
-device type (a 16-token pass cost 1.27x a one-token one on one AMX Xeon in bfloat16 and 2.1x
-on another in float32), so the engine sizes its trees here: the planner (:func:`measure_sizes`) times the
-engine's own pass (its dtype, linear kernels and exact attention) for 1 to 32 new tokens and
-the head's work per step for each shape (drafting and update, after a target pass as in
-decoding: :func:`drafting_ms`), once per machine (cached in the plan's cache,
-medusa/autotune/cache.py), and picks the size with the
-most expected tokens per second for mode eagle and, chain length included, for mode hybrid
+device type (docs/trees.md#eagle-trees-are-sized-on-the-machine-that-runs-them), so the engine
+sizes its trees here: the planner (:func:`measure_sizes`) times the engine's own pass (its
+dtype, linear kernels and exact attention) for 1 to 32 new tokens and the head's work per step
+for each shape (drafting and update, after a target pass as in decoding: :func:`drafting_ms`),
+once per machine (cached in the plan's cache, medusa/autotune/cache.py), and picks the size with
+the most expected tokens per second for mode eagle and, chain length included, for mode hybrid
 (:func:`medusa.autotune.trees.choose_dynamic`). A CPU engine with compiled passes runs a
 proposal of n rows padded to its pass bucket (``passes.pass_bucket``), so it is sized with
 T(bucket(n)): a 14-row hybrid pass costs a 16-row one there, and the nodes that fill the
@@ -44,9 +43,8 @@ from medusa.runtime import hf as kv
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
-# Timed rounds per pass size and per draft shape. With 7, four sizings in a row on one AMX Xeon
-# VM picked 3, 7, 7 and 7 nodes for hybrid (7 decoded 6% slower than 5); with 13, 5 all four times
-# (mode eagle's pick spread over 3-9 nodes either way: its sizes decoded within 4% of each other).
+# Timed rounds per pass size and per draft shape: enough that sizings in a row on one machine
+# pick the same hybrid tree, which 7 rounds did not (docs/performance.md#where-a-decode-steps-time-goes).
 REPS = 13
 
 
@@ -81,8 +79,8 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
     its drafting and its update with the step's accepted pairs (two here), timed as decoding
     runs them: right after a target pass, which streams the target's weights through the CPU's
     caches, with a prefill's worth of context. Timed back to back instead, the head's weights
-    stay cached and the drafting looks cheaper than it is (one AMX Xeon, bfloat16: a 6x4
-    drafting took 13 ms that way and 16-23 ms in decoding, plus 2-3 ms of update)."""
+    stay cached and the drafting looks cheaper than it is
+    (docs/performance.md#where-a-decode-steps-time-goes)."""
     device = heads.fc.weight.device
     ids = (torch.arange(PREFIX, device=device) * 7919 + 13) % (model.config.vocab_size - 1) + 1
     cache = kv.new_cache()
@@ -142,8 +140,8 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
     """The acceptance curves to size ``heads``' trees from; empty where the heads are not eagle
     or block heads, carry no curves, or their passes compile off the CPU (then the calibrated sizes
     apply). A CPU engine with compiled passes is sized from the eager passes' costs at its padded
-    sizes (:func:`bucketed`): compiled passes measured 12-15% cheaper at every size on the AMX
-    Xeon (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
+    sizes (:func:`bucketed`): compiled passes measured about equally cheaper than eager ones at
+    every size (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
     if heads is None or not kind(heads.config.kind).sized or (compile and compile != "auto" and device.type != "cpu"):
         return {}
     return measured_curves(heads, device, dtype)
@@ -177,8 +175,9 @@ def bucketed(cost_ms: dict[int, float]) -> dict[int, float]:
 def monotone(cost_ms: dict[int, float]) -> dict[int, float]:
     """The non-decreasing curve closest to measured pass costs (least squares: adjacent
     violators pool into their mean). A pass over more tokens never costs less; where a timing
-    says so (a VM timed one token at 80 ms and two at 67), that is noise, which would
-    otherwise make the rows it undercuts look free."""
+    says so (noise on a shared machine can make one token time slower than two:
+    docs/trees.md#eagle-trees-are-sized-on-the-machine-that-runs-them), that is noise, which
+    would otherwise make the rows it undercuts look free."""
     blocks: list[list] = []  # [sum, count, sizes]
     for n in sorted(cost_ms):
         blocks.append([cost_ms[n], 1, [n]])

@@ -21,9 +21,9 @@ from medusa.errors import MedusaError
 from medusa.models.target import DEFAULT_MODEL_NAME, load_target
 from medusa.runtime.files import cache_root
 
-# Layers kept by the default shallow draft. On a CPU a one-token pass of the 30-layer
-# target costs ~61 ms and the 49,152-row vocabulary projection alone ~9 ms, so a few
-# layers keep a draft token at a fraction of a target pass.
+# Layers kept by the default shallow draft. A draft token costs its layers plus the target's
+# whole vocabulary projection, itself a fair share of a one-token target pass, so a few
+# layers keep it at a fraction of a target pass (docs/training.md#the-default-draft).
 DEFAULT_DRAFT_LAYERS = 4
 DEFAULT_DRAFT_NAME = f"{DEFAULT_MODEL_NAME}-draft"
 _LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")

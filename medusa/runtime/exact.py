@@ -25,8 +25,8 @@ On a CPU in half precision the arithmetic is torch's flash-attention kernel (:fu
 tail is one call with a batch entry per row, the shared head one call with every row's
 queries (padded to whole query blocks: :func:`_shared_head`), merged through their
 log-sum-exps. Elsewhere, in float32 and for softcapped scores, it is float32 matmuls (:func:`_group_attention`).
-The flash path cost 270 us per layer for a one-token pass against 396 for the matmuls (2-core
-AMX Xeon, bfloat16, 256 cached keys): a 135M model's one-token pass is 30 such layers.
+The flash path is the cheaper of the two for a one-token pass
+(docs/exactness.md#through-the-cpu-flash-kernel-2026-11-27), and a pass runs it once per layer.
 
 It is registered with transformers' ``AttentionInterface`` as ``"medusa_exact"`` (masks built
 by transformers' eager mask function), so the stock model runs it: no forked model code.
@@ -53,8 +53,8 @@ _ROW_CHUNK = 64  # query rows per gather: bounds the [n, L, D] gathered keys of 
 _KEY_BUCKET = 32  # key lists are padded to a multiple: a matmul's reduction over keys depends on their number
 _TAIL = 64  # keys a row gathers past its shared head (a tree must be shallower than _TAIL - _KEY_BUCKET)
 # Rows of an exact pass. A row's shared head must be prompt, not tree (depth <= _TAIL - _KEY_BUCKET,
-# so up to 33 rows), and a device's linear kernels may change blocking past 32 rows (one AMX Xeon's
-# bf16 kernels did): 32 unless a device's probe found fewer (medusa/autotune/device.py).
+# so up to 33 rows), and a device's linear kernels may change blocking past 32 rows
+# (docs/exactness.md#exactness-in-bfloat16): 32 unless a device's probe found fewer (medusa/autotune/device.py).
 EXACT_MAX_ROWS = min(32, _TAIL - _KEY_BUCKET + 1)
 _HEAD_ROWS = 32  # matmul rows per product with the shared head's values
 _MIN_ROWS = 16  # matmul rows of a product with the shared head, at least (see _shared_product)
@@ -165,9 +165,8 @@ def _shared_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for ``a`` ``[..., M, K]``, zero rows padding ``M`` to at least ``_MIN_ROWS``.
 
     A CPU float32 matmul's result for a row depends on the row count when it is small (other
-    kernels for the remainder rows): measured, an AMD EPYC's rows differed from those of a
-    larger product for M in 1-3, 5-7 and 9-11 (equal for 4, 8 and every M >= 12, D 16-256,
-    K up to 3000), an AMX Xeon's for M up to 2-11 by shape. A one-token pass of a model with
+    kernels for the remainder rows; on the CPUs measured, for some M up to 11 and none from 12:
+    docs/exactness.md#exactness-in-bfloat16). A one-token pass of a model with
     ``g`` query heads per KV head multiplies ``g`` rows, its tree pass ``g`` per node, so
     without the padding a row of the one differs from the same row of the other."""
     m = a.shape[-2]
@@ -182,8 +181,8 @@ def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gr
     """Attention for a group's rows: q ``[B, Hkv, r, g, D]`` -> ``[B, Hkv, r, g, D]``."""
     b, kv_heads, r, g, dim = q.shape
     h = group.head
-    # float32 arithmetic: small float32 matmuls are fast here, and their rows did not depend on
-    # the row count or the batch (bfloat16's small matmuls were 3-4x slower on one AMX Xeon)
+    # float32 arithmetic: small float32 matmuls were faster than bfloat16's where measured, and
+    # their rows did not depend on the row count or the batch (docs/exactness.md#exactness-in-bfloat16)
     q = q.float()
     keys, values = _gather(key, group.slots).float(), _gather(value, group.slots).float()  # [B, Hkv, r, W, D]
     if h:
@@ -244,9 +243,8 @@ def _shared_head(rows_q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, h
     in bfloat16), so the queries are padded with zero rows to a multiple of ``_QUERY_PAD``:
     then every row's result was bit-identical to its one-row call for 1-33 rows, 1-8 queries
     per KV head, head dims 64-256 and 32-544 keys, in bfloat16 and float32 (28,000 rows; 1,668
-    of 13,440 differed when padding to 4). One call instead of a batch entry per row: 79 us
-    for 16 rows against 166 us, 56 against 31 us for one (embedded model's shapes, 160 keys,
-    AMX Xeon)."""
+    of 13,440 differed when padding to 4). One call instead of a batch entry per row: per-row calls
+    over the shared head were most of a row's cost (docs/exactness.md#the-shared-head-in-one-call-2026-11-27-later)."""
     r, kv_heads, g, dim = rows_q.shape
     m = r * g
     q = rows_q.new_zeros(1, kv_heads, -(-m // _QUERY_PAD) * _QUERY_PAD, dim)

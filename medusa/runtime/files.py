@@ -52,7 +52,7 @@ def cache_write_failed(path: str | Path, err: OSError) -> None:
 def content_digest(path: str | Path, root: str | Path | None = None) -> str:
     """The sha256 of the whole file ``path`` (hex), the key of caches derived from its content.
 
-    Hashing costs ~0.2 s per 100 MB here, so the digest is remembered under ``root/digests/``
+    Hashing reads the whole file (seconds for a model's weights), so the digest is remembered under ``root/digests/``
     (default ``cache_root()``) with the file's size, mtime, ctime and inode: while none of
     them changes (``cp -p`` keeps the mtime but not the ctime or inode) a later call costs a stat.
     """

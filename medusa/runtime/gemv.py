@@ -1,19 +1,18 @@
 """The "gemv" linear kernels: float32 products of a few rows at the memory bandwidth.
 
 Why: a decoding pass multiplies one row (plain decoding) or a few dozen (a tree) by every
-weight of the model, so it is bound by how fast the weights stream from memory. On the AMD EPYC
-Zen 4 (2 cores) torch's float32 kernels read them at 7-14 GB/s (MKL) and 12-18 GB/s (oneDNN,
-packed) in a one-token pass, while the machine reads memory at 26-34 GB/s. This kernel
+weight of the model, so it is bound by how fast the weights stream from memory. torch's
+float32 kernels (MKL, and oneDNN's packed ones) can read them at well under the machine's memory
+bandwidth in a one-token pass (docs/performance.md#where-a-pass-goes). This kernel
 (``gemv.c`` beside this file) packs each weight once into blocks of output rows laid out
-k-major, so one vector load serves a whole block of outputs, and streams it at 30 GB/s there
-for one row (the embedded model's 538 MB of linear weights in 17.5 ms against 29.5 ms for
-oneDNN's; docs/performance.md#gemv-kernels).
+k-major, so one vector load serves a whole block of outputs, and streams the weights at about
+the memory bandwidth for one row (docs/performance.md#gemv-kernels).
 
 Exactness: every output sums its products in one fixed order (chunks of 64 inputs left to
 right, the chunk sums left to right) whatever the number of rows, so row ``r`` of an
 ``n``-row product is bitwise the one-row product of that row: a tree pass computes each row
 as plain decoding would. Like oneDNN's kernels it rounds differently from MKL's (within ~1e-6
-of them here); identity to ``generate`` is measured by the bench.
+of them where measured); identity to ``generate`` is measured by the bench.
 
 Build: the C source is compiled on first use with the system's C compiler (``CC``, else
 ``cc``; about a second) for this CPU (``-march=native``), into the cache

@@ -3,8 +3,8 @@ copies of their weights (torch's weight-only int8 kernel, one bfloat16 scale per
 
 Drafts only propose (the target verifies every token in its own dtype), so a draft head may
 multiply by int8 weights: the kernel reads half the bytes of bfloat16 and, at the 1-4 rows a
-drafting level has, ran 1.7-3.4x faster than a bfloat16 product on one AMX Xeon
-(docs/benchmarks/2026-11-27-amx-xeon-compiled-buckets.md). Used by EAGLE heads with
+drafting level has, ran faster than a bfloat16 product where measured
+(docs/usage.md#loading). Used by EAGLE heads with
 ``draft_dtype="int8"`` (medusa/models/eagle_heads.py).
 """
 

@@ -1,16 +1,16 @@
 """Prepacked linear layers for CPU passes: the same model, faster matmul kernels (oneDNN's, or
 for float32 layers this package's gemv kernels, medusa/runtime/gemv.py: ``kernels="gemv"``).
 
-Why: a decoding pass of a small model on a CPU is its linear layers (81% of a SmolLM2-135M
-one-token pass in float32, profiled), and torch's float32 ``F.linear`` on the CPU goes to
-MKL, whose kernels are far from the memory bandwidth on some CPUs (on an AMD EPYC Zen 5 a
-one-token pass ran ~1.4x faster, a 64-token pass ~1.8x, with oneDNN's). torch ships oneDNN
+Why: a decoding pass of a small model on a CPU spends the largest share of its time in its
+linear layers (profiled: docs/performance.md#where-a-pass-goes), and torch's float32 ``F.linear``
+on the CPU goes to MKL, whose kernels are far from the memory bandwidth on some CPUs, where whole
+passes run markedly faster with oneDNN's (docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). torch ships oneDNN
 too; ``torch.ops.mkldnn._reorder_linear_weight`` packs a weight once into the blocked layout
 its matmul kernels read and ``torch.ops.mkldnn._linear_pointwise`` multiplies by it (the ops
 inductor's CPU fusion uses). torch's own bfloat16 ``F.linear`` calls the same oneDNN kernel
-with the weight in its plain layout, so it repacks the weight at every call: on an AMX Xeon a
-one-token pass's 211 bfloat16 linears took 29 ms that way and 21 ms prepacked, with results
-bit-identical to torch's for 1-288 rows (not always above: see ``stock_above``).
+with the weight in its plain layout, so it repacks the weight at every call, which prepacking
+saves, with results bit-identical to torch's up to a few hundred rows (not always above: see
+``stock_above``; docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn).
 
 How: :class:`PackedLinears` holds a packed copy of every ``nn.Linear`` weight of the given
 modules and, while entered, points each layer's ``forward`` at it; on exit the layers are
@@ -26,16 +26,18 @@ embedded model's 211 products fewer per pass, bit-identical to the separate ones
 Compiled passes: inductor cannot lower a packed (opaque-layout) weight, so under
 ``torch.compile`` each packed layer calls the custom op ``medusa::packed_linear`` instead
 (stacked siblings ``medusa::stacked_linear``), an extern call between the elementwise work it
-fuses. Eager passes call the kernels directly (a custom op's dispatch costs ~5 us a call).
+fuses. Eager passes call the kernels directly (a custom op's dispatch adds a fixed cost to each
+of a pass's ~200 calls).
 
 A kernel per pass size: ``kernels="gemv>3"`` runs products of 1-3 rows by torch's own kernel
-and larger ones by gemv. On the AMX Xeon torch's float32 kernel (MKL) is about as fast as gemv
-for a one-token pass but leaves the bandwidth from 4 rows on, where gemv stays near it (16-node passes
-~0.8x MKL's): a split takes the cheaper kernel at each size, and the machine plan picks it by the
-same timing as the others (medusa/autotune/device.py: ``decide_kernels``; docs/performance.md).
+and larger ones by gemv. On some CPUs torch's float32 kernel (MKL) is the cheaper for a
+one-token pass but leaves the bandwidth from a few rows on, where gemv stays near it
+(docs/performance.md#a-kernel-per-pass-size-2026-11-29): a split takes the cheaper kernel at each
+size, and the machine plan picks it by the same timing as the others (medusa/autotune/device.py:
+``decide_kernels``).
 
 Exactness: in float32 oneDNN and gemv round differently from MKL (all within ~1e-6 of float64
-here), so they are not bit-identical to stock transformers; identity to ``generate`` is measured
+where measured), so they are not bit-identical to stock transformers; identity to ``generate`` is measured
 by the bench (docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn). In bfloat16 torch's
 default is oneDNN's own kernel, so packed layers compute what stock transformers computes, bit
 for bit where measured. The kernels are picked per device by timing, in half precision after
@@ -265,11 +267,11 @@ class _Siblings:
     with that same tensor; a call with any other input multiplies again.
 
     Why: a one-token pass is ~200 small products, each with a fixed cost beside its weights'
-    bandwidth (a 192x576 bfloat16 product took ~100 us in a pass on the AMX Xeon, a 576x576 one
-    ~160 us, the stacked 960x576 ~220 us), so stacking q/k/v and gate/up saves 90 of the
+    bandwidth (a stacked product costs far less than its parts called one by one:
+    docs/performance.md#stacked-siblings-2026-11-27), so stacking q/k/v and gate/up saves 90 of the
     embedded model's 211 calls. Each output element is still one row's dot product over the
     same inputs: the stacked product was bit-identical to the separate ones, and to torch's
-    own kernels, for 1-39 rows in bfloat16 and for any rows in float32 (measured there; not
+    own kernels, for 1-39 rows in bfloat16 and for any rows in float32 (measured; not
     for 64+ rows in bfloat16 with some shapes). So in half precision it is used for at most
     ``FUSED_ROWS`` rows, and larger inputs run torch's own kernels layer by layer (a short
     prompt's prefill); the exactness probe (medusa/autotune/device.py) checks the passes the engine runs."""
@@ -344,9 +346,9 @@ class PackedLinears:
     the others (``kernels="gemv"``, medusa/runtime/gemv.py).
 
     ``stock_above``: inputs of more rows than this run the stock ``F.linear`` (a prompt's
-    prefill). In bfloat16 the packed kernels matched torch's bit for bit for 1-288 rows on an
-    AMX Xeon but not always above (the stock kernel changes strategy for large inputs: 576x576
-    layers differed from 289 rows), so an engine that promises stock transformers' tokens
+    prefill). In bfloat16 the packed kernels matched torch's bit for bit up to a few hundred rows
+    where measured but not always above (the stock kernel changes strategy for large inputs:
+    docs/performance.md#linear-kernels-per-cpu-mkl-or-onednn), so an engine that promises stock transformers' tokens
     packs only its decoding passes. ``stock_rows``: inputs of at most this many rows run the
     stock ``F.linear`` too (a split's small passes: :func:`split_kernels`). ``fuse``: layers
     called on one input (q/k/v, gate/up: :class:`_Siblings`) run as one product, in eager passes

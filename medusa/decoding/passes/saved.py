@@ -1,8 +1,9 @@
 """The compiled verification pass on the CPU, saved per pass size so later processes load it.
 
 Why: ``torch.compile`` traces the target's forward with dynamo in every process, even when
-inductor's kernels are cached; for SmolLM2-135M's 30 layers that is ~22 s per pass size on a
-2-core CPU, so a tree mode's three sizes took about a minute at every start. Here each size
+inductor's kernels are cached, and for a small model's forward that tracing alone costs tens of
+seconds per pass size on a CPU, paid again for each of a tree mode's sizes at every start
+(docs/compile.md#a-second-start-loads-instead-of-tracing). Here each size
 is compiled ahead of time instead (``aot_compile``: one full graph, no graph breaks), saved
 under ``~/.cache/medusa/compiled`` (``MEDUSA_CACHE``), and a later process loads it without
 tracing (seconds).
