@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="heads folder, Hub id or shipped kind (medusa, eagle, eagle3; block heads: a folder or "
                          "Hub id); repeatable")
     ap.add_argument("--model", default=None, help="target (default: the embedded model)")
-    from infer.bench import DEFAULT_PROMPTS
+    from medusa.bench.prompts import DEFAULT_PROMPTS
 
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                     help="prompts: a file infer.bench reads, MT-Bench jsonl or ShareGPT json (default: MT-Bench)")
@@ -69,7 +69,7 @@ def medusa_chain(heads, model, pairs: list[tuple[list[int], list[int]]], depth: 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from infer.bench import encode, read_prompts
+    from medusa.bench.prompts import encode, read_prompts
 
     try:
         base = medusa.load(model=args.model, heads=args.heads[0], autotune=False)

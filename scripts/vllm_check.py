@@ -78,7 +78,7 @@ def engine_chain(engine, ids: list[int], max_new_tokens: int, spec: dict):
 
 def compare(engine, worker: VLLMWorker, prompts: list[str], max_new_tokens: int, spec: dict) -> list[dict]:
     """Per prompt: the engine's and vLLM's tokens, identity, acceptance and speed."""
-    from infer.bench import encode
+    from medusa.bench.prompts import encode
 
     rows = []
     for text in prompts:

@@ -9,6 +9,9 @@ from train_fixtures import tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from infer import bench
+from medusa.bench.prompts import DEFAULT_PROMPTS, encode, read_prompts
+from medusa.bench.runners import plain_targets
+from medusa.bench.summary import against_fastest_peer
 
 
 def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(tmp_path, capsys):
@@ -27,7 +30,7 @@ def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(t
     assert result["meta"]["dtype"] == "torch.bfloat16"  # the engine (and hf) in bfloat16, the peers in their own
     assert modes["baseline"]["identical"] == 2  # the engine's promise holds against hf, on the engine's target
     tok = AutoTokenizer.from_pretrained(folder)
-    prompts = bench.read_prompts(bench.DEFAULT_PROMPTS, limit=2)
+    prompts = read_prompts(DEFAULT_PROMPTS, limit=2)
     for dtype in ("float32", "bfloat16"):
         # what a user runs for transformers alone: that dtype, transformers' default attention
         plain = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
@@ -35,7 +38,7 @@ def test_hf_dtype_modes_run_generate_on_a_copy_loaded_as_transformers_loads_it(t
         config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=[tok.eos_token_id],
                                   pad_token_id=tok.pad_token_id)
         for prompt, run in zip(prompts, modes[f"hf-{dtype}"]["per_prompt"], strict=True):
-            ids = torch.tensor([bench.encode(SimpleNamespace(tokenizer=tok), prompt.text)])
+            ids = torch.tensor([encode(SimpleNamespace(tokenizer=tok), prompt.text)])
             with torch.inference_mode():
                 want = plain.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, ids.shape[1]:]
             assert run["tokens"] == want.tolist(), dtype
@@ -54,14 +57,14 @@ def test_hf_dtype_modes_need_nothing_else_and_unknown_dtypes_are_unknown_modes(t
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plain_targets_load_only_the_copies_asked_for(tmp_path, dtype):
     folder = tiny_target(tmp_path / "model")
-    copies = bench.plain_targets(["hf", f"hf-{dtype}"], SimpleNamespace(model=str(folder)), torch.device("cpu"))
+    copies = plain_targets(["hf", f"hf-{dtype}"], SimpleNamespace(model=str(folder)), torch.device("cpu"))
     assert list(copies) == [dtype] and copies[dtype].dtype == getattr(torch, dtype)
-    assert bench.plain_targets(["hf", "baseline"], SimpleNamespace(model=str(folder)), torch.device("cpu")) == {}
+    assert plain_targets(["hf", "baseline"], SimpleNamespace(model=str(folder)), torch.device("cpu")) == {}
 
 
 def test_the_fastest_transformers_peer_is_named_with_every_other_mode_against_it():
     summary = {"hf": {"tokens_per_second": 10.0}, "hf-float32": {"tokens_per_second": 16.0},
                "baseline": {"tokens_per_second": 12.0}, "hybrid@eagle": {"tokens_per_second": 24.0}}
-    assert bench.against_fastest_peer(summary) == ("fastest transformers generate here: hf-float32 (16.0 tokens/s); "
-                                                   "baseline 0.75x, hybrid@eagle 1.50x")
-    assert bench.against_fastest_peer({"hf": {"tokens_per_second": 10.0}, "baseline": {"tokens_per_second": 12.0}}) is None
+    assert against_fastest_peer(summary) == ("fastest transformers generate here: hf-float32 (16.0 tokens/s); "
+                                             "baseline 0.75x, hybrid@eagle 1.50x")
+    assert against_fastest_peer({"hf": {"tokens_per_second": 10.0}, "baseline": {"tokens_per_second": 12.0}}) is None

@@ -246,6 +246,8 @@ def test_bench_and_chat_run_block_heads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from infer import bench, chat
+    from medusa.bench.engines import load_bench
+    from medusa.bench.prompts import encode
 
     folder = tiny_target(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -262,11 +264,11 @@ def test_bench_and_chat_run_block_heads(tmp_path, capsys):
     # --chat-template formats the prompts (a base model's heads are trained on one, e.g. Gemma 3 270M's)
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}w9 {{ m['content'] }} w8{% endfor %}")
-    plain = bench.load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off"]))
-    asked = bench.load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off", "--chat-template", str(template)]))
+    plain = load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off"]))
+    asked = load_bench(bench.parse_args(["--model", str(folder), "--autotune", "off", "--chat-template", str(template)]))
     assert asked.main.tokenizer.chat_template == template.read_text()
-    assert bench.encode(asked.main, "w1 w2") == asked.main.tokenizer("w9 w1 w2 w8")["input_ids"]
-    assert bench.encode(plain.main, "w1 w2") != bench.encode(asked.main, "w1 w2")
+    assert encode(asked.main, "w1 w2") == asked.main.tokenizer("w9 w1 w2 w8")["input_ids"]
+    assert encode(plain.main, "w1 w2") != encode(asked.main, "w1 w2")
     capsys.readouterr()
     # block modes without block heads, and a folder of another kind as block heads: one line each
     for extra, said in ((["--heads", "init"], "modes on block heads need a folder of them: pass --heads FOLDER or "

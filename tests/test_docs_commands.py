@@ -163,7 +163,7 @@ def check_modes(name: str, ns: argparse.Namespace) -> None:
     if getattr(ns, "mode", None) is not None:
         assert ns.mode in MODES, f"{name}: --mode {ns.mode} is not a mode ({', '.join(MODES)})"
     if name == "infer.bench" and ns.modes is not None:
-        from infer.bench import parse_modes
+        from medusa.bench.modes import parse_modes
 
         parse_modes(ns.modes)  # MedusaError names an unknown mode
 

@@ -848,7 +848,7 @@ def test_calibration_json_survives_a_full_disk_mid_write(tmp_path):
 
 
 def test_a_prompts_file_that_is_not_utf8_is_one_line(tmp_path):
-    from infer.bench import read_prompts
+    from medusa.bench.prompts import read_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(json.dumps({"question_id": 1, "turns": ["caf\u00e9 au lait"]}).replace("\\u00e9", "\u00e9")

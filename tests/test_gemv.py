@@ -148,13 +148,14 @@ def test_a_split_runs_torch_kernels_up_to_its_rows_and_gemv_above():
 
 def test_kernels_flags_take_splits_and_refuse_the_rest_in_one_line(capsys):
     from infer import bench
+    from medusa.bench.modes import mode_spec
     from medusa.runtime.kernels import kernels_key, split_kernels
 
     assert split_kernels("gemv>3") == ("gemv", 3) and split_kernels("onednn") == ("onednn", None)
     assert kernels_key("gemv>3").startswith("gemv>3-p") and kernels_key("default") == "default"
-    assert bench.mode_spec("hybrid@eagle3+compile:gemv>3").kernels == "gemv>3"
-    assert bench.mode_spec("hybrid:default").kernels == "default" and bench.mode_spec("hybrid").kernels is None
-    assert bench.mode_spec("hybrid:mkl") is None and bench.mode_spec("hf:gemv") is None
+    assert mode_spec("hybrid@eagle3+compile:gemv>3").kernels == "gemv>3"
+    assert mode_spec("hybrid:default").kernels == "default" and mode_spec("hybrid").kernels is None
+    assert mode_spec("hybrid:mkl") is None and mode_spec("hf:gemv") is None
     with pytest.raises(SystemExit):
         bench.main(["--kernels", "gemv>0", "--limit", "1"])
     err = capsys.readouterr().err

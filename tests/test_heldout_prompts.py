@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.bench import read_prompts
+from medusa.bench.prompts import read_prompts
 from medusa.errors import MedusaError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -103,21 +103,22 @@ def test_no_import_cycles_behind_function_level_imports():
 
 
 # The layers, bottom up: each may import only those below it (and its own package).
-# entry points -> api -> autotune -> decoding / training / peers -> hub -> models -> runtime (+ errors, config)
+# entry points -> bench -> api -> autotune -> decoding / training / peers -> hub -> models -> runtime (+ errors, config)
 ABOVE = {
     "medusa.errors": ("medusa.config", "medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training",
-                      "medusa.hub", "medusa.peers", "medusa.autotune", "medusa.api"),
+                      "medusa.hub", "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
     "medusa.config": ("medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training", "medusa.hub",
-                      "medusa.peers", "medusa.autotune", "medusa.api"),
+                      "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
     "medusa.runtime": ("medusa.models", "medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers",
-                       "medusa.autotune", "medusa.api"),
+                       "medusa.autotune", "medusa.api", "medusa.bench"),
     "medusa.models": ("medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers", "medusa.autotune",
-                      "medusa.api"),
-    "medusa.decoding": ("medusa.peers", "medusa.autotune", "medusa.api"),
-    "medusa.training": ("medusa.peers", "medusa.autotune", "medusa.api"),
-    "medusa.hub": ("medusa.peers", "medusa.autotune", "medusa.api"),
-    "medusa.peers": ("medusa.autotune", "medusa.api"),
-    "medusa.autotune": ("medusa.api",),
+                      "medusa.api", "medusa.bench"),
+    "medusa.decoding": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
+    "medusa.training": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
+    "medusa.hub": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
+    "medusa.peers": ("medusa.autotune", "medusa.api", "medusa.bench"),
+    "medusa.autotune": ("medusa.api", "medusa.bench"),
+    "medusa.api": ("medusa.bench",),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from infer import bench
 from medusa.errors import MedusaError
-from medusa.hub import llamacpp_client
+from medusa.peers import llamacpp_client
 from medusa.peers.llamacpp_client import LlamaCppWorker, llamacpp_python
 
 

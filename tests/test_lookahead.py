@@ -270,7 +270,7 @@ def test_hybrid_with_lookahead_samples_without_the_window():
 
 
 def test_bench_names_hybrid_with_lookahead():
-    from infer.bench import mode_spec
+    from medusa.bench.modes import mode_spec
 
     spec = mode_spec("hybrid@eagle3+lookahead+compile")
     assert (spec.base, spec.kind, spec.lookahead, spec.compiled) == ("hybrid", "eagle3", True, True)

@@ -471,8 +471,8 @@ def test_pickled_weights_get_one_line_saying_how_to_convert(target, tmp_path, co
                                            ("medusa", ("speculators", "vllm", "fasterdecoding")),
                                            ("eagle", ("vllm",))])
 def test_shipped_heads_round_trip_through_every_export(embedded, tmp_path, kind, layouts):
-    from infer.bench import encode
     from medusa.api import SHIPPED
+    from medusa.bench.prompts import encode
 
     shipped = medusa.load(heads=kind, target=embedded, autotune=False)
     ids = encode(shipped, "Write a Python function that checks whether a number is prime.")

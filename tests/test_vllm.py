@@ -83,7 +83,7 @@ def test_bench_mode_vllm_eagle_exports_eagle1_heads_and_refuses_norms_heads(tmp_
     from test_export import noisy_eagle1
     from tiny_heads import target_folder
 
-    from infer.bench_vllm import close_all, speculative_config
+    from medusa.bench.vllm_peer import close_all, speculative_config
     from medusa.models.eagle_heads import init_eagle_for
     from medusa.models.heads_config import save_heads
     from medusa.models.target import load_target
@@ -113,7 +113,7 @@ def test_bench_mode_vllm_eagle3_exports_eagle3_heads(tmp_path):
     import torch
     from tiny_heads import target_folder
 
-    from infer.bench_vllm import close_all, speculative_config
+    from medusa.bench.vllm_peer import close_all, speculative_config
     from medusa.models.eagle3_heads import init_eagle3_for
     from medusa.models.heads_config import save_heads
     from medusa.models.loader import init_heads_for

@@ -89,7 +89,7 @@ def register(mode: Callable, run_type: type) -> None:
     """Register the vLLM modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
 
     def runner(name: str):
-        def run(engine, ids: list[int], bench):  # bench: infer.bench.Bench (its args are the CLI's)
+        def run(engine, ids: list[int], bench):  # bench: medusa.bench.records.Bench (its args are the CLI's)
             out = worker(name, bench.args).generate(ids, bench.max_new_tokens)
             spec = out["spec"]
             # Every target pass emits its accepted draft tokens plus one.

@@ -64,7 +64,7 @@ def register(mode: Callable, run_type: type) -> None:
     """Register the llama.cpp modes with the bench's ``mode`` decorator; ``run_type`` is its ``Run``."""
 
     def runner(name: str):
-        def run(engine, ids: list[int], bench):  # bench: infer.bench.Bench (its args are the CLI's)
+        def run(engine, ids: list[int], bench):  # bench: medusa.bench.records.Bench (its args are the CLI's)
             llm = worker(name, bench.args, bench.max_new_tokens, len(ids))
             out = llm.generate(ids, bench.max_new_tokens, sorted(engine.eos))
             # Plain decoding makes one pass per token: as for vllm, its tau reads 1.0.

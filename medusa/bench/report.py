@@ -1,12 +1,86 @@
-"""Benchmark report: results.json, table.md and plots in one folder."""
+"""What a bench run writes: its meta (what the results were measured with), the --json file, and
+the --output folder (results.json, table.md and plots)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
 
+import torch
+
+from medusa.bench.engines import drafts, eagle_engine, engine_for, lookahead_reason, sizes_reason, static_tree
+from medusa.bench.modes import mode_spec, runs_lookahead
+from medusa.bench.prompts import Prompt
+from medusa.bench.records import Bench
+from medusa.bench.summary import profile_lines, table
+from medusa.decoding.engine import Engine
 from medusa.models.heads import MedusaHeads
+
+
+def run_meta(bench: Bench, prompts: list[Prompt], modes: list[str], fastest: str | None) -> dict:
+    """What the results were measured with (the engines' plans from ``engine.describe()``)."""
+    a, engine, eagle = bench.args, bench.main, eagle_engine(bench)
+    compiled = next((e for (_, on, _, _), e in bench.engines.items() if on), None)
+    return {"model": a.model or "embedded default", "heads": a.heads or "default", "max_new_tokens": a.max_new_tokens,
+            "draft": None if engine.draft is None else (a.draft or "default"), "draft_tokens": a.draft_tokens,
+            "adaptive_draft": a.adaptive_draft, "draft_confidence": a.draft_confidence,
+            "lookup_tokens": a.lookup_tokens, "lookup_ngram": a.lookup_ngram,
+            "answer_ngrams": _answer_ngrams(eagle or engine, a.answer_ngrams),
+            "prompts": a.prompts, "num_prompts": len(prompts), "device": str(engine.device),
+            "dtype": str(engine.model.dtype), "torch_threads": torch.get_num_threads(), "kernels": engine.kernels,
+            "plan": engine.describe(), "eagle_plan": None if eagle is None or eagle is engine else eagle.describe(),
+            "sampling": dataclasses.asdict(bench.sampling), "default_mode": engine.default_mode,
+            "tree_nodes": _tree_nodes(engine, bench.tree), "compile_seconds": bench.compile_seconds,
+            "eagle_tree_nodes": _tree_nodes(eagle, None) if eagle is not None and eagle is not engine else None,
+            "tree_sizes": sizes_reason(eagle or engine),
+            "compiled_tree_sizes": sizes_reason(compiled) if compiled is not None else None,
+            "lookahead": lookahead_reason(engine) if runs_lookahead(modes) else None,
+            "kernel_plans": {k[3]: e.describe() for k, e in bench.engines.items() if k[3] is not None} or None,
+            "proposals": _proposals(bench, modes), "fastest_transformers": fastest}
+
+
+def _proposals(bench: Bench, modes: list[str]) -> dict[str, str]:
+    """Each engine mode's proposal, in its proposer's words (Proposer.describe)."""
+    out = {}
+    for name in modes:
+        spec = mode_spec(name)
+        if spec is not None:
+            engine = engine_for(bench, spec)
+            out[name] = engine.proposer(spec.base, static_tree(engine, bench.tree)).describe()
+    return out
+
+
+def _tree_nodes(engine: Engine, tree: str | None) -> int | None:
+    """Nodes (root included) of the heads' tree: the static tree of Medusa heads, the dynamic
+    tree's budget of eagle heads, the block heads' proposal (chain and siblings)."""
+    if engine.heads is None:
+        return None
+    if drafts(engine):
+        return engine.proposer(engine.heads.config.kind).max_rows
+    return len(engine.tree_paths(tree)) + 1
+
+
+def _answer_ngrams(engine: Engine, wanted: bool) -> str | None:
+    """What the hybrid modes' chains draw on besides the text: the heads' n-gram table, if used."""
+    table = getattr(engine.heads, "ngrams", None)
+    if table is None or not wanted:
+        return None
+    return f"{len(table)} contexts from {table.sequences} answers"
+
+
+def write_results(args: argparse.Namespace, meta: dict, summary: dict, reference: str | None, heads) -> Path | None:
+    """The --json file and the --output folder, those asked for; the folder written, if any."""
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "modes": summary}, indent=1))
+    if not args.output:
+        return None
+    return write_report(Path(args.output), meta, summary, reference,
+                        "\n\n".join([table(summary, reference), *profile_lines(summary)]), heads)
 
 
 def category_table(summary: dict, reference: str | None) -> str:
