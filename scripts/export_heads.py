@@ -1,14 +1,16 @@
 """Export heads for serving: the speculators format, vLLM's Medusa, EAGLE-1 or EAGLE-3 layout, or FasterDecoding's.
 
-    python scripts/export_heads.py HEADS --output heads-spec [--model TARGET]     # --to speculators
+    python scripts/export_heads.py EAGLE3_HEADS --output heads-spec [--model TARGET]   # --to speculators
     vllm serve heads-spec
-    python scripts/export_heads.py HEADS --to vllm --output medusa-vllm [--model TARGET]
+    python scripts/export_heads.py MEDUSA_HEADS --output medusa-vllm [--model TARGET]  # --to vllm
     vllm serve TARGET --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": K}'
 
 HEADS is a heads folder (this repo's, or a published layout: see medusa/models/published.py) or a
-Hub id USER/NAME. ``--to speculators`` (the default for Medusa and EAGLE-3 heads) writes
+Hub id USER/NAME. ``--to speculators`` (the default for EAGLE-3 heads) writes
 vllm-project/speculators' format: its config names the target (``verifier``) and the number of
-speculative tokens, so ``vllm serve FOLDER`` needs no --speculative-config. Heads that share the target's lm_head
+speculative tokens, so ``vllm serve FOLDER`` needs no --speculative-config. Medusa heads write it
+too when asked, for speculators' own tools; vLLM serves no speculators ``medusa`` folder, so their
+default is ``--to vllm``, vLLM's Medusa layout served with a speculative config. Heads that share the target's lm_head
 (the default) need the target (--model, default: the base model the heads record) so that
 its lm_head can be copied: once for vLLM (which all heads then use), once per head for
 FasterDecoding. EAGLE-style heads (kind: eagle) trained with ``eagle_layout: eagle1`` export
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=HelpFormatter)
     ap.add_argument("heads", help="heads folder (ours or FasterDecoding's) or Hub id USER/NAME")
     ap.add_argument("--to", default=None, choices=LAYOUTS,
-                    help="layout to write (default: speculators for medusa and eagle3 heads, vllm for eagle heads)")
+                    help="layout to write (default: speculators for eagle3 heads, vllm for medusa and eagle heads)")
     ap.add_argument("--output", help="folder to write: new, empty, or an earlier export (required)")
     ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
     ap.add_argument("--model", default=None,

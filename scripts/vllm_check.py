@@ -12,10 +12,11 @@ float32 at batch size 1, and reports per heads and prompt: identical to the engi
 vLLM's acceptance metrics and tokens/s. The engine drafts the way vLLM's proposers do (a
 chain of top-1 tokens over the full vocabulary: one node per Medusa head, or one eagle draft
 step per speculative token), so the two acceptance lengths should agree too. Exits 0 when
-every output is identical. ``--layout speculators`` exports Medusa and EAGLE-3 heads in the
-speculators format instead and starts vLLM on the export folder alone (its config names the
-target and the speculative tokens: no speculative config is passed); EAGLE heads keep vLLM's
-EAGLE-1 layout, which that format is not written for here.
+every output is identical. ``--layout speculators`` exports EAGLE-3 heads in the speculators
+format instead and starts vLLM on the export folder alone (its config names the target and the
+speculative tokens: no speculative config is passed). Medusa and EAGLE heads keep vLLM's own
+layouts: vLLM does not serve a speculators ``medusa`` folder (``SERVES_SPECULATORS``), and the
+format is not written for EAGLE-1 here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from medusa.config import HelpFormatter, count
 from medusa.errors import MedusaError
 from medusa.models.kinds import kind
 from medusa.models.target import default_model_dir
-from medusa.peers.vllm_client import VLLMWorker, export_for_vllm
+from medusa.peers.vllm_client import SERVES_SPECULATORS, VLLMWorker, export_for_vllm
 
 # Short everyday requests (not MT-Bench): identity is checked, not tuned for.
 PROMPTS = (
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow startup; default: eager)")
     ap.add_argument("--export-dir", default=None, help="keep the exports here, one subfolder per heads (default: a temporary folder)")
     ap.add_argument("--layout", default="vllm", choices=("vllm", "speculators"),
-                    help="export layout: vllm (served with a speculative config) or speculators (served alone)")
+                    help="export layout: vllm (served with a speculative config) or speculators (EAGLE-3 heads served alone; "
+                         "the other kinds keep vllm)")
     ap.add_argument("--json", default=None, help="write the per-heads, per-prompt report to this JSON file (default: none)")
     return ap
 
@@ -126,7 +128,7 @@ def check(heads: str, args: argparse.Namespace, prompts: list[str], out: Path) -
     engine = medusa.load(model=args.model, heads=heads, device="cpu", dtype="float32")
     engine.heads.set_draft_vocab(None)  # vLLM drafts over the full vocabulary (see export_for_vllm)
     target = args.model or str(default_model_dir())
-    if args.layout == "speculators" and "speculators" in kind(engine.heads.config.kind).exports:
+    if args.layout == "speculators" and engine.heads.config.kind in SERVES_SPECULATORS:
         spec = export_speculators(heads, args.model, target, out)
         served, speculative = out, None  # vLLM reads the target and the speculative config from the folder
     else:

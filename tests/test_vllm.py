@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_heads import REPO
 
 from medusa.errors import MedusaError
@@ -58,6 +59,52 @@ def test_vllm_with_exported_medusa_and_eagle_heads_decodes_like_the_engine(tmp_p
         vllm_tau = sum(r["vllm_tau"] for r in rows) / len(rows)
         assert abs(engine_tau - vllm_tau) <= 0.2 * engine_tau, (method, engine_tau, vllm_tau)
     assert rc == 0
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_speculators_eagle3_export_alone_like_the_engine(tmp_path):
+    """``vllm serve FOLDER`` on the speculators export: no speculative config is passed, vLLM takes
+    the verifier, the method and the speculative tokens from the folder's config."""
+    from medusa.api import SHIPPED_EAGLE3_HEADS
+
+    try:
+        vllm_python()
+    except MedusaError as err:
+        pytest.fail(f"vLLM could not be installed on this machine, so the export is unchecked: {err}", pytrace=False)
+    out = tmp_path / "report.json"
+    rc = load_script().main(["--layout", "speculators", "--heads", str(SHIPPED_EAGLE3_HEADS), "--max-new-tokens", "32",
+                             "--prompt", "Explain in two sentences why the sky is blue.", "--export-dir", str(tmp_path / "x"),
+                             "--json", str(out)])
+    (check,) = json.loads(out.read_text())["checks"]
+    assert check["layout"] == "speculators" and check["spec"]["method"] == "eagle3"
+    assert json.loads((tmp_path / "x" / "heads-vllm-0" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    (row,) = check["prompts"]
+    assert row["identical"], f"vLLM differs from the engine from token {row['first_difference']}"
+    assert row["vllm_spec"]["drafts"] > 0 and row["vllm_spec"]["accepted_tokens"] > 0
+    assert rc == 0
+
+
+def test_medusa_heads_export_to_vllm_s_medusa_layout_by_default(tmp_path):
+    """vLLM serves no speculators ``medusa`` folder (SERVES_SPECULATORS): the default export of Medusa
+    heads is the layout it serves with a speculative config; the speculators one is written when asked."""
+    from tiny_heads import target_folder
+
+    from medusa.models.heads_config import save_heads
+    from medusa.models.loader import init_heads_for
+    from medusa.models.target import load_target
+    from medusa.peers.vllm_client import SERVES_SPECULATORS
+
+    spec = importlib.util.spec_from_file_location("export_heads", REPO / "scripts" / "export_heads.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folder = target_folder(tmp_path)
+    model, _ = load_target(str(folder), device="cpu", dtype=torch.float32)
+    heads = save_heads(init_heads_for(model), tmp_path / "medusa")
+    assert script.main([str(heads), "--model", str(folder), "--output", str(tmp_path / "default")]) == 0
+    assert "speculators_model_type" not in json.loads((tmp_path / "default" / "config.json").read_text())
+    assert script.main([str(heads), "--model", str(folder), "--to", "speculators", "--output", str(tmp_path / "spec")]) == 0
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_model_type"] == "medusa"
+    assert "medusa" not in SERVES_SPECULATORS and "eagle3" in SERVES_SPECULATORS
 
 
 def test_a_missing_vllm_python_is_a_one_line_error(monkeypatch, tmp_path):

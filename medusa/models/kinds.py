@@ -86,7 +86,7 @@ REGISTRY: dict[str, Kind] = {k.name: k for k in (
          fresh_heads="medusa.training.medusa_train:fresh_heads", loss="medusa.training.medusa_train:batch_loss",
          cached_batches="medusa.training.medusa_train:cached_batches",
          own_modules=("medusa.models.heads", "medusa.training.medusa_train"),
-         exports=("speculators", "vllm", "fasterdecoding")),
+         exports=("vllm", "speculators", "fasterdecoding")),  # vllm first: vLLM serves no speculators medusa folder
     Kind("eagle", "one autoregressive decoder layer over the target's last feature",
          heads="medusa.models.eagle_heads:EagleHeads", proposer="medusa.decoding.proposers.eagle:EagleProposer",
          fresh_heads="medusa.training.eagle_ttt:fresh_heads", loss="medusa.training.eagle_ttt:batch_loss",

