@@ -19,72 +19,40 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import medusa
-from medusa.autotune.timing import measure_cost
-from medusa.autotune.trees import acceptance_by_size, candidate_ranks, choose_dynamic, choose_tree, path_counts
+from medusa.autotune.calibration import (
+    draft_vocab,
+    eagle_curves,
+    greedy_answers,
+    head_accuracy,
+    head_ranks,
+    held_out_prompts,
+    parse_cost,
+    pass_cost,
+    read_calibration,
+    write_calibration,
+)
+from medusa.autotune.trees import choose_dynamic, choose_tree, path_counts
 from medusa.config import HelpFormatter, count
-from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME
 from medusa.models.kinds import kind
 from medusa.models.target import set_chat_template
-from medusa.runtime.files import atomic_file, read_json
 from medusa.runtime.kernels import kernels_arg
-from medusa.training.sources import DataStats, answered_prompts, load_conversations, prompt_key
 
 DEFAULT_EXCLUDE = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "data" / "selfdistill").glob("*.jsonl.gz"))
-COST_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64]
-
-
-def greedy_answers(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The target's greedy answers (plain decoding through the engine: exactly what medusa
-    mode reproduces)."""
-    return [engine.generate(p, max_new_tokens=max_new_tokens, mode="baseline").tokens
-            for p in tqdm(prompts, desc="target answers", file=sys.stderr)]
-
-
-def split_pool(pool: list, samples: int, exclude: list[str], source: str) -> tuple[list, list]:
-    """The first ``samples`` conversations whose prompt no ``exclude`` file answered (the held-out
-    prompts the target answers: answers the heads trained on, or an n-gram table holds, would
-    flatter them), and the others (reference answers for the draft vocabulary)."""
-    ids, texts = answered_prompts(exclude)
-    held_out, reference = [], []
-    for cid, messages in pool:
-        first = next(m["content"] for m in messages if m["role"] == "user")
-        fresh = cid.split(":", 1)[-1] not in ids and prompt_key(first) not in texts
-        (held_out if fresh and len(held_out) < samples else reference).append((cid, messages))
-    if len(held_out) < samples:
-        raise MedusaError(f"{source} gave only {len(held_out)} conversations outside the --exclude files; "
-                          f"need {samples}")
-    return held_out, reference
-
-
-def parse_cost(text: str) -> dict[int, float]:
-    try:
-        cost = {int(n): float(ms) for n, ms in (item.split(":") for item in text.split(","))}
-    except ValueError:
-        raise MedusaError(f"--cost {text!r} is not of the form 'n:ms,n:ms,...' (e.g. '1:61,2:94,16:111')") from None
-    if 1 not in cost:
-        raise MedusaError("--cost must include n=1 (the cost of plain decoding)")
-    return cost
 
 
 def measured_cost(args: argparse.Namespace, engine, prompts: list[list[int]], max_n: int) -> dict[int, float]:
     if args.cost:
         return parse_cost(args.cost)
-    with engine.kernel_scope():  # the pass as the engine runs it (its linear kernels: medusa/runtime/kernels.py)
-        return measure_cost(engine.model, [s for s in COST_SIZES if s <= max_n],
-                            prefix=int(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens // 2),
-                            compile=args.compile)
+    return pass_cost(engine, prompts, max_n, args.max_new_tokens, args.compile)
 
 
 def command(argv: list[str] | None) -> str:
@@ -92,22 +60,12 @@ def command(argv: list[str] | None) -> str:
     return "python scripts/calibrate_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
-# (depth, topk) of the dynamic trees tried for eagle heads: narrow and shallow to wide and deep
-EAGLE_GRID = [(3, 2), (5, 3), (6, 4), (7, 8)]
-
-
 def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, prompts: list[list[int]],
                     answers: list[list[int]], vocab_ids: list[int] | None, coverage: float) -> int:
     """Eagle heads: acceptance of the N best nodes of dynamic trees (teacher-forced on the
     target's answers) against the pass cost; the best size goes to calibration.json."""
-    heads = engine.heads
     pairs = [(p, a) for p, a in zip(prompts, answers) if a]
-    curves = {}
-    for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
-        size = DynamicTree(nodes=min(args.max_nodes, depth * topk * topk), depth=depth, topk=topk)
-        with engine.kernel_scope():  # drafting timed as the engine drafts
-            curves[(depth, topk)] = acceptance_by_size(heads, engine.model, pairs, size, chain=args.max_chain,
-                                                       lookup_ngram=engine.proposer_config.lookup_ngram)
+    curves = eagle_curves(engine, pairs, args.max_nodes, args.max_chain)
     cost = measured_cost(args, engine, prompts, args.max_nodes + 1 + args.max_chain)
     size, expected, tps = choose_dynamic(curves, cost, max_rows=engine.max_rows)
     hybrid, hybrid_expected, hybrid_tps = choose_dynamic(curves, cost, hybrid=True, max_rows=engine.max_rows)
@@ -140,26 +98,6 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     write_calibration(path, record)
     print(f"wrote {path}")
     return 0
-
-
-def read_calibration(path: Path) -> dict:
-    """The heads folder's calibration record (other devices' trees are kept), or {} when there
-    is none; a damaged one is replaced (one line), not allowed to discard the measurement just made."""
-    if not path.exists():
-        return {}
-    try:
-        return read_json(path, "it is replaced by this calibration")
-    except MedusaError as err:
-        print(f"warning: {err}", file=sys.stderr)
-        return {}
-
-
-def write_calibration(path: Path, record: dict) -> None:
-    """Write ``record`` to ``path`` through a temporary file renamed over it: a kill or a full
-    disk mid-write leaves the previous record whole (an in-place rewrite left it cut off, and
-    the heads folder then failed to load)."""
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(record) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,51 +149,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def held_out_prompts(args: argparse.Namespace, tok) -> tuple[list[list[int]], list]:
-    """Prompt ids of held-out conversations, and reference conversations for the vocabulary."""
-    pool = load_conversations(args.prompts, DataStats(), seed=args.seed)
-    held_out, reference = split_pool(pool, args.samples, args.exclude, args.prompts)
-    prompts = []
-    for _, messages in held_out:
-        first = next(m for m in messages if m["role"] == "user")
-        ids = tok.apply_chat_template([first], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        prompts.append(ids[-args.max_prompt_tokens:])
-    return prompts, reference[: args.reference_answers]
-
-
-def draft_vocab(args: argparse.Namespace, engine, answers: list[list[int]], reference) -> tuple[list[int] | None, float]:
-    """Draft vocabulary: frequent tokens of half the target's answers and of reference answers,
-    and the share of the other half's tokens it covers (set on the heads)."""
-    if not args.vocab_size:
-        return None, 1.0
-    counts: Counter = Counter()
-    half = len(answers) // 2
-    for a in answers[:half]:
-        counts.update(a)
-    for _, messages in tqdm(reference, desc="reference answers", file=sys.stderr):
-        for m in messages:
-            if m["role"] == "assistant":
-                counts.update(engine.tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-    counts.update({t: 10**9 for t in engine.eos})  # end-of-turn must always be proposable
-    vocab_ids = [t for t, _ in counts.most_common(args.vocab_size)]
-    held = [t for a in answers[half:] for t in a]
-    engine.heads.set_draft_vocab(vocab_ids)
-    return vocab_ids, sum(t in set(vocab_ids) for t in held) / max(len(held), 1)
-
-
-def head_ranks(args: argparse.Namespace, engine, prompts, answers) -> torch.Tensor:
-    """Per-path acceptance on the target's own answers: each position's rank of the true token per head."""
-    all_ranks = []
-    with torch.inference_mode():
-        for p, a in tqdm(list(zip(prompts, answers)), desc="head ranks", file=sys.stderr):
-            seq = torch.tensor(p + a, device=engine.device)
-            out = engine.model.get_decoder()(input_ids=seq[None])
-            hidden = out.last_hidden_state[0, len(p) - 1:]  # the position that produced a[0] onwards
-            all_ranks.append(candidate_ranks(engine.heads, hidden, seq[len(p) - 1:], args.max_rank))
-    return torch.cat(all_ranks)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.for_device and not args.cost:
@@ -270,16 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(engine.tokenizer, "chat_template", None):
             raise MedusaError(f"{args.model} has no chat template: pass --chat-template FILE, the template its heads' "
                               "data was generated with (e.g. configs/chat_templates/question_answer.jinja)")
-        prompts, reference = held_out_prompts(args, engine.tokenizer)
+        prompts, reference = held_out_prompts(engine.tokenizer, args.prompts, args.samples, args.exclude, args.seed,
+                                              args.max_prompt_tokens, args.reference_answers)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
-        vocab_ids, coverage = draft_vocab(args, engine, answers, reference)
+        vocab_ids, coverage = draft_vocab(engine, answers, reference, args.vocab_size)
         if kind(heads.config.kind).drafts_per_step:  # block heads: sized as a DynamicTree too
             return calibrate_eagle(args, argv, engine, prompts, answers, vocab_ids, coverage)
-        ranks = head_ranks(args, engine, prompts, answers)
+        ranks = head_ranks(engine, prompts, answers, args.max_rank)
         counts_paths = path_counts(ranks)
         positions = ranks.shape[0]
-        accuracy = {f"head{k}": {f"top{r}": float(((ranks[:, k] >= 0) & (ranks[:, k] < r)).float().mean())
-                                 for r in (1, 5)} for k in range(heads.num_heads)}
+        accuracy = head_accuracy(ranks, heads.num_heads)
 
         cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)

@@ -18,10 +18,12 @@ import pexpect
 import pytest
 from tiny import tiny_model
 
-from infer.chat import Chat, Style, main, parse_args
+from infer.chat import main, parse_args
 from medusa.decoding.text import TextStream
 from medusa.models.heads_config import save_heads
 from medusa.models.loader import init_heads_for
+from medusa.serving.chat import Chat
+from medusa.serving.chat_setup import Style
 
 pytestmark = pytest.mark.slow
 

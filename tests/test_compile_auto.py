@@ -16,8 +16,8 @@ import torch
 from tiny import hf_greedy, tiny_model
 from train_fixtures import tiny_target
 
-from medusa.decoding import compiled
 from medusa.decoding.engine import Engine
+from medusa.decoding.passes import saved as compiled
 from medusa.decoding.plan import Plan
 from medusa.models.target import load_target
 from medusa.runtime import hf as kv

@@ -129,8 +129,6 @@ ANECDOTE_DIRS = ("medusa", "train", "scripts", "infer")
 # Lines in files whose owners are editing them now: (path, a piece of the line). Tolerated, and
 # named in a warning until they go; remove an entry once its line is rewritten.
 PENDING = (("infer/bench.py", "on one AMX Xeon float32 did"),
-           ("infer/precompile.py", "on the AMX Xeon, bit-identical to eager"),
-           ("infer/precompile.py", "minute on a 2-core CPU"),
            ("medusa/autotune/trees.py", "four on a 2-core CPU"))
 
 

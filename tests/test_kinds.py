@@ -149,8 +149,8 @@ def test_exports_name_known_layouts():
 def test_the_chat_loads_the_shipped_heads_of_the_kind_its_mode_names():
     """--mode KIND on the embedded model picks that kind's shipped heads, for every kind that ships
     (on CUDA --mode eagle3 used to load the Medusa heads, then stop on the mode mismatch)."""
-    from infer.chat import heads_for
     from medusa.api import SHIPPED
+    from medusa.serving.chat_setup import heads_for
 
     assert set(SHIPPED) <= set(KINDS) and "eagle3" in SHIPPED
     for name in SHIPPED:

@@ -225,11 +225,8 @@ def test_build_ngrams_script_tables_the_answers_of_a_heads_folder(tmp_path, embe
 
 
 def test_calibration_holds_out_only_prompts_outside_the_answer_files(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from calibrate_tree import split_pool
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    from medusa.autotune.calibration import split_pool
+
     answered = _answers_file(tmp_path / "train.jsonl.gz", [("first  question", "a"), ("other", "b")])
     pool = [(f"sharegpt:{i}", [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}])
             for i, q in enumerate(["first question", "new one", "p1 text", "new two", "new three"])]

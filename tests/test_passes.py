@@ -16,8 +16,8 @@ import torch
 from tiny import hf_greedy, tiny_model
 from tiny_heads import random_heads
 
-from medusa.decoding import compiled
 from medusa.decoding.engine import Engine
+from medusa.decoding.passes import saved as compiled
 from medusa.decoding.passes.saved import SavedPasses
 from medusa.decoding.passes.strategies import (
     SLOT_STEP,

@@ -7,7 +7,8 @@ process loads the same target (same dtype, linear kernels and thread count, so t
 files: medusa/decoding/passes/saved.py), compiles and saves each size, and exits; the running
 engine picks the files up at its next generation that needs them. One build runs at a time per
 model and thread count (a lock file); a second one says which process holds it and exits.
-:func:`build_here` is the same build in the calling process (``python -m infer.precompile``).
+:func:`build_here` is the same build in the calling process (``python -m infer.precompile``,
+whose parser, medusa/decoding/passes/build_args.py, this module's build process shares).
 
 Exit codes of the module: 0 done (or another process is building), 1 a problem the user can
 fix, 2 bad usage.
@@ -27,11 +28,11 @@ from typing import TextIO
 
 import torch
 
+from medusa.decoding.passes.build_args import build_parser, parse_args, sizes_text
 from medusa.decoding.passes.saved import build_lock, lock_holder
 from medusa.decoding.passes.strategies import PassStrategy, kernel_scope, make_passes, use_exact
 from medusa.errors import MedusaError
 from medusa.runtime.exact import is_exact
-from medusa.runtime.kernels import kernels_arg
 
 
 @dataclass
@@ -84,10 +85,6 @@ def memory_problem(model: torch.nn.Module, available: int | None) -> str | None:
         return None
     return (f"the build loads a second copy of the target and needs about {need / 2**30:.1f} GiB, but "
             f"{available / 2**30:.1f} GiB are available")
-
-
-def _sizes(sizes: list[int]) -> str:
-    return f"pass size{'s' if len(sizes) != 1 else ''} {', '.join(map(str, sizes))}"
 
 
 def _source(passes: PassStrategy, source: str | None) -> str:
@@ -158,7 +155,7 @@ def build_here(passes: PassStrategy, sizes: list[int], scope, label: str,
         print(f"another process (pid {holder}) is compiling these passes; its lock is {lock}", file=out, flush=True)
         return 0
     try:
-        print(f"compiling {_sizes(todo)} of {label} ({str(passes.model.dtype).removeprefix('torch.')}, "
+        print(f"compiling pass {sizes_text(todo)} of {label} ({str(passes.model.dtype).removeprefix('torch.')}, "
               f"{passes.kernels} kernels, {torch.get_num_threads()} threads) into {saved.folder}", file=out, flush=True)
         t0 = time.perf_counter()
         with scope:
@@ -174,42 +171,32 @@ def build_here(passes: PassStrategy, sizes: list[int], scope, label: str,
     return 0
 
 
-def parse_sizes(text: str) -> list[int]:
-    """``"8,12,16"`` -> ``[8, 12, 16]`` (sorted, distinct, each at least 1); ValueError otherwise."""
-    sizes = sorted({int(s) for s in text.split(",") if s.strip()})
-    if not sizes or min(sizes) < 1:
-        raise ValueError("--sizes must name at least one size, each at least 1")
-    return sizes
+def build_target(args: argparse.Namespace) -> int:
+    """The build with the target loaded alone, its dtype, linear kernels and exact attention as
+    ``args`` give them (:func:`~medusa.decoding.passes.build_args.parse_args` with ``--exact``):
+    what the process :func:`start_build` starts runs, without heads or the machine plan."""
+    from medusa.models.target import load_target
+
+    model = load_target(args.model, device="cpu", dtype=args.dtype, trust_remote_code=args.trust_remote_code)[0]
+    exact = use_exact(model, args.exact == "on", True)  # as the engine set it
+    passes = make_passes(model, True, kernels=args.kernels, exact=exact)
+    return build_here(passes, args.sizes, kernel_scope(model, args.kernels), args.model)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The build process :func:`start_build` starts (it passes everything the files depend on)."""
-    from medusa.models.target import load_target
-
-    p = argparse.ArgumentParser(prog="python -m medusa.decoding.passes.build",
-                                description="Compile the given pass sizes of a target on this CPU and save them.")
-    p.add_argument("--model", required=True, help="the target's folder or Hub id")
-    p.add_argument("--sizes", required=True, help="comma-separated pass sizes (e.g. 8,12,16)")
-    p.add_argument("--kernels", default="default", type=kernels_arg)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--exact", choices=("on", "off"), help="exact attention (default: on in half precision)")
-    p.add_argument("--threads", type=int, help="torch threads, as the decoding process runs")
-    p.add_argument("--nice", type=int, default=0, help="lower this process's priority by this much")
-    p.add_argument("--trust-remote-code", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        sizes = parse_sizes(args.sizes)
-    except ValueError:
-        p.error(f"--sizes must be comma-separated integers, each at least 1, got {args.sizes!r}")
+    """The build process :func:`start_build` starts (it passes everything the files depend on);
+    ``python -m infer.precompile``'s parser, so one set of flags builds by hand and here."""
+    parser = build_parser("python -m medusa.decoding.passes.build")
+    args = parse_args(argv, parser)
+    if args.exact is None:
+        parser.error("the build process takes --exact with --model, --sizes, --kernels and --dtype "
+                     "(python -m infer.precompile builds by hand)")
     if args.nice:
         os.nice(args.nice)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model = load_target(args.model, device="cpu", dtype=args.dtype, trust_remote_code=args.trust_remote_code)[0]
-        exact = use_exact(model, None if args.exact is None else args.exact == "on", True)  # as the engine set it
-        passes = make_passes(model, True, kernels=args.kernels, exact=exact)
-        return build_here(passes, sizes, kernel_scope(model, args.kernels), args.model)
+        return build_target(args)
     except MedusaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
