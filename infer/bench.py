@@ -12,7 +12,7 @@ token for token against ``hf``.
 batch-invariant attention), so that outputs can match token for token. ``hf-float32`` and
 ``hf-bfloat16`` run ``generate`` on a copy loaded as a user would for transformers alone (that
 dtype, transformers' default attention, torch's kernels): the speed a user compares with
-where another dtype runs ``generate`` faster (on one AMX Xeon float32 did). Their outputs are
+where another dtype runs ``generate`` faster (docs/performance.md records where). Their outputs are
 compared too, and may differ where the dtype or the attention differs.
 
 Engine modes mean what they mean in the library and the chat: ``medusa``, ``eagle``, ``eagle3``

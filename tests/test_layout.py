@@ -222,3 +222,26 @@ def test_tests_skip_with_a_reason_instead_of_returning_early():
 def test_the_early_return_check_sees_one(tmp_path):
     (tmp_path / "test_m.py").write_text("def test_a():\n    def inner():\n        return\n    if True:\n        return\n")
     assert early_returns(tmp_path / "test_m.py") == ["test_a:5"]
+
+
+# The command-line modules (infer/, train/, scripts/) parse arguments, call the library and
+# print; the logic they call lives in medusa/, where it is tested and reused.
+MAX_CLI_LINES = 300
+
+
+def long_cli_modules(root: Path, limit: int = MAX_CLI_LINES) -> dict[str, int]:
+    """``folder/file.py -> lines`` for each command-line module of ``root`` over ``limit`` lines."""
+    return {str(path.relative_to(root)): n for folder in ("infer", "train", "scripts")
+            for path in sorted((root / folder).glob("*.py")) if (n := len(path.read_text().splitlines())) > limit}
+
+
+def test_command_line_modules_stay_thin():
+    found = long_cli_modules(ROOT.parent)
+    assert not found, f"command-line modules over {MAX_CLI_LINES} lines (move their logic into medusa/): {found}"
+
+
+def test_the_cli_size_check_sees_a_long_module(tmp_path):
+    (tmp_path / "infer").mkdir()
+    (tmp_path / "infer" / "short.py").write_text("x = 1\n" * MAX_CLI_LINES)
+    (tmp_path / "infer" / "long.py").write_text("x = 1\n" * (MAX_CLI_LINES + 1))
+    assert long_cli_modules(tmp_path) == {"infer/long.py": MAX_CLI_LINES + 1}

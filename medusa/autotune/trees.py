@@ -2,7 +2,7 @@
 
 The best tree maximises expected accepted tokens per second, not per step: a bigger tree
 accepts more per target pass but each pass costs more, and how much more depends on the
-device (a 64-node pass costs about one single-token pass on a GPU, four on a 2-core CPU).
+device (a 64-node pass costs about one single-token pass on a GPU, several on a CPU: docs/trees.md).
 
 Inputs, both measured: how often each candidate path of the heads is right on the
 target's own greedy output (``path_counts``), and the target's pass cost ``T(n)`` for ``n``
