@@ -29,7 +29,7 @@ from medusa.serving.chat import EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_USER_E
 from medusa.serving.chat_setup import (
     OOM_HINT,
     Style,
-    context_window,
+    conversation_window,
     is_out_of_memory,
     load_engine,
     pick_mode,
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             say(style.error(f"error: {OOM_HINT}"))
             return EXIT_OOM
-        window = context_window(engine, args)
+        window = conversation_window(engine, args)
         problem = start_problem(engine, args, window)
         if problem is not None:
             say(style.error(f"error: {problem}"))

@@ -161,7 +161,7 @@ def pick_mode(args: argparse.Namespace, engine: Engine, style: Style) -> str:
     return mode
 
 
-def context_window(engine: Engine, args: argparse.Namespace) -> int:
+def conversation_window(engine: Engine, args: argparse.Namespace) -> int:
     """The tokens the conversation is kept within: ``--max-context``, at most the model's window
     (a model that declares none gets 2,048 tokens, the smallest in common use)."""
     model_window = engine.max_positions or 2048
