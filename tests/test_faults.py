@@ -1006,7 +1006,7 @@ def test_peer_workers_die_with_a_killed_parent(tmp_path, worker):
     import time
 
     script = tmp_path / "group_worker.py"
-    script.write_text(GROUP_WORKER.replace("sys.argv[2]", repr(str(REPO / "medusa" / "hub" / worker))))
+    script.write_text(GROUP_WORKER.replace("sys.argv[2]", repr(str(REPO / "medusa" / "peers" / worker))))
     parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_WORKER, str(script)], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
