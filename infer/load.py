@@ -8,8 +8,10 @@ Each server is started on 127.0.0.1, sent every prompt once per concurrency (str
 medusa/serving/loadgen.py), and stopped. ``medusa`` is ``python -m infer.serve`` in its default
 mode, ``medusa-baseline`` the same server decoding without drafts (the engine's batched plain
 decoding), ``llama-server`` llama.cpp's server with ``--parallel`` slots on the same weights as
-an F32 GGUF (built once from PyPI's llama-cpp-python sources), ``url=URL`` an already running
-OpenAI-compatible server on this machine (vLLM's, say). Answers are compared across
+an F32 GGUF (built once from PyPI's llama-cpp-python sources), ``vllm`` vLLM's CPU server with
+``--max-num-seqs`` slots on the same weights in float32, ``vllm-ngram`` the same with vLLM's
+prompt-lookup speculation (medusa/peers/vllm_server.py; the vLLM venv is created once), and
+``url=URL`` an already running OpenAI-compatible server on this machine. Answers are compared across
 concurrencies and servers: the table says how many match.
 """
 
@@ -18,14 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from medusa.errors import MedusaError
+from medusa.peers import vllm_server
 from medusa.serving.loadgen import interference, run_load, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,12 +40,13 @@ DEFAULT_PROMPTS = REPO / "docs" / "benchmarks" / "prompts" / "heldout-serve.json
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default="medusa,medusa-baseline",
-                   help="comma-separated: medusa, medusa-baseline, llama-server, url=URL (default: medusa,medusa-baseline)")
+                   help="comma-separated: medusa, medusa-baseline, llama-server, vllm, vllm-ngram, url=URL "
+                        "(default: medusa,medusa-baseline)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts (default: 1,2,4,8)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with a `turns` list per line")
     p.add_argument("--limit", type=int, help="first N prompts only")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default: 128)")
-    p.add_argument("--max-batch", type=int, default=8, help="our server's --max-batch and llama-server's --parallel")
+    p.add_argument("--max-batch", type=int, default=8, help="our server's --max-batch, llama-server's --parallel and vLLM's --max-num-seqs")
     p.add_argument("--port", type=int, default=8391, help="port the started servers listen on (default: 8391)")
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model id sent to url= servers")
     p.add_argument("--long-prompt", type=int, default=0, metavar="WORDS",
@@ -93,12 +99,43 @@ def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.P
 
         ensure_llama_server()
         cmd = server_command(f32_gguf(None), args.port, args.max_batch, torch.get_num_threads())
+    elif server in vllm_server.SERVERS:
+        from medusa.models.target import default_model_dir
+        from medusa.peers.vllm_client import vllm_python, worker_env
+
+        cmd = vllm_server.server_command(vllm_python(), default_model_dir(), args.port, args.max_batch,
+                                         args.model_name, ngram=server == "vllm-ngram")
+        env = worker_env()
     else:
-        raise MedusaError(f"unknown server {server!r}: use medusa, medusa-baseline, llama-server or url=URL")
+        raise MedusaError(f"unknown server {server!r}: use medusa, medusa-baseline, llama-server, vllm, vllm-ngram "
+                          "or url=URL")
     log = open(Path(tempfile.gettempdir()) / f"medusa-load-{server}.log", "w")  # a full pipe would stall it
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    wait_ready(url, proc=proc)
+    # its own process group: vLLM's server runs its engine in child processes, stopped with it
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_ready(url, proc=proc)
+    except BaseException:
+        stop(proc)
+        raise
     return url, args.model_name, proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a started server and every process it started: SIGTERM to its group, SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            os.killpg(proc.pid, 0)  # the server is gone; are its children?
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+        time.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"({hit['ratio']:.1f}x) over its {hit['prefill_seconds']:.1f} s prefill", flush=True)
             finally:
                 if proc is not None:
-                    proc.terminate()
-                    proc.wait(60)
+                    stop(proc)
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -140,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['server']:<16} c={row['concurrency']:<2} identical to its c={levels[0]}: "
               f"{row['same_as_c1']}/{len(mine)}, to {next(iter(first))}: {row['same_as_first_server']}/{len(mine)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts, "max_tokens": args.max_tokens},
-                                              indent=1))
+        answers = {f"{server} c={c}": mine for (server, c), mine in texts.items()}
+        Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts, "max_tokens": args.max_tokens,
+                                               "answers": answers}, indent=1))
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -1,0 +1,128 @@
+"""``python -m infer.load``: the load generator against a real server, the started servers'
+shutdown, and vLLM's CPU server as a peer (slow tier: real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from test_serve import QUESTIONS, Running, free_port
+
+from infer import load
+from medusa.errors import MedusaError
+from medusa.peers import vllm_server
+from medusa.serving.loadgen import run_load
+
+
+@pytest.fixture(scope="module")
+def running():
+    with Running(max_batch=4) as r:
+        yield r
+
+
+def test_run_load_gets_each_answer_as_decoded_alone_at_every_concurrency(running):
+    prompts = QUESTIONS[:4]
+    alone = [running.alone(p, 16) for p in prompts]
+    for concurrency in (1, 3):
+        result = run_load(running.url, "tiny", prompts, concurrency, 16)
+        assert result.texts == alone, concurrency
+        assert result.requests == 4 and result.tokens > 0 and result.tokens_per_second > 0
+        assert result.tau is not None and result.tau >= 1.0  # our server reports tokens per pass
+        assert 0 <= result.itl_p50 <= result.itl_p95 and 0 < result.ttft_p50 <= result.ttft_p95
+
+
+def test_the_command_line_compares_answers_across_concurrencies(running, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in QUESTIONS[:3]))
+    out = tmp_path / "load.json"
+    rc = load.main(["--servers", f"url={running.url}", "--model-name", "tiny", "--prompts", str(prompts),
+                    "--concurrency", "1,2", "--max-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert report["answers"][f"url={running.url} c=1"] == [running.alone(q, 8) for q in QUESTIONS[:3]]
+    assert all(r["same_as_c1"] == 3 and r["requests"] == 3 for r in rows)
+    assert "identical to its c=1: 3/3" in capsys.readouterr().out
+
+
+def test_bad_servers_and_prompts_are_one_line_errors(tmp_path, capsys):
+    assert load.main(["--servers", "tgi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown server 'tgi'" in err and "vllm-ngram" in err and "\n" not in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert load.main(["--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot read prompts" in err and "\n" not in err
+    with pytest.raises(MedusaError, match="not a loopback address"):
+        run_load("http://10.1.2.3:80", "m", ["hi"], 1, 4)
+
+
+def test_stopping_a_started_server_ends_the_processes_it_started(tmp_path):
+    """vLLM's server runs its engine in child processes: ``stop`` ends the whole group, even
+    a child that ignores SIGTERM."""
+    pids = tmp_path / "pids"
+    script = ("import os, signal, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+              f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pids.read_text())
+    load.stop(proc)
+    assert proc.poll() is not None
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+def test_vllm_servers_run_on_loopback_in_float32_and_ngram_speculates():
+    plain = vllm_server.server_command("/venv/bin/python", "/m", 8000, 8, "SmolLM2")
+    assert plain[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(plain[3::2], plain[4::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "8"
+    assert flags["--served-model-name"] == "SmolLM2" and "--speculative-config" not in plain
+    ngram = vllm_server.server_command("/venv/bin/python", "/m", 8000, 8, "SmolLM2", ngram=True)
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_vllm_cpu_server_answers_like_the_engine_at_every_concurrency(tmp_path):
+    """vLLM's own server with its ngram speculation, started by ``infer.load`` on the embedded
+    model: its greedy answers at 1 and 2 streams are the engine's, decoded alone."""
+    from medusa.peers.vllm_client import vllm_python
+
+    try:
+        vllm_python()
+    except MedusaError as err:
+        pytest.fail(f"vLLM could not be installed on this machine, so its server is unchecked: {err}", pytrace=False)
+    import medusa
+
+    questions = ["Name three primary colors.", "Write a haiku about the sea."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
+    out = tmp_path / "load.json"
+    assert load.main(["--servers", "vllm-ngram", "--prompts", str(prompts), "--concurrency", "1,2",
+                      "--max-tokens", "16", "--port", str(free_port()), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["server"], r["concurrency"]) for r in rows] == [("vllm-ngram", 1), ("vllm-ngram", 2)]
+    assert all(r["same_as_c1"] == 2 and r["tokens"] > 0 for r in rows)
+    engine = medusa.load()
+    tok = engine.tokenizer
+    alone = []
+    for q in questions:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        alone.append(tok.decode(engine.generate(list(ids), max_new_tokens=16).tokens, skip_special_tokens=True))
+    assert report["answers"]["vllm-ngram c=1"] == alone
