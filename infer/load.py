@@ -31,7 +31,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.peers import vllm_server
-from medusa.serving.loadgen import interference, run_load, wait_ready
+from medusa.serving.loadgen import interference, run_load, versus, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "docs" / "benchmarks" / "prompts" / "heldout-serve.jsonl"
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         row["same_as_first_server"] = sum(a == b for a, b in zip(mine, next(iter(first.values()))))
         print(f"{row['server']:<16} c={row['concurrency']:<2} identical to its c={levels[0]}: "
               f"{row['same_as_c1']}/{len(mine)}, to {next(iter(first))}: {row['same_as_first_server']}/{len(mine)}")
+    for line in versus(rows):
+        print(line)
     if args.json:
         answers = {f"{server} c={c}": mine for (server, c), mine in texts.items()}
         Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts, "max_tokens": args.max_tokens,

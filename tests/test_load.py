@@ -126,3 +126,15 @@ def test_vllm_cpu_server_answers_like_the_engine_at_every_concurrency(tmp_path):
                                       return_dict=False)
         alone.append(tok.decode(engine.generate(list(ids), max_new_tokens=16).tokens, skip_special_tokens=True))
     assert report["answers"]["vllm-ngram c=1"] == alone
+
+
+def test_versus_puts_the_first_server_against_each_other_at_each_concurrency():
+    from medusa.serving.loadgen import versus
+
+    rows = [{"server": "a", "concurrency": 1, "tokens_per_second": 30.0},
+            {"server": "a", "concurrency": 4, "tokens_per_second": 60.0},
+            {"server": "a", "long_prompt_words": 10, "ratio": 2.0},
+            {"server": "b", "concurrency": 1, "tokens_per_second": 20.0},
+            {"server": "b", "concurrency": 4, "tokens_per_second": 80.0}]
+    assert versus(rows) == ["c=1: a 30.0 tok/s = 1.50x b", "c=4: a 60.0 tok/s = 0.75x b"]
+    assert versus(rows[:1]) == ["c=1: a 30.0 tok/s"] and versus([]) == []

@@ -199,3 +199,20 @@ def interference(url: str, model: str, prompts: list[str], long_prompt: str, max
     p_steady, p_during = _percentile(steady, 0.95), _percentile(during, 0.95)
     return {"steady_itl_p95": p_steady, "during_prefill_itl_p95": p_during, "ratio": p_during / max(p_steady, 1e-9),
             "prefill_seconds": first[0] - arrival[0], "steady_gaps": len(steady), "during_gaps": len(during)}
+
+
+def versus(rows: list[dict]) -> list[str]:
+    """One line per concurrency: the first server's total tokens per second against every other
+    server's at that concurrency, as ratios (the numbers the goals are stated in)."""
+    rows = [r for r in rows if "concurrency" in r]
+    if not rows:
+        return []
+    first = rows[0]["server"]
+    lines = []
+    for c in dict.fromkeys(r["concurrency"] for r in rows):
+        speed = {r["server"]: r["tokens_per_second"] for r in rows if r["concurrency"] == c}
+        if first not in speed:
+            continue
+        others = [f"{speed[first] / v:.2f}x {s}" for s, v in speed.items() if s != first and v > 0]
+        lines.append(f"c={c}: {first} {speed[first]:.1f} tok/s" + (" = " + ", ".join(others) if others else ""))
+    return lines
