@@ -193,6 +193,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in rows if "concurrency" in r]  # not the long-prompt rows
     for server in dict.fromkeys(r["server"] for r in rows):
         mine = [r for r in rows if r["server"] == server]
         ax.plot([r["concurrency"] for r in mine], [r["tokens_per_second"] for r in mine], marker="o", label=server)

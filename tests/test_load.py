@@ -138,3 +138,11 @@ def test_versus_puts_the_first_server_against_each_other_at_each_concurrency():
             {"server": "b", "concurrency": 4, "tokens_per_second": 80.0}]
     assert versus(rows) == ["c=1: a 30.0 tok/s = 1.50x b", "c=4: a 60.0 tok/s = 0.75x b"]
     assert versus(rows[:1]) == ["c=1: a 30.0 tok/s"] and versus([]) == []
+
+
+def test_the_plot_takes_the_rows_a_long_prompt_run_adds(tmp_path):
+    rows = [{"server": "a", "concurrency": 1, "tokens_per_second": 30.0},
+            {"server": "a", "concurrency": 2, "tokens_per_second": 50.0},
+            {"server": "a", "long_prompt_words": 1500, "ratio": 2.0}]
+    load.plot(rows, str(tmp_path / "load.png"))
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
