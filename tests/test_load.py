@@ -146,3 +146,15 @@ def test_the_plot_takes_the_rows_a_long_prompt_run_adds(tmp_path):
             {"server": "a", "long_prompt_words": 1500, "ratio": 2.0}]
     load.plot(rows, str(tmp_path / "load.png"))
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_long_prompt_is_sent_once_the_streams_run_and_they_run_through_its_prefill(running):
+    from medusa.serving.loadgen import interference
+
+    hit = interference(running.url, "tiny", QUESTIONS[:3], "w5 " * 200, 8, warm=4)
+    assert hit["steady_gaps"] >= 3 * 4  # every stream had streamed before the long prompt went out
+    assert hit["during_gaps"] > 0 and hit["prefill_seconds"] > 0 and hit["ratio"] > 0
+    deadline = time.monotonic() + 30  # the streams disconnected: their slots free at the next steps
+    while running.server.scheduler.load() != {"waiting": 0, "prefilling": 0, "running": 0}:
+        assert time.monotonic() < deadline, running.server.scheduler.load()
+        time.sleep(0.05)

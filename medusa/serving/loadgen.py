@@ -10,6 +10,7 @@ Only loopback addresses are targets.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import threading
@@ -162,43 +163,67 @@ def wait_ready(url: str, seconds: float = 900.0, proc=None) -> None:
 
 
 def interference(url: str, model: str, prompts: list[str], long_prompt: str, max_tokens: int,
-                 streams: int = 3, after: float = 2.0, timeout: float = 600.0) -> dict:
-    """What a long prompt arriving does to running streams: ``streams`` answers start, and
-    ``after`` seconds later ``long_prompt`` is sent. Returns the streams' inter-token latency
-    p95 before it arrived (steady) and from its arrival to its first token (while it prefills),
-    in seconds per token, and their ratio."""
+                 streams: int = 3, warm: int = 8, timeout: float = 600.0) -> dict:
+    """What a long prompt arriving does to running streams: ``streams`` answers start; once each
+    has streamed ``warm`` tokens, ``long_prompt`` is sent; the streams keep going (an answer of at
+    most ``max_tokens`` that ends is followed by the next prompt's) until its first token comes
+    back, then disconnect. Returns the streams' inter-token latency p95 before it arrived (steady)
+    and from its arrival to its first token (while it prefills), in seconds per token, their
+    ratio, and how many gaps each side had (a gap that overlaps the prefill counts as during it)."""
     check_loopback(url)
     marks: list[list[tuple[float, float]]] = [[] for _ in range(streams)]  # (time, seconds per token)
     arrival, first = [0.0], [0.0]
+    over = threading.Event()
 
     def stream(i: int) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        last = None
-        with httpx.Client() as client, client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
-                                                     timeout=timeout) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {") and '"content"' in line and '"content": ""' not in line:
-                    now = time.perf_counter()
-                    if last is not None:
-                        marks[i].append((now, now - last))
-                    last = now
+        for n in itertools.count():  # an answer that ends is followed by the next prompt's
+            body = {"model": model, "messages": [{"role": "user", "content": prompts[(i + n * streams) % len(prompts)]}],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            last = None
+            with httpx.Client() as client, client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
+                                                         timeout=timeout) as r:
+                for line in r.iter_lines():
+                    if over.is_set():
+                        return  # leaving frees the slot
+                    if line.startswith("data: {") and _has_content(line):
+                        now = time.perf_counter()
+                        if last is not None:
+                            marks[i].append((now, now - last))
+                        last = now
+            if over.is_set():
+                return
 
     def long() -> None:
-        time.sleep(after)
+        deadline = time.monotonic() + timeout
+        while any(len(m) < warm for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.05)
         arrival[0] = time.perf_counter()
-        with httpx.Client() as client:
-            a = ask(client, url, model, long_prompt, 8, timeout)
-        first[0] = arrival[0] + a.ttft
+        try:
+            with httpx.Client() as client:
+                a = ask(client, url, model, long_prompt, 8, timeout)
+            first[0] = arrival[0] + a.ttft
+        finally:
+            over.set()
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)] + [threading.Thread(target=long)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     steady = [g for m in marks for t, g in m if t < arrival[0]]
-    during = [g for m in marks for t, g in m if arrival[0] <= t <= first[0] + 1e-3]
+    # every gap that overlaps the prefill, the one it ends with included (a server that pauses the
+    # streams for the whole prefill shows one gap as long as the prefill, ending after it)
+    during = [g for m in marks for t, g in m if t >= arrival[0] and t - g <= first[0] + 1e-3]
     p_steady, p_during = _percentile(steady, 0.95), _percentile(during, 0.95)
     return {"steady_itl_p95": p_steady, "during_prefill_itl_p95": p_during, "ratio": p_during / max(p_steady, 1e-9),
             "prefill_seconds": first[0] - arrival[0], "steady_gaps": len(steady), "during_gaps": len(during)}
+
+
+def _has_content(line: str) -> bool:
+    """Whether a streamed chunk carries text (servers differ in their JSON spacing)."""
+    try:
+        event = json.loads(line[6:])
+    except json.JSONDecodeError:
+        return False
+    return any((c.get("delta") or {}).get("content") for c in event.get("choices") or [])
 
 
 def versus(rows: list[dict]) -> list[str]:
