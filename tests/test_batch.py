@@ -72,7 +72,10 @@ ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 FAST = {("llama", m) for m in ("baseline", "hybrid", "eagle3", "lookahead")} | {("mistral", "hybrid")}
 
 
-@pytest.mark.parametrize("arch, mode", [(a, m) if (a, m) in FAST else pytest.param(a, m, marks=pytest.mark.slow)
+# The llama row in every mode runs end to end (test-all); the other architectures' full rows, which
+# differ from llama's only in their attention layouts (FAST has one of those), in the peers tier.
+@pytest.mark.parametrize("arch, mode", [(a, m) if (a, m) in FAST else
+                                        pytest.param(a, m, marks=pytest.mark.e2e if a == "llama" else pytest.mark.peers)
                                         for a in ARCHS for m in MODES])
 def test_every_mode_batched_gives_each_request_its_own_tokens(arch, mode):
     """Alone (chunked prefill included) is the target's own greedy; batched, with requests

@@ -354,7 +354,7 @@ def test_head_acceptance_reports_block_heads_per_depth(tmp_path, capsys):
     assert "| " + str(block) + " | block |" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_compiled_passes_return_the_fused_layers_block_heads_read(tmp_path, monkeypatch):
     # The compiled verification pass hands block heads the features they read, as for eagle3
     # heads: decoding through saved CPU graphs stays exact and keeps long chains.

@@ -4,6 +4,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from tiny import tiny_model
 from transformers import AutoTokenizer
@@ -90,6 +91,7 @@ def _script():
     return script
 
 
+@pytest.mark.e2e
 def test_calibrate_script_end_to_end(tmp_path):
     # float32 asked for: the automatic pick times the tiny target, and on a busy CPU its bfloat16
     # passes can time faster (a fresh-clone CI under load picked it and wrote "cpu-bfloat16")

@@ -25,7 +25,7 @@ from medusa.models.loader import init_heads_for
 from medusa.serving.chat import Chat
 from medusa.serving.chat_setup import Style
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # generous: the CI machine's two cores may be busy
@@ -207,18 +207,18 @@ def test_eagle_heads_chat_with_their_dynamic_tree_in_the_banner(engine, tmp_path
     assert default.stdout.strip() == decode(engine, expected)
 
 
-def test_banner_says_which_dtype_was_picked_and_why(tmp_path):
-    done = run_cli(["--prompt", "Hi", "--max-new-tokens", "2"], tmp_path)
-    assert done.returncode == 0, done.stderr
+def test_banner_says_which_dtype_was_picked_and_why(capsys):
+    assert main(["--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
     # the plan's dtype decision, with the rule's reason (medusa/autotune/dtype.py)
-    assert re.search(r"dtype\s+(float32|bfloat16)\b.*(AMX|exact|bfloat16)", done.stderr), done.stderr
+    assert re.search(r"dtype\s+(float32|bfloat16)\b.*(AMX|exact|bfloat16)", err), err
 
 
-def test_bad_path_is_one_line_error_with_exit_code(tmp_path):
-    done = run_cli(["--model", str(tmp_path / "no-such-model"), "--prompt", "hi"], tmp_path)
-    assert done.returncode == 1
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+def test_bad_path_is_one_line_error_with_exit_code(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "no-such-model"), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model not found" in errors[0]
 
 
@@ -354,6 +354,7 @@ def test_show_accepted_colours_the_drafted_tokens(engine):
     assert turn.answer_ids == fresh(engine, turn.prompt_ids, 16)
 
 
+@pytest.mark.peers
 def test_compile_compiles_every_pass_size_before_the_first_answer(tmp_path):
     # a tiny target: compiling its two layers takes seconds, the flow is the same as the
     # embedded model's 30 (tests/test_static_cache.py compiles those)

@@ -110,6 +110,7 @@ def test_every_shipped_config_uses_the_current_keys():
         assert "output_dir:" not in text and "hub_model_id:" not in text, path
 
 
+@pytest.mark.e2e
 def test_help_runs_and_the_training_help_names_both_head_kinds():
     for argv in (["-m", "infer.bench", "--help"], [str(REPO / "train" / "train_heads.py"), "--help"]):
         done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)

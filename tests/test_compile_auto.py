@@ -23,7 +23,7 @@ from medusa.models.target import load_target
 from medusa.runtime import hf as kv
 
 # compiles passes or launches processes: make test-all only (the fast tier skips it)
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 9, 41, 12]

@@ -22,7 +22,7 @@ from medusa.runtime.kernels import MergeStacked, onednn_available
 from medusa.runtime.opaque import OpaqueRMSNorm, OpaqueRotary, opaque_ops
 
 # compiles passes or launches processes: make test-all only (the fast tier skips it)
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peers
 
 PROMPT = [5, 17, 33, 9, 41, 12, 5, 17, 33]
 

@@ -265,7 +265,7 @@ def test_eagle3_sampling_keeps_the_target_distribution(mode):
     assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_compiled_passes_return_the_fused_layers(tmp_path, monkeypatch):
     # A saved CPU graph compiled for eagle3 heads returns the layers they read (its file is
     # keyed by them), and decoding through it stays exact. Compiled before any pass ran (the

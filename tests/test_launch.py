@@ -28,7 +28,7 @@ from medusa.training.heads_task import HeadsTrainer, summarise
 from medusa.training.loop import TrainConfig
 
 # compiles passes or launches processes: make test-all only (the fast tier skips it)
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -83,6 +83,7 @@ def check_heads(setup, out):
     assert engine.heads.num_heads == 2
 
 
+@pytest.mark.peers
 def test_ddp_two_processes_on_gloo(setup, tmp_path):
     out = tmp_path / "ddp"
     proc = launch(setup, out, "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"))
@@ -119,11 +120,13 @@ def assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config, extr
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), rel
 
 
+@pytest.mark.peers
 def test_deepspeed_zero2_resume_reaches_the_uninterrupted_result(setup, tmp_path):
     config = ("--config_file", str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
     assert_resume_reaches_the_uninterrupted_result(setup, tmp_path, config)
 
 
+@pytest.mark.peers
 def test_deepspeed_zero3_resume_reaches_the_uninterrupted_result(setup, tmp_path):
     """ZeRO-3 with every parameter partitioned, Medusa-2 (LoRA on the target): the resumed run
     saves the same heads and the same merged target."""
@@ -172,6 +175,7 @@ def assert_saved_equals_trained(setup, out: Path, target_dir: str) -> None:
     assert engine.generate(prompt, max_new_tokens=8, mode="medusa").tokens == expected.tolist()
 
 
+@pytest.mark.peers
 def test_deepspeed_zero3_medusa1_partitioned(setup, tmp_path):
     out = tmp_path / "z3m1"
     proc = launch(setup, out, "--config_file", str(zero3_config(tmp_path)), extra=("--distill", "0"))
@@ -180,6 +184,7 @@ def test_deepspeed_zero3_medusa1_partitioned(setup, tmp_path):
     assert_saved_equals_trained(setup, out, setup["model"])
 
 
+@pytest.mark.peers
 def test_deepspeed_zero3_medusa2_lora_partitioned(setup, tmp_path):
     out = tmp_path / "z3m2"
     proc = launch(setup, out, "--config_file", str(zero3_config(tmp_path)),
@@ -201,6 +206,7 @@ def launch_draft(setup, out, *extra):
     return run_launch(cmd)
 
 
+@pytest.mark.peers
 def test_draft_ddp_two_processes_checkpoints_resumes_and_loads(setup, tmp_path):
     """The draft runs the same loop: 2 processes, a checkpoint, evaluation split over both,
     and a resumed run (state loaded, batches skipped on both processes) ends where the

@@ -18,7 +18,7 @@ from infer import bench
 from medusa.errors import MedusaError
 from medusa.peers.llamacpp_client import llamacpp_python
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peers
 
 
 def test_bench_runs_llama_cpp_plain_and_lookup_beside_hf_and_compares_tokens(tmp_path, capsys):

@@ -278,7 +278,7 @@ def test_bench_names_hybrid_with_lookahead():
     assert mode_spec("eagle+lookahead") is None and mode_spec("hybrid+compile+lookahead") is None
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_embedded_model_lookahead_matches_hf(embedded):
     from test_embedded import chat_ids
     from transformers import GenerationConfig

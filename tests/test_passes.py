@@ -57,7 +57,8 @@ def decode(eng: Engine, prompt: list[int], n: int = 24) -> dict[str, tuple[list[
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.e2e),
+                                  pytest.param("qwen2", marks=pytest.mark.peers)])
 def test_every_strategy_decodes_what_eager_passes_decode(arch):
     torch._dynamo.reset()
     model = tiny_model(arch)
@@ -175,7 +176,7 @@ def test_a_background_build_needs_a_target_it_can_load():
         eng.build_passes("baseline")
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_build_passes_builds_the_missing_sizes_in_a_background_process(tmp_path, monkeypatch):
     from train_fixtures import tiny_target
 

@@ -103,6 +103,7 @@ for i in range(40):
 """
 
 
+@pytest.mark.e2e
 def test_two_processes_filling_the_cache_at_once_leave_both_entries(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), name], env=env) for name in ("a", "b")]

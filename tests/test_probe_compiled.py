@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch._inductor.config as inductor_config
 from tiny import tiny_model
@@ -16,6 +17,7 @@ sys.modules["probe_compiled"] = probe  # dynamo resolves the traced functions' m
 spec.loader.exec_module(probe)
 
 
+@pytest.mark.peers
 @inductor_config.patch(emulate_precision_casts=True)  # torch's own patch: restored after (monkeypatch deletes it)
 def test_compiled_bfloat16_passes_match_eager_with_opaque_norm_reduction_and_attention():
     model = tiny_model("llama").to(torch.bfloat16)

@@ -466,7 +466,7 @@ def test_pickled_weights_get_one_line_saying_how_to_convert(target, tmp_path, co
 
 
 # -- the shipped heads, through every export and back ------------------------------------------
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind, layouts", [("eagle3", ("speculators", "vllm")),
                                            ("medusa", ("speculators", "vllm", "fasterdecoding")),
                                            ("eagle", ("vllm",))])

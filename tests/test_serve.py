@@ -200,7 +200,7 @@ def test_overload_is_429_and_nothing_running_is_lost():
         assert all(c.json()["choices"][0]["message"]["content"] for c in codes if c.status_code == 200)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_documented_command_serves_the_embedded_model(tmp_path):
     """``python -m infer.serve`` on the embedded default with its shipped heads, asked by the
     openai client: the answer is the library's default mode's, token for token."""

@@ -93,6 +93,7 @@ def test_the_mask_is_widened_to_the_capacity_with_the_rest_hidden():
         kv.tree_attention_mask(model, 4, ancestor, depth, torch.float32, kv_len=6)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["aot_eager", True])
 def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatch):
     # "aot_eager" traces the pass with dynamo and AOTAutograd; True is the real inductor
@@ -117,6 +118,7 @@ def test_the_compiled_pass_decodes_the_same_tokens(backend, tmp_path, monkeypatc
         assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*"))
 
 
+@pytest.mark.peers
 def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     # Modes whose proposals vary in size (lookup's chain, hybrid's tree + chain, trees cut by
     # the token budget) run padded to PASS_BUCKETS: outputs unchanged, few distinct graphs.
@@ -147,6 +149,7 @@ def test_compiled_passes_are_padded_to_a_few_buckets_and_stay_exact():
     assert set(sizes) <= set(PASS_BUCKETS) and len(set(sizes)) <= 6, sorted(set(sizes))
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_precompile_covers_every_pass_and_capacity(arch):
     # Every bucket a mode can use compiles up front; decoding afterwards, at any cache
@@ -178,6 +181,7 @@ def test_precompile_covers_every_pass_and_capacity(arch):
     assert sorted(saved.traced) == buckets and saved.fallback is None  # no new graph, no per-process tracing
 
 
+@pytest.mark.e2e
 def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity():
     torch._dynamo.reset()
     model = tiny_model("qwen2", max_position_embeddings=2048)
@@ -198,6 +202,7 @@ def test_without_precompile_each_pass_size_compiles_once_whatever_the_capacity()
     assert sorted(compiled.traced) == sorted(sizes) and compiled.fallback is None
 
 
+@pytest.mark.peers
 def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
     # A CPU-compiled engine reserves the prompt plus SLOT_STEP slots and grows SLOT_STEP at a
     # time (attention reads every slot); a reused state keeps growing; tokens stay exact.
@@ -217,6 +222,7 @@ def test_a_compiled_cpu_cache_grows_by_slot_steps_across_chat_turns():
     assert kv.capacity(second.state.cache) % SLOT_STEP == 0 and kv.capacity(second.state.cache) > cap
 
 
+@pytest.mark.peers
 def test_precompile_rows_come_from_the_proposer():
     model = tiny_model("llama")
     heads = init_heads_for(model, num_heads=3)
@@ -240,6 +246,7 @@ def test_precompile_rows_come_from_the_proposer():
     assert eng.precompile(Silent(), rows=3) == [1, 2, 4]
 
 
+@pytest.mark.peers
 def test_a_tree_cut_short_by_the_budget_pads_up_to_the_precompiled_sizes():
     # precompile("hybrid") compiles from the whole tree's size up; steps near the end of an
     # answer, whose tree the token budget cuts to 1-3 rows, run padded into those graphs:
@@ -275,6 +282,7 @@ def test_a_compile_cache_folder_the_user_chose_is_kept(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "medusa")
 
 
+@pytest.mark.peers
 def test_the_bench_runs_compiled_modes_beside_eager_ones(tmp_path):
     # MODE+compile: the same mode on a compiled twin engine, in the same run; its pass sizes
     # compile before the timing and the seconds are reported.
@@ -298,6 +306,7 @@ def test_the_bench_runs_compiled_modes_beside_eager_ones(tmp_path):
     assert bench.main(["--model", str(tmp_path / "model"), "--modes", "hf+compile"]) == 1  # not an engine mode
 
 
+@pytest.mark.e2e
 def test_a_second_engine_loads_the_saved_passes_instead_of_tracing(tmp_path):
     # Each pass size is compiled ahead of time and saved (medusa/decoding/passes/saved.py); an
     # engine for a model of the same architecture and config loads them: nothing is traced,
@@ -330,6 +339,7 @@ def test_saved_passes_are_keyed_by_what_the_graph_bakes_in():
     assert fingerprint(tiny_model("llama"), "default", "aot_eager") != llama
 
 
+@pytest.mark.e2e
 def test_an_unreadable_saved_pass_is_compiled_again_with_a_warning():
     model = tiny_model("llama")
     eng = Engine(model, compile="aot_eager")
@@ -345,6 +355,7 @@ def test_an_unreadable_saved_pass_is_compiled_again_with_a_warning():
     assert third.passes.saved.loaded == [1]
 
 
+@pytest.mark.e2e
 def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved():
     import time
 
@@ -368,6 +379,7 @@ def test_saved_passes_nobody_loaded_for_a_month_are_pruned_when_another_is_saved
     assert len(list(folder.glob("pass-*.bin"))) == 3
 
 
+@pytest.mark.peers
 def test_a_pass_that_breaks_the_graph_falls_back_to_tracing_with_a_warning():
     # A saved pass must be one graph; a model whose forward breaks it (here a real dynamo
     # graph break in a layer) keeps decoding exactly through per-process tracing.
@@ -390,6 +402,7 @@ def test_a_pass_that_breaks_the_graph_falls_back_to_tracing_with_a_warning():
     assert eng.generate(PROMPT[:-1] + [7], max_new_tokens=20, mode="medusa").tokens == hf_greedy(model, PROMPT[:-1] + [7], 20)
 
 
+@pytest.mark.peers
 def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path):
     # The real thing: inductor's C++ kernels compiled and saved by this process, loaded by a
     # fresh Python process that traces nothing and decodes the same tokens.
@@ -418,6 +431,7 @@ def test_a_new_process_decodes_with_the_inductor_pass_a_first_one_saved(tmp_path
     assert out.stdout.strip().splitlines()[-1] == f"[1] [] None {ref}"
 
 
+@pytest.mark.e2e
 def test_a_pass_that_cannot_be_saved_is_still_used_with_a_warning(tmp_path):
     (tmp_path / "medusa-cache").mkdir()
     (tmp_path / "medusa-cache" / "compiled").write_text("a file where the folder should be")
@@ -429,7 +443,7 @@ def test_a_pass_that_cannot_be_saved_is_still_used_with_a_warning(tmp_path):
     assert eng.generate(PROMPT, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, PROMPT, 12)
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_passes_compiled_after_the_same_random_seed_stay_apart():
     # Torch keys the cache entry of a graph it cannot hash (ours, with opaque ops) by a nonce from
     # Python's `random`: after the same seed (transformers' set_seed, a training script) two

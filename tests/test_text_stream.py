@@ -210,7 +210,7 @@ def gemma3():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.parametrize("method", METHODS)
 def test_gemma3_tokenizer(gemma3, method):
     """Gemma 3's SentencePiece tokenizer (byte fallback, a 262k vocabulary)."""

@@ -30,7 +30,7 @@ def load_script():
     return script
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_vllm_with_exported_medusa_and_eagle_heads_decodes_like_the_engine(tmp_path):
     try:
         vllm_python()
@@ -61,7 +61,7 @@ def test_vllm_with_exported_medusa_and_eagle_heads_decodes_like_the_engine(tmp_p
     assert rc == 0
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 def test_vllm_serves_the_speculators_eagle3_export_alone_like_the_engine(tmp_path):
     """``vllm serve FOLDER`` on the speculators export: no speculative config is passed, vLLM takes
     the verifier, the method and the speculative tokens from the folder's config."""
