@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "if set, else no key)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded side by side (default: 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)")
-    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none (default: 256)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none, lowered to "
+                   "what the context has left after its prompt (default: 256)")
+    p.add_argument("--max-body", type=int, default=4 * 2**20, help="largest request body in bytes; larger ones get 413 "
+                   "before they are read (default: 4194304, 4 MiB)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the machine plan's pick)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -59,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         import medusa
-        from medusa.serving.server import Server, create_app
+        from medusa.serving.server import Server, create_app, loopback_hosts
 
         engine = medusa.load(args.model, heads=args.heads, device=args.device, dtype=args.dtype)
         if args.mode is not None:
             engine.proposer(args.mode)  # the engine's one-line error for a mode it cannot run
         server = Server(engine, args.served_model_name or served_name(args.model), api_key=key,
                         max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
-                        mode=args.mode)
+                        mode=args.mode, max_body=args.max_body, hosts=loopback_hosts(args.host, args.port))
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"medusa: serving {server.model_name} (mode {args.mode or engine.default_mode}, batches of up to "
           f"{args.max_batch}, {server.scheduler.row_budget} rows a pass) on http://{args.host}:{args.port}"
           + (" (API key required)" if key else ""), flush=True)
+    if key is None and server.hosts is None:
+        print(f"medusa: warning: no API key on {args.host}: anyone who can reach it can use it (set --api-key)",
+              file=sys.stderr, flush=True)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=30)
     return 0

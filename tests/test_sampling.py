@@ -354,3 +354,11 @@ def test_config_rejects_bad_values():
     with pytest.raises(MedusaError, match="unknown sampling option"):
         SamplingConfig().override(temprature=1.0)
     assert SamplingConfig(temperature=0.5).override(temperature=None, top_k=3) == SamplingConfig(temperature=0.5, top_k=3)
+
+
+def test_seeds_outside_torch_s_range_are_one_line_errors_and_a_vanishing_temperature_is_greedy():
+    for seed in (2**64, -(2**63) - 1, 1.5, True):
+        with pytest.raises(MedusaError, match="seed must be a whole number"):
+            SamplingConfig(temperature=0.7, seed=seed)
+    assert SamplingConfig(temperature=0.7, seed=2**64 - 1).generator("cpu") is not None
+    assert SamplingConfig(temperature=1e-40).greedy and not SamplingConfig(temperature=1e-4).greedy

@@ -38,7 +38,8 @@ def free_port() -> int:
 class Running:
     """A server in a thread of this process, on a free loopback port."""
 
-    def __init__(self, api_key: str | None = None, max_batch: int = 4, max_queue: int = 8, window: int | None = None):
+    def __init__(self, api_key: str | None = None, max_batch: int = 4, max_queue: int = 8, window: int | None = None,
+                 **server):
         model = tiny_model("llama", vocab_size=VOCAB)
         if window is not None:
             model.config.max_position_embeddings = window
@@ -46,7 +47,7 @@ class Running:
         tokenizer.chat_template = TEMPLATE
         self.engine = Engine(model, tokenizer=tokenizer, heads=init_heads_for(model, num_heads=3))
         self.server = Server(self.engine, "tiny", api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-                             default_max_tokens=16)
+                             default_max_tokens=16, **server)
         self.port = free_port()
         config = uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port, log_level="warning")
         self.uvicorn = uvicorn.Server(config)
@@ -149,6 +150,11 @@ def test_seeded_sampling_repeats(running):
 @pytest.mark.parametrize("body, said", [
     ({"model": "other", "messages": [{"role": "user", "content": "w5"}]}, "unknown model"),
     ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "temperature must be >= 0"),
+    ({"messages": [{"role": "user", "content": "w5"}], "seed": 2**70}, "seed must be <= 18446744073709551615"),
+    ({"messages": [{"role": "user", "content": "w5"}], "stream": "false"}, "stream must be true or false"),
+    ({"messages": [{"role": "user", "content": "w5"}], "stream_options": "yes"}, "stream_options must be an object"),
+    ({"messages": [{"role": "user", "content": "w5"}], "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    ({"messages": [{"role": "robot", "content": "w5"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_p": 0}, "top_p must be > 0"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_p": 1.5}, "top_p must be <= 1"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 100_000}, "over the model's context"),

@@ -18,6 +18,12 @@ from medusa.errors import MedusaError
 ACCEPTANCE = ("lossless", "typical")
 
 
+# temperatures below this sample as greedy (the distribution is one-hot to float32 precision long
+# before; dividing logits by 1e-40 gives inf and NaN probabilities)
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen.
@@ -50,6 +56,12 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise MedusaError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:  # logits / 1e-40 overflow to inf: such a temperature is greedy
+            object.__setattr__(self, "temperature", 0.0)
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed
+                                      or not SEED_RANGE[0] <= int(self.seed) <= SEED_RANGE[1]):
+            raise MedusaError(f"seed must be a whole number in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (torch's 64-bit "
+                              f"generator seed), got {self.seed!r}")
         if not 0 < self.top_p <= 1:
             raise MedusaError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if int(self.top_k) != self.top_k or self.top_k < 0:

@@ -176,7 +176,9 @@ class Scheduler:
             try:
                 self._turn()
             except BaseException as exc:  # noqa: BLE001 - a failed pass ends its requests, not the server
-                log.exception("medusa: a batched step failed; its requests end with the error")
+                # a request's own prefill, drafting or update fails alone (_fail); this is the
+                # shared pass itself, which no one request can be blamed for
+                log.exception("medusa: a batched pass failed; the requests in it end with the error")
                 for stream in [s for s, _ in self._prefilling] + self._running:
                     stream._put("error", MedusaError(f"decoding failed: {exc}"))
                 self._prefilling, self._running = [], []
@@ -197,7 +199,14 @@ class Scheduler:
             for stream, chunks in self._prefilling[:1]:  # one prompt's chunk per turn
                 if self._finish_if_cancelled(stream):
                     self._prefilling.remove((stream, chunks))
-                elif next(chunks, StopIteration) is StopIteration:
+                    continue
+                try:
+                    prefilled = next(chunks, StopIteration) is StopIteration
+                except Exception as exc:  # noqa: BLE001 - this request's own prefill: it ends alone
+                    self._prefilling.remove((stream, chunks))
+                    self._fail(stream, exc)
+                    continue
+                if prefilled:
                     self._prefilling.remove((stream, chunks))
                     self._running.append(stream)
             live, proposals = [], []
@@ -206,7 +215,12 @@ class Scheduler:
             t0 = time.perf_counter()
             caps = self._caps(running) if drafting else [1 if s.run.sampling.greedy else None for s in running]
             for stream, cap in zip(running, caps):
-                proposal = stream.run.propose(cap)
+                try:
+                    proposal = stream.run.propose(cap)
+                except Exception as exc:  # noqa: BLE001 - this request's own drafting: it ends alone
+                    self._running.remove(stream)
+                    self._fail(stream, exc)
+                    continue
                 if proposal is None:
                     self._running.remove(stream)
                     stream._put("done", stream.run.result())
@@ -225,11 +239,21 @@ class Scheduler:
             emitted = 0
             for stream, outcome in zip(live, outcomes):
                 stream.run.stats.verify_seconds += seconds
-                chunk, _ = stream.run.advance(outcome)
+                try:
+                    chunk, _ = stream.run.advance(outcome)
+                except Exception as exc:  # noqa: BLE001 - this request's own update: it ends alone
+                    self._running.remove(stream)
+                    self._fail(stream, exc)
+                    continue
                 emitted += len(chunk)
                 if chunk:
                     stream._put("tokens", chunk)
             self._record(len(running), drafting, emitted / (time.perf_counter() - t0))
+
+    def _fail(self, stream: Stream, exc: BaseException) -> None:
+        """End one request with the error its own work raised; the others go on."""
+        log.warning("medusa: a request failed in its own step and ends with the error: %s", exc)
+        stream._put("error", MedusaError(f"decoding failed: {exc}"))
 
     def _finish_if_cancelled(self, stream: Stream) -> bool:
         """End a request cancelled before its prefill finished."""

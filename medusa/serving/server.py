@@ -6,8 +6,14 @@ one scheduler thread that owns the engine, batched with whatever else runs, and 
 the request gets alone (docs/exactness.md#batches). ``usage`` carries ``tokens_per_pass`` (tau).
 
 Errors follow OpenAI's shape (``{"error": {"message", "type", "code"}}``): 400 for a bad request
-(one line naming the field), 401 without the ``--api-key``, 429 when the queue is full, 503 while
-shutting down. A client that disconnects cancels its request: the slot frees at the next step.
+(one line naming the field: :mod:`medusa.serving.schema` checks a request whole, and refuses by
+name every field this server does not implement), 401 without the ``--api-key``, 403 for a
+foreign ``Host``/``Origin`` when no key is set, 413 for a body over ``max_body`` bytes, 415 for a
+POST that is not JSON, 429 when the queue is full, 503 while shutting down. Everything that can
+fail for one request (validation, tokenizing, seeding) fails before it joins the batch, off the
+event loop; a request whose own step fails ends alone. A client that disconnects cancels its
+request: the slot frees at the next step. ``stop`` strings end an answer where they start, across
+chunk boundaries (:mod:`medusa.serving.stops`).
 """
 
 from __future__ import annotations
@@ -27,100 +33,95 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.text import TextStream
 from medusa.errors import MedusaError
 from medusa.serving.scheduler import Closed, Overloaded, Scheduler, Stream
+from medusa.serving.schema import BadRequest, ChatRequest, CompletionRequest, Unsupported, parse_body, validate
+from medusa.serving.stops import StopStrings
 
 log = logging.getLogger("medusa.serving")
 
 FINISH = {"eos": "stop", "length": "length", "context": "length", "stopped": "stop"}
+MAX_BODY = 4 * 2**20  # bytes: a request of this size holds about a million tokens of text
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+__all__ = ["BadRequest", "Unsupported", "Server", "create_app", "loopback_hosts"]
 
 
-class BadRequest(MedusaError):
-    """A request the server refuses with 400 (the message names the field and the fix)."""
+def loopback_hosts(host: str, port: int) -> tuple[str, ...] | None:
+    """The ``Host`` header values a server bound to ``host``:``port`` answers without a key: its
+    loopback names with the port (bare too on port 80); None for a bind beyond loopback, which
+    is meant to be reached by other names (and should have a key)."""
+    if host not in LOOPBACK:
+        return None
+    names = ("127.0.0.1", "localhost", "[::1]")
+    return tuple(f"{n}:{port}" for n in names) + (names if port == 80 else ())
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
-def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and int(value) != value):
-        raise BadRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    value = kind(value)
-    if low is not None and (value <= low if low_open else value < low):
-        raise BadRequest(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and value > high:
-        raise BadRequest(f"{name} must be <= {high}, got {value}")
-    return value
-
-
 class Server:
     """The app's state: the engine, its scheduler, the served model's name and the key."""
 
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_batch: int = 8,
-                 max_queue: int = 64, default_max_tokens: int = 256, mode: str | None = None) -> None:
+                 max_queue: int = 64, default_max_tokens: int = 256, mode: str | None = None,
+                 max_body: int = MAX_BODY, hosts: tuple[str, ...] | None = None) -> None:
         if engine.tokenizer is None:
             raise MedusaError("the server needs the engine's tokenizer: load it with medusa.load")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.default_max_tokens, self.mode = default_max_tokens, mode
+        self.default_max_tokens, self.mode, self.max_body = default_max_tokens, mode, max_body
+        # the Host header values served without a key (None: any): a page in the user's browser
+        # must not reach a server on 127.0.0.1 by naming another host (DNS rebinding)
+        self.hosts = hosts
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
         self.created = int(time.time())
 
     # -- requests -> scheduler arguments -------------------------------------------------
-    def _sampling(self, body: dict) -> dict:
-        if body.get("n", 1) != 1:
-            raise BadRequest("n must be 1: this server returns one choice per request")
-        temperature = _number(body, "temperature", 1.0, low=0.0, high=2.0)
-        top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True)
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"seed must be an integer, got {seed!r}")
-        args = {"temperature": temperature, "top_p": top_p, "seed": seed}
-        if "top_k" in body:
-            args["top_k"] = _number(body, "top_k", 0, kind=int, low=0)
-        return args
+    def prepare(self, body: dict, chat: bool) -> tuple[ChatRequest | CompletionRequest, list[int]]:
+        """The request checked whole and its prompt's token ids (a :class:`BadRequest` naming
+        the field otherwise). Tokenizing a long prompt takes a while: the server calls this in a
+        worker thread, not on the event loop."""
+        request = validate(body, chat)
+        if request.model is not None and request.model != self.model_name:
+            raise BadRequest(f"unknown model {request.model!r}: this server serves {self.model_name!r} (GET /v1/models)")
+        ids = self.chat_prompt(request) if chat else self.text_prompt(request)
+        return request, ids
 
-    def _max_tokens(self, body: dict, prompt: int) -> int:
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        n = _number(body, key, self.default_max_tokens, kind=int, low=1)
-        window = self.engine.max_positions
-        if window is not None and prompt + n > window:
-            raise BadRequest(f"the prompt has {prompt} tokens and {key} is {n}: together over the model's context of "
-                             f"{window} tokens; lower {key} or shorten the prompt")
-        return n
-
-    def _check_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"unknown model {model!r}: this server serves {self.model_name!r} (GET /v1/models)")
-
-    def chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of {role, content} objects")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest("each message must be an object with a string role and string content")
+    def chat_prompt(self, request: ChatRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest(f"{self.model_name} has no chat template: use /v1/completions with a prompt")
-        ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in request.messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
-    def text_prompt(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("prompt must be a non-empty string")
-        return list(self.engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    def text_prompt(self, request: CompletionRequest) -> list[int]:
+        prompt = request.one_prompt()
+        if isinstance(prompt, str):
+            return list(self.engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        vocab = self.engine.model.config.get_text_config().vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadRequest(f"prompt: token ids must be in [0, {vocab}) for {self.model_name}")
+        return list(prompt)
 
-    def submit(self, ids: list[int], body: dict, listener) -> Stream:
-        args = self._sampling(body)
-        n = self._max_tokens(body, len(ids))
-        return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener, **args)
+    def _max_tokens(self, request: ChatRequest | CompletionRequest, prompt: int) -> int:
+        """The request's token limit; one left unset is the server's default, lowered to what the
+        model's context has left after the prompt (as vLLM does)."""
+        window = self.engine.max_positions
+        key = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        asked = request.max_completion_tokens or request.max_tokens
+        if asked is None:
+            if window is not None and prompt >= window:
+                raise BadRequest(f"the prompt has {prompt} tokens: the model's context holds {window}; shorten it")
+            return self.default_max_tokens if window is None else min(self.default_max_tokens, window - prompt)
+        if window is not None and prompt + asked > window:
+            raise BadRequest(f"the prompt has {prompt} tokens and {key} is {asked}: together over the model's context "
+                             f"of {window} tokens; lower {key} or shorten the prompt")
+        return asked
+
+    def submit(self, ids: list[int], request: ChatRequest | CompletionRequest, listener) -> Stream:
+        n = self._max_tokens(request, len(ids))
+        return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener, **request.sampling())
 
     def usage(self, prompt: int, stream: Stream) -> dict:
         result = stream.result
@@ -130,14 +131,38 @@ class Server:
                 "tokens_per_pass": round(tau, 3)}
 
 
-async def _read(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+class TooLarge(MedusaError):
+    """A body over the server's ``max_body`` (413)."""
+
+
+async def _read(server: Server, request: Request) -> dict:
+    """The JSON body, read up to ``max_body`` bytes (a larger one is refused as it arrives)."""
+    declared = request.headers.get("content-length")
+    limit = server.max_body
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body has {int(declared)} bytes: this server takes at most {limit} "
+                       "(serve with a larger --max-body)")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise TooLarge(f"the request body is over {limit} bytes: this server takes at most {limit} "
+                           "(serve with a larger --max-body)")
+    return parse_body(bytes(raw))
+
+
+def _foreign(server: Server, request: Request) -> str | None:
+    """Why a request without a key comes from somewhere it should not (None: it does not): a
+    ``Host`` the server is not bound as, or an ``Origin`` of another site."""
+    if server.api_key is not None or server.hosts is None:
+        return None
+    host = request.headers.get("host", "")
+    if host not in server.hosts:
+        return f"Host {host!r} is not this server's address"
+    origin = request.headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1] not in server.hosts:
+        return f"Origin {origin!r} is another site"
+    return None
 
 
 def create_app(server: Server) -> FastAPI:
@@ -155,6 +180,15 @@ def create_app(server: Server) -> FastAPI:
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
+        if (why := _foreign(server, request)) is not None:
+            return error(403, f"{why}: without an API key this server answers only its own address "
+                              "(serve with --api-key to take requests from elsewhere)", "permission_error",
+                         "foreign_origin")
+        if request.method == "POST" and request.url.path.startswith("/v1/"):
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return error(415, f"the request body must be JSON sent as Content-Type: application/json, not "
+                                  f"{kind or 'none'!r}", code="unsupported_media_type")
         if server.api_key is not None and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
@@ -183,37 +217,60 @@ def create_app(server: Server) -> FastAPI:
 
 
 async def _complete(server: Server, request: Request, chat: bool):
-    """One completion request: checked and queued, then streamed as events or answered whole."""
+    """One completion request: checked whole and tokenized off the event loop, queued, then
+    streamed as events or answered whole."""
     try:
-        body = await _read(request)
-        server._check_model(body)
-        ids = server.chat_prompt(body) if chat else server.text_prompt(body)
+        body = await _read(server, request)
+        checked, ids = await asyncio.to_thread(server.prepare, body, chat)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         # the scheduler thread hands each event to this loop as it is queued
-        stream = server.submit(ids, body, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        stream = server.submit(ids, checked, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    except TooLarge as exc:
+        return error(413, str(exc), code="body_too_large")
     except Overloaded as exc:
         return error(429, str(exc), "rate_limit_error", "queue_full")
     except Closed as exc:
         return error(503, str(exc), "server_error", "shutting_down")
+    except Unsupported as exc:
+        return error(400, str(exc), code="unsupported_field")
     except MedusaError as exc:
         return error(400, str(exc))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    text = TextStream(server.engine.tokenizer)
-    if body.get("stream"):
-        usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(server, stream, events, text, rid, chat, len(ids), usage_chunk, request),
+    text = Text(server.engine.tokenizer, checked.stops())
+    if checked.stream:
+        usage_chunk = checked.stream_options is not None and checked.stream_options.include_usage
+        return StreamingResponse(_sse(server, stream, events, text, rid, chat, len(ids), usage_chunk),
                                  media_type="text/event-stream")
     content = await _collect(stream, events, text, request)
     if not isinstance(content, str):
         return content  # an error response
-    reason = FINISH.get(stream.result.finish_reason, "stop")
+    reason = text.finish(stream)
     choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
               if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name, "choices": [choice], "usage": server.usage(len(ids), stream)}
 
 
-async def _collect(stream: Stream, events: asyncio.Queue, text: TextStream, request: Request):
+class Text:
+    """A request's answer as text: token ids decoded as they arrive, cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.decoder, self.stops = TextStream(tokenizer), StopStrings(stops)
+
+    def push(self, ids: list[int], stream: Stream) -> str:
+        piece = self.stops.push(self.decoder.push(ids))
+        if self.stops.matched:
+            stream.cancel()  # the answer ends here: the slot frees at the next step
+        return piece
+
+    def flush(self) -> str:
+        return self.stops.push(self.decoder.flush()) + self.stops.flush()
+
+    def finish(self, stream: Stream) -> str:
+        return "stop" if self.stops.matched else FINISH.get(stream.result.finish_reason, "stop")
+
+
+async def _collect(stream: Stream, events: asyncio.Queue, text: Text, request: Request):
     """A non-streamed answer's text, whole (or the error response that ended it); a client that
     goes away cancels the stream."""
     parts = []
@@ -227,7 +284,7 @@ async def _collect(stream: Stream, events: asyncio.Queue, text: TextStream, requ
                     return error(499, "the client went away")
                 continue
             if kind == "tokens":
-                parts.append(text.push(value))
+                parts.append(text.push(value, stream))
             elif kind == "done":
                 stream.result = value
                 break
@@ -240,8 +297,8 @@ async def _collect(stream: Stream, events: asyncio.Queue, text: TextStream, requ
     return "".join(parts)
 
 
-async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: TextStream, rid: str, chat: bool,
-               prompt: int, usage_chunk: bool, request: Request) -> AsyncIterator[str]:
+async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: Text, rid: str, chat: bool,
+               prompt: int, usage_chunk: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per accepted step, the finish reason, [DONE]."""
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
@@ -259,7 +316,7 @@ async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: Text
         while True:
             kind, value = await events.get()
             if kind == "tokens":
-                if piece := text.push(value):
+                if piece := text.push(value, stream):
                     yield chunk(piece, None)
             elif kind == "done":
                 stream.result = value
@@ -270,7 +327,7 @@ async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: Text
                 return
         if rest := text.flush():
             yield chunk(rest, None)
-        yield chunk(None, FINISH.get(stream.result.finish_reason, "stop"))
+        yield chunk(None, text.finish(stream))
         if usage_chunk:
             yield (f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': server.model_name, 'choices': [], 'usage': server.usage(prompt, stream)})}\n\n")
         yield "data: [DONE]\n\n"

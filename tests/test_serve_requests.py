@@ -1,0 +1,216 @@
+"""The server against requests that should not hurt anyone else, and the OpenAI fields clients rely
+on: a request fails alone and before it queues, bodies are bounded, foreign pages are refused,
+``stop`` ends answers where the stop string starts, and fields the server does not implement are
+refused by name (a real server on 127.0.0.1, the real ``openai`` client and httpx)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_serve import QUESTIONS, Running
+
+from medusa.serving.scheduler import Scheduler
+from medusa.serving.server import loopback_hosts
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def running():
+    with Running(max_body=64 * 1024) as r:
+        yield r
+
+
+def post(running, body, path=CHAT, **kw):
+    return httpx.post(running.url + path, json=body, timeout=60, **kw)
+
+
+def ask(text: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "temperature": 0, **extra}
+
+
+def idle(running, within: float = 30) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if running.server.scheduler.load() == {"waiting": 0, "prefilling": 0, "running": 0}:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- one request cannot hurt the others -------------------------------------------------------
+def test_a_request_whose_own_step_fails_ends_alone_and_the_others_finish(running):
+    """A failure in one sequence's own work (its proposal here) ends that request with an error;
+    the requests decoding beside it finish with the answers they get alone."""
+    engine = running.engine
+    sched = Scheduler(engine, max_batch=4).start()
+    try:
+        prompts = [engine.tokenizer(q)["input_ids"] for q in QUESTIONS[:3]]
+        streams = [sched.submit(p, max_new_tokens=24, temperature=0) for p in prompts]
+
+        def broken(cap=None):
+            raise RuntimeError("this request's proposer broke")
+
+        streams[1].run.propose = broken
+        with pytest.raises(Exception, match="this request's proposer broke"):
+            streams[1].wait()
+        for i in (0, 2):
+            assert streams[i].wait().tokens == engine.generate(prompts[i], max_new_tokens=24, temperature=0).tokens
+    finally:
+        sched.close(timeout=60)
+
+
+def test_a_bad_seed_is_refused_before_it_queues_and_other_streams_go_on(running):
+    """A seed outside torch's 64-bit range used to fail inside the shared step and end every
+    stream beside it."""
+    answers, errors = {}, []
+
+    def victim(i):
+        try:
+            answers[i] = running.client().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=40,
+                temperature=0).choices[0].message.content
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in (0, 1)]
+    [t.start() for t in threads]
+    for _ in range(5):
+        r = post(running, ask(QUESTIONS[2], seed=2**70, temperature=0.7, max_tokens=8))
+        assert r.status_code == 400 and "seed must be <=" in r.json()["error"]["message"]
+    [t.join(120) for t in threads]
+    assert not errors and answers == {i: running.alone(QUESTIONS[i], 40) for i in (0, 1)}
+
+
+def test_malformed_fields_are_refused_before_anything_is_queued(running):
+    for body in (ask("w5", stream_options="x", stream=True), ask("w5", stream="false"), ask("w5", n=2)):
+        assert post(running, body).status_code == 400
+    assert idle(running, 0.5)  # nothing was queued to decode with nobody listening
+
+
+@pytest.mark.parametrize("raw, said", [(b'{"messages": [{"role": "user", "content": "w5"}], "temperature": NaN}',
+                                        "NaN is not a JSON number"),
+                                       (b'{"messages": [{"role": "user", "content": "w5"}], "top_p": Infinity}',
+                                        "Infinity is not a JSON number"),
+                                       (b'{"messages": [{"role": "user", "content": "w5 \\ud800"}]}',
+                                        "unpaired surrogate")])
+def test_non_json_numbers_and_lone_surrogates_are_400_not_500(running, raw, said):
+    r = httpx.post(running.url + CHAT, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and said in r.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_413_and_the_server_stays_responsive(running):
+    big = ask("w5 " * 40_000)  # ~120 kB, over the fixture's 64 kB
+    r = post(running, big)
+    assert r.status_code == 413 and "--max-body" in r.json()["error"]["message"]
+    chunked = httpx.post(running.url + CHAT, content=iter([b'{"messages": [', b" " * 70_000, b"]}"]),
+                         headers={"content-type": "application/json"}, timeout=30)  # no Content-Length
+    assert chunked.status_code == 413
+    assert httpx.get(running.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_post_that_is_not_json_is_415():
+    with Running() as r:
+        got = httpx.post(r.url + CHAT, content=b'{"messages": [{"role": "user", "content": "w5"}]}',
+                         headers={"content-type": "text/plain"}, timeout=30)
+        assert got.status_code == 415 and "application/json" in got.json()["error"]["message"]
+
+
+def test_without_a_key_foreign_hosts_and_origins_are_refused():
+    """DNS rebinding and cross-site requests: a page the user visits must not drive a server
+    on 127.0.0.1 that has no key."""
+    with Running() as r:
+        r.server.hosts = loopback_hosts("127.0.0.1", r.port)
+        body = ask("w5", max_tokens=2)
+        assert post(r, body).status_code == 200
+        assert post(r, body, headers={"host": "evil.example"}).status_code == 403
+        refused = post(r, body, headers={"origin": "http://evil.example"})
+        assert refused.status_code == 403 and "--api-key" in refused.json()["error"]["message"]
+        assert post(r, body, headers={"origin": f"http://localhost:{r.port}"}).status_code == 200
+        r.server.api_key = "k"  # with a key, the key decides
+        assert post(r, body, headers={"host": "evil.example", "authorization": "Bearer k"}).status_code == 200
+
+
+# -- the fields clients rely on ----------------------------------------------------------------
+def test_stop_strings_end_the_answer_where_they_start_streamed_or_not(running):
+    full = running.alone(QUESTIONS[1], 24)
+    words = full.split(" ")
+    assert len(words) > 4
+    stop = " ".join(words[2:4])  # a stop string spanning two tokens, so two chunks when streamed
+    expected = full[: full.index(stop)]
+    client = running.client()
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                         max_tokens=24, temperature=0, stop=[stop, "never-said"])
+    assert out.choices[0].message.content == expected and out.choices[0].finish_reason == "stop"
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                                max_tokens=24, temperature=0, stop=stop, stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == expected and reasons[-1] == "stop"
+    text = client.completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=24, temperature=0).choices[0].text
+    cut = text.split(" ")[1]
+    done = client.completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=24, temperature=0, stop=cut)
+    assert done.choices[0].text == text[: text.index(cut)] and done.choices[0].finish_reason == "stop"
+    assert idle(running)  # the stopped requests freed their slots
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+                                          ("frequency_penalty", 1), ("logit_bias", {"5": 10}),
+                                          ("response_format", {"type": "json_object"}), ("min_tokens", 3),
+                                          ("ignore_eos", True), ("frobnicate", 1)])
+def test_fields_the_server_does_not_implement_are_refused_by_name(running, field, value):
+    r = post(running, ask("w5", **{field: value}))
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith(f"{field}: not supported") and "\n" not in message
+    assert r.json()["error"]["code"] == "unsupported_field"
+
+
+def test_neutral_values_of_those_fields_are_accepted(running):
+    r = post(running, ask("w5", max_tokens=4, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                          logprobs=False, response_format={"type": "text"}, user="someone"))
+    assert r.status_code == 200, r.text
+
+
+def test_content_parts_and_a_null_assistant_turn_are_messages(running):
+    plain = post(running, {"messages": [{"role": "user", "content": "w7 w8"}, {"role": "assistant", "content": ""},
+                                        {"role": "user", "content": "w9"}], "max_tokens": 12, "temperature": 0})
+    parts = post(running, {"messages": [{"role": "user", "content": [{"type": "text", "text": "w7 "},
+                                                                     {"type": "text", "text": "w8"}]},
+                                        {"role": "assistant", "content": None},
+                                        {"role": "user", "content": [{"type": "text", "text": "w9"}]}],
+                           "max_tokens": 12, "temperature": 0})
+    assert plain.status_code == parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+def test_a_vanishing_temperature_is_greedy(running):
+    tiny = post(running, ask(QUESTIONS[0], max_tokens=16, temperature=1e-40))
+    assert tiny.status_code == 200 and tiny.json()["choices"][0]["message"]["content"] == running.alone(QUESTIONS[0], 16)
+
+
+def test_completions_take_token_ids_and_refuse_several_prompts(running):
+    ids = running.engine.tokenizer(QUESTIONS[2])["input_ids"]
+    by_ids = post(running, {"prompt": ids, "max_tokens": 8, "temperature": 0}, "/v1/completions")
+    by_text = post(running, {"prompt": QUESTIONS[2], "max_tokens": 8, "temperature": 0}, "/v1/completions")
+    assert by_ids.status_code == 200 and by_ids.json()["choices"][0]["text"] == by_text.json()["choices"][0]["text"]
+    several = post(running, {"prompt": ["w5", "w6"], "max_tokens": 8}, "/v1/completions")
+    assert several.status_code == 400 and "one prompt a request" in several.json()["error"]["message"]
+    out_of_vocab = post(running, {"prompt": [10**9], "max_tokens": 8}, "/v1/completions")
+    assert out_of_vocab.status_code == 400 and "token ids must be in" in out_of_vocab.json()["error"]["message"]
+
+
+def test_a_long_prompt_without_max_tokens_gets_what_the_context_has_left():
+    with Running(window=40) as r:
+        prompt = "w12 " * 30
+        n = len(r.engine.tokenizer(prompt)["input_ids"])
+        out = r.client().completions.create(model="tiny", prompt=prompt, temperature=0)
+        assert out.usage.completion_tokens <= 40 - n and out.usage.prompt_tokens == n
+        with pytest.raises(openai.BadRequestError, match="lower max_tokens"):
+            r.client().completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=20)
