@@ -214,3 +214,56 @@ def test_a_long_prompt_without_max_tokens_gets_what_the_context_has_left():
         assert out.usage.completion_tokens <= 40 - n and out.usage.prompt_tokens == n
         with pytest.raises(openai.BadRequestError, match="lower max_tokens"):
             r.client().completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=20)
+
+
+# -- speculation per request, and visible --------------------------------------------------------
+def _speculated(running) -> tuple[str, dict]:
+    """A prompt whose answer the default mode drafts into (a repeating one: lookup copies it)."""
+    for q in QUESTIONS:
+        r = post(running, ask(q, max_tokens=32))
+        usage = r.json()["usage"]
+        if usage["accepted_by_position"]:
+            return q, r.json()
+    raise AssertionError("no question had a drafted token accepted")
+
+
+def test_a_request_can_cap_or_turn_off_its_speculation_and_its_answer_stays(running):
+    q, default = _speculated(running)
+    answer = default["choices"][0]["message"]["content"]
+    assert answer == running.alone(q, 32) and default["usage"]["tokens_per_pass"] > 1
+    off = post(running, ask(q, max_tokens=32, max_draft_tokens=0)).json()
+    assert off["choices"][0]["message"]["content"] == answer
+    assert off["usage"]["accepted_by_position"] == [] and off["usage"]["tokens_per_pass"] == 1.0
+    one = post(running, ask(q, max_tokens=32, max_draft_tokens=1)).json()
+    assert one["choices"][0]["message"]["content"] == answer and len(one["usage"]["accepted_by_position"]) <= 1
+    assert post(running, ask(q, max_draft_tokens=-1)).status_code == 400
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """A sample's value from Prometheus' text format (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_what_the_requests_report():
+    with Running() as r:
+        usages = [post(r, ask(q, max_tokens=24)).json()["usage"] for q in QUESTIONS[:4]]
+        assert idle(r)
+        got = httpx.get(r.url + "/metrics", timeout=10)
+        assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+        text = got.text
+        assert metric(text, "medusa:request_success_total", finished_reason="length") + metric(
+            text, "medusa:request_success_total", finished_reason="eos") == 4
+        assert metric(text, "medusa:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+        assert metric(text, "medusa:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+        deepest = max(len(u["accepted_by_position"]) for u in usages)
+        for position in range(1, deepest + 1):
+            assert metric(text, "medusa:spec_decode_num_accepted_tokens_per_pos_total", position=position) == sum(
+                u["accepted_by_position"][position - 1] for u in usages if len(u["accepted_by_position"]) >= position)
+        accepted = metric(text, "medusa:spec_decode_num_accepted_tokens_total")
+        assert accepted == sum(sum(u["accepted_by_position"]) for u in usages)
+        assert metric(text, "medusa:spec_decode_num_draft_tokens_total") >= accepted
+        assert metric(text, "medusa:num_requests_running") == 0
+        assert metric(text, "medusa:time_to_first_token_seconds_count") == 4

@@ -26,11 +26,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from medusa.decoding.engine import Decoding, Engine
 from medusa.decoding.generation import GenerationResult
 from medusa.errors import MedusaError
 from medusa.serving.budget import knee, share_rows
+
+if TYPE_CHECKING:
+    from medusa.serving.metrics import Metrics
 
 log = logging.getLogger("medusa.serving")
 
@@ -51,6 +55,7 @@ class Stream:
     :meth:`cancel` (safe from any thread) frees its slot at the scheduler's next turn."""
 
     run: Decoding
+    max_draft: int | None = None  # drafted tokens a step may verify for this request (None: the batch's share)
     submitted: float = field(default_factory=time.perf_counter)
     result: GenerationResult | None = None
     error: BaseException | None = None
@@ -104,7 +109,8 @@ class Scheduler:
     the machine plan's pass costs, :func:`~medusa.serving.budget.knee`). Prompts are prefilled
     :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone."""
 
-    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
+                 metrics: Metrics | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.engine = engine
@@ -117,6 +123,7 @@ class Scheduler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._rates: dict[tuple[int, bool], float] = {}  # (batch size, drafting) -> tokens/s (_drafting)
+        self.metrics = metrics  # medusa.serving.metrics: recorded here, rendered by the server
         self.steps = 0  # batched passes run (for tests and the bench)
         self.max_seen = 0  # the largest batch a pass verified
 
@@ -127,14 +134,18 @@ class Scheduler:
             self._thread.start()
         return self
 
-    def submit(self, input_ids, listener: Callable[[tuple[str, object]], None] | None = None, **kwargs) -> Stream:
+    def submit(self, input_ids, listener: Callable[[tuple[str, object]], None] | None = None,
+               max_draft: int | None = None, **kwargs) -> Stream:
         """Queue a generation (:meth:`Engine.stream`'s arguments, checked here: a bad request
-        raises before it queues; ``listener``: :attr:`Stream.listener`). :class:`Overloaded` when
+        raises before it queues; ``listener``: :attr:`Stream.listener`; ``max_draft``: at most
+        this many drafted tokens verified a step, 0 = no speculation). :class:`Overloaded` when
         the queue is full, :class:`Closed` while shutting down."""
         if kwargs.get("state") is not None:
             raise MedusaError("state= continues a cache a scheduler does not own: submit the whole prompt")
+        if max_draft is not None and (isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 0):
+            raise MedusaError(f"max_draft must be a whole number >= 0 (0: no speculation), got {max_draft!r}")
         run = self.engine.decoding(input_ids, **kwargs)
-        stream = Stream(run, listener=listener)
+        stream = Stream(run, max_draft=max_draft, listener=listener)
         with self._wake:
             if self._closing:
                 raise Closed("the scheduler is shutting down: no new requests")
@@ -180,7 +191,7 @@ class Scheduler:
                 # shared pass itself, which no one request can be blamed for
                 log.exception("medusa: a batched pass failed; the requests in it end with the error")
                 for stream in [s for s, _ in self._prefilling] + self._running:
-                    stream._put("error", MedusaError(f"decoding failed: {exc}"))
+                    self._end(stream, "error", MedusaError(f"decoding failed: {exc}"))
                 self._prefilling, self._running = [], []
 
     def _prefill(self, stream: Stream) -> Iterator:
@@ -190,6 +201,9 @@ class Scheduler:
         yield from chunks
         first = run.first_chunk()
         run.begin()
+        if self.metrics is not None:
+            self.metrics.first_token(time.perf_counter() - stream.submitted, run.stats.prefill_seconds,
+                                     run.stats.prefill_tokens, len(first))
         if first:
             stream._put("tokens", first)
 
@@ -214,6 +228,7 @@ class Scheduler:
             drafting = self._drafting(len(running))
             t0 = time.perf_counter()
             caps = self._caps(running) if drafting else [1 if s.run.sampling.greedy else None for s in running]
+            caps = [_within(cap, s.max_draft) for s, cap in zip(running, caps)]
             for stream, cap in zip(running, caps):
                 try:
                     proposal = stream.run.propose(cap)
@@ -223,7 +238,7 @@ class Scheduler:
                     continue
                 if proposal is None:
                     self._running.remove(stream)
-                    stream._put("done", stream.run.result())
+                    self._end(stream, "done", stream.run.result())
                     continue
                 live.append(stream)
                 proposals.append(proposal)
@@ -236,31 +251,41 @@ class Scheduler:
             seconds = (time.perf_counter() - t1) / len(live)
             self.steps += 1
             self.max_seen = max(self.max_seen, len(live))
-            emitted = 0
-            for stream, outcome in zip(live, outcomes):
+            emitted, drafted, kept = 0, [], []
+            for stream, proposal, outcome in zip(live, proposals, outcomes):
                 stream.run.stats.verify_seconds += seconds
                 try:
-                    chunk, _ = stream.run.advance(outcome)
+                    chunk, accepted = stream.run.advance(outcome)
                 except Exception as exc:  # noqa: BLE001 - this request's own update: it ends alone
                     self._running.remove(stream)
                     self._fail(stream, exc)
                     continue
                 emitted += len(chunk)
+                drafted.append(proposal.tokens.shape[0] - 1)
+                kept.append(accepted)
                 if chunk:
                     stream._put("tokens", chunk)
             self._record(len(running), drafting, emitted / (time.perf_counter() - t0))
+            if self.metrics is not None:
+                self.metrics.step_done(len(live), time.perf_counter() - t0, drafted, kept, emitted)
 
     def _fail(self, stream: Stream, exc: BaseException) -> None:
         """End one request with the error its own work raised; the others go on."""
         log.warning("medusa: a request failed in its own step and ends with the error: %s", exc)
-        stream._put("error", MedusaError(f"decoding failed: {exc}"))
+        self._end(stream, "error", MedusaError(f"decoding failed: {exc}"))
+
+    def _end(self, stream: Stream, kind: str, value: object) -> None:
+        """A request's last event (``done`` with its result, or ``error``), counted."""
+        if self.metrics is not None:
+            self.metrics.ended(value.finish_reason if kind == "done" else None)
+        stream._put(kind, value)
 
     def _finish_if_cancelled(self, stream: Stream) -> bool:
         """End a request cancelled before its prefill finished."""
         if not stream.cancelled:
             return False
         run = stream.run
-        stream._put("done", GenerationResult(tokens=[], stats=run.stats, finish_reason="stopped", state=None))
+        self._end(stream, "done", GenerationResult(tokens=[], stats=run.stats, finish_reason="stopped", state=None))
         return True
 
     def _drafting(self, batch: int) -> bool:
@@ -291,7 +316,7 @@ class Scheduler:
         if len(running) <= 1:
             return [None] * len(running)
         budget = max(self.row_budget, len(running))
-        wanted = [s.run.proposer.max_rows or budget for s in running]
+        wanted = [_within(s.run.proposer.max_rows or budget, s.max_draft) for s in running]
         fixed = [not s.run.sampling.greedy for s in running]
         shares = share_rows(wanted, fixed, budget, offset=self.steps)
         return [None if f else n for n, f in zip(shares, fixed)]
@@ -311,3 +336,10 @@ class Scheduler:
             groups[-1].append(i)
             rows += n
         return groups
+
+
+def _within(cap: int | None, max_draft: int | None) -> int | None:
+    """A step's row cap within a request's own draft limit (the root plus ``max_draft`` rows)."""
+    if max_draft is None:
+        return cap
+    return 1 + max_draft if cap is None else min(cap, 1 + max_draft)

@@ -79,6 +79,8 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     user: StrictStr | None = None
+    # this server's own: at most this many drafted tokens verified a step (0: no speculation)
+    max_draft_tokens: StrictInt | None = Field(None, ge=0)
     # the fields below are accepted at their neutral value only (NEUTRAL)
     presence_penalty: Any = None
     frequency_penalty: Any = None

@@ -27,11 +27,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from medusa.decoding.engine import Engine
 from medusa.decoding.text import TextStream
 from medusa.errors import MedusaError
+from medusa.serving.metrics import Metrics
 from medusa.serving.scheduler import Closed, Overloaded, Scheduler, Stream
 from medusa.serving.schema import BadRequest, ChatRequest, CompletionRequest, Unsupported, parse_body, validate
 from medusa.serving.stops import StopStrings
@@ -72,7 +73,8 @@ class Server:
         # the Host header values served without a key (None: any): a page in the user's browser
         # must not reach a server on 127.0.0.1 by naming another host (DNS rebinding)
         self.hosts = hosts
-        self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+        self.metrics = Metrics(model_name)
+        self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics)
         self.created = int(time.time())
 
     # -- requests -> scheduler arguments -------------------------------------------------
@@ -121,14 +123,20 @@ class Server:
 
     def submit(self, ids: list[int], request: ChatRequest | CompletionRequest, listener) -> Stream:
         n = self._max_tokens(request, len(ids))
-        return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener, **request.sampling())
+        return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener,
+                                     max_draft=request.max_draft_tokens, **request.sampling())
 
     def usage(self, prompt: int, stream: Stream) -> dict:
+        """OpenAI's usage, with the request's speculation: ``tokens_per_pass`` (tau), the steps
+        that verified a draft, and how many drafted tokens were accepted at each position."""
         result = stream.result
         done = 0 if result is None else len(result.tokens)
         tau = 0.0 if result is None or not result.stats.steps else result.stats.tau
+        kept = [] if result is None else [n - 1 for n in result.stats.accepted]  # all but each step's last token
+        deepest = max(kept, default=0)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-                "tokens_per_pass": round(tau, 3)}
+                "tokens_per_pass": round(tau, 3), "passes": 0 if result is None else result.stats.steps,
+                "accepted_by_position": [sum(1 for k in kept if k >= i) for i in range(1, deepest + 1)]}
 
 
 class TooLarge(MedusaError):
@@ -195,6 +203,13 @@ def create_app(server: Server) -> FastAPI:
                 return error(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
                              "invalid_api_key")
         return await call_next(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        load = server.scheduler.load()  # the queue's gauges as of this scrape
+        server.metrics.queue(load["waiting"], load["prefilling"] + load["running"])
+        body, kind = server.metrics.render()
+        return Response(body, media_type=kind)
 
     @app.get("/health")
     async def health():
