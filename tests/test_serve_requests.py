@@ -5,12 +5,14 @@ refused by name (a real server on 127.0.0.1, the real ``openai`` client and http
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+import torch
 from test_serve import QUESTIONS, Running
 
 from medusa.serving.scheduler import Scheduler
@@ -161,7 +163,7 @@ def test_stop_strings_end_the_answer_where_they_start_streamed_or_not(running):
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+                                          ("presence_penalty", 0.5),
                                           ("frequency_penalty", 1), ("logit_bias", {"5": 10}),
                                           ("response_format", {"type": "json_object"}), ("min_tokens", 3),
                                           ("ignore_eos", True), ("frobnicate", 1)])
@@ -267,3 +269,55 @@ def test_metrics_count_what_the_requests_report():
         assert metric(text, "medusa:spec_decode_num_draft_tokens_total") >= accepted
         assert metric(text, "medusa:num_requests_running") == 0
         assert metric(text, "medusa:time_to_first_token_seconds_count") == 4
+
+
+# -- log-probabilities ---------------------------------------------------------------------------
+def reference_logprobs(engine, prompt: list[int], answer: list[int]) -> list[float]:
+    """Each answer token's log-probability from one plain forward pass over prompt + answer."""
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + answer])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+    return logp.gather(1, torch.tensor(answer).view(-1, 1)).view(-1).tolist()
+
+
+def test_chat_logprobs_are_the_target_s_streamed_or_not_and_with_or_without_speculation(running):
+    q, _ = _speculated(running)
+    body = ask(q, max_tokens=24, logprobs=True, top_logprobs=3)
+    out = post(running, body).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    tok = running.engine.tokenizer
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    answer = running.engine.generate(prompt, max_new_tokens=24, temperature=0).tokens
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in answer]
+    assert [e["logprob"] for e in content] == pytest.approx(reference_logprobs(running.engine, prompt, answer), abs=1e-4)
+    for e in content:  # greedy: the chosen token is the likeliest, listed first among its alternatives
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"], abs=1e-6)
+        assert e["bytes"] == list(e["token"].encode())
+    plain = post(running, {**body, "max_draft_tokens": 0}).json()["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in plain] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    streamed = []
+    with httpx.stream("POST", running.url + CHAT, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+
+
+def test_completion_logprobs_list_tokens_offsets_and_alternatives(running):
+    out = post(running, {"prompt": QUESTIONS[2], "max_tokens": 8, "temperature": 0, "logprobs": 2},
+               "/v1/completions").json()
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == out["usage"]["completion_tokens"]
+    assert all(len(alt) <= 2 and max(alt.values()) == pytest.approx(v, abs=1e-6)
+               for alt, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+@pytest.mark.parametrize("extra, said", [({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be <= 20")])
+def test_bad_logprob_requests_are_400(running, extra, said):
+    r = post(running, ask("w5", **extra))
+    assert r.status_code == 400 and said in r.json()["error"]["message"]

@@ -373,7 +373,7 @@ class Engine:
         state.root = acc.next_token
         state.hidden = hidden[last]
         state.logits = logits[last]
-        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side)
+        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side, logits=logits)
 
     def _run(self, run: Decoding) -> Generator[tuple[list[int], int], None, GenerationResult]:
         """The one decode loop: prefill, then propose -> verify -> emit until a stop reason. Each

@@ -53,6 +53,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "eos", "length", "context" or "stopped"
     state: DecodeState | None = None
+    logprobs: list | None = None  # a TokenLogprob per token when asked for (Decoding.want_logprobs)
 
 
 class Generation:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,7 +79,16 @@ class Decoding:
         self.reason: str | None = None
         self.state: DecodeState | None = None
         self.least = min(proposer.min_rows, engine.max_rows or PASS_BUCKETS[-1])
+        # log-probabilities of the emitted tokens, one entry each, when asked for (want_logprobs)
+        self.logprobs: list[TokenLogprob] | None = None
+        self.top_logprobs = 0
         self._t0 = time.perf_counter()
+
+    def want_logprobs(self, top: int = 0) -> None:
+        """Record each emitted token's log-probability under the target (its raw logits, before
+        temperature or filters: what verification computed, so exact under speculation) and the
+        ``top`` likeliest tokens at its position, in :attr:`logprobs`."""
+        self.logprobs, self.top_logprobs = [], top
 
     def prefill(self) -> list[int]:
         """Run the prompt; the first token's chunk (empty if nothing may be emitted)."""
@@ -99,6 +109,8 @@ class Decoding:
         self.stats.prefill_seconds = time.perf_counter() - self._t0
         chunk, self.reason = cut_chunk([int(state.root)], self.engine.eos, self.max_new_tokens)
         state.tokens.append(int(state.root))
+        if self.logprobs is not None and chunk:
+            self.logprobs += token_logprobs(state.logits.view(1, -1), chunk, self.top_logprobs)
         self.emitted += chunk
         self.stats.new_tokens = len(self.emitted)
         return chunk
@@ -124,6 +136,9 @@ class Decoding:
         self.proposer.update(self.state, outcome)
         self.stats.update_seconds += time.perf_counter() - t3
         chunk, self.reason = cut_chunk(outcome.tokens, self.engine.eos, self.max_new_tokens - len(self.emitted))
+        if self.logprobs is not None and chunk:
+            rows = outcome.logits[torch.tensor(outcome.nodes[: len(chunk)], device=outcome.logits.device)]
+            self.logprobs += token_logprobs(rows, chunk, self.top_logprobs)
         self.emitted += chunk
         self.stats.steps += 1
         self.stats.accepted.append(len(chunk))  # emitted only: what EOS or the length limit cut is not counted
@@ -136,7 +151,7 @@ class Decoding:
         self._trim(len(self.ids) + len(self.emitted))
         self.stats.seconds = time.perf_counter() - self._t0
         return GenerationResult(tokens=self.emitted, stats=self.stats, finish_reason=self.reason or "stopped",
-                                state=self.state)
+                                state=self.state, logprobs=self.logprobs)
 
     def _stop_reason(self) -> str | None:
         """Why the loop must stop before the next step (None: go on)."""
@@ -156,6 +171,29 @@ class Decoding:
             state.length = len(state.tokens) - 1
             kv.crop(state.cache, state.length)
         state.valid, state.budget = state.length, None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target, and the ``top`` likeliest tokens at
+    its position with theirs (``(token, logprob)``, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """``logits`` ``[n, V]`` (row ``i`` chose ``tokens[i]``) -> each token's log-probability and the
+    ``top`` alternatives, read back in one host sync."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).view(-1, 1)).view(-1)
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    chosen = chosen.tolist()
+    return [TokenLogprob(t, chosen[i], tuple(zip(ids[i], values[i])) if top else ())
+            for i, t in enumerate(tokens)]
 
 
 def cut_chunk(chunk: list[int], eos: Collection[int], room: int) -> tuple[list[int], str | None]:

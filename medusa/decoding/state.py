@@ -94,13 +94,16 @@ class DecodeState:
 class StepOutcome:
     """What one verified step accepted: tree ``nodes`` kept (root first), the new
     ``tokens`` emitted, every node's ``hidden`` ``[N, H]`` and the cache length before;
-    ``side_logits`` ``[E, V]``: the target's logits at the proposal's side rows, if it had any."""
+    ``side_logits`` ``[E, V]``: the target's logits at the proposal's side rows, if it had any;
+    ``logits`` ``[N, V]``: the target's logits at every node (token ``i`` was chosen at node
+    ``nodes[i]``), for the log-probabilities a request may ask for."""
 
     nodes: list[int]
     tokens: list[int]
     hidden: torch.Tensor
     start: int
     side_logits: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

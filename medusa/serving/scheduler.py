@@ -135,16 +135,19 @@ class Scheduler:
         return self
 
     def submit(self, input_ids, listener: Callable[[tuple[str, object]], None] | None = None,
-               max_draft: int | None = None, **kwargs) -> Stream:
+               max_draft: int | None = None, logprobs: int | None = None, **kwargs) -> Stream:
         """Queue a generation (:meth:`Engine.stream`'s arguments, checked here: a bad request
         raises before it queues; ``listener``: :attr:`Stream.listener`; ``max_draft``: at most
-        this many drafted tokens verified a step, 0 = no speculation). :class:`Overloaded` when
+        this many drafted tokens verified a step, 0 = no speculation; ``logprobs``: record each token's
+        log-probability and this many alternatives, :meth:`Decoding.want_logprobs`). :class:`Overloaded` when
         the queue is full, :class:`Closed` while shutting down."""
         if kwargs.get("state") is not None:
             raise MedusaError("state= continues a cache a scheduler does not own: submit the whole prompt")
         if max_draft is not None and (isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 0):
             raise MedusaError(f"max_draft must be a whole number >= 0 (0: no speculation), got {max_draft!r}")
         run = self.engine.decoding(input_ids, **kwargs)
+        if logprobs is not None:
+            run.want_logprobs(logprobs)
         stream = Stream(run, max_draft=max_draft, listener=listener)
         with self._wake:
             if self._closing:
@@ -210,19 +213,7 @@ class Scheduler:
     def _turn(self) -> None:
         engine = self.engine
         with engine._lock, engine._kernels:
-            for stream, chunks in self._prefilling[:1]:  # one prompt's chunk per turn
-                if self._finish_if_cancelled(stream):
-                    self._prefilling.remove((stream, chunks))
-                    continue
-                try:
-                    prefilled = next(chunks, StopIteration) is StopIteration
-                except Exception as exc:  # noqa: BLE001 - this request's own prefill: it ends alone
-                    self._prefilling.remove((stream, chunks))
-                    self._fail(stream, exc)
-                    continue
-                if prefilled:
-                    self._prefilling.remove((stream, chunks))
-                    self._running.append(stream)
+            self._prefill_chunk()
             live, proposals = [], []
             running = list(self._running)
             drafting = self._drafting(len(running))
@@ -268,6 +259,22 @@ class Scheduler:
             self._record(len(running), drafting, emitted / (time.perf_counter() - t0))
             if self.metrics is not None:
                 self.metrics.step_done(len(live), time.perf_counter() - t0, drafted, kept, emitted)
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of the first waiting prompt's prefill (one a turn: running streams go on)."""
+        for stream, chunks in self._prefilling[:1]:
+            if self._finish_if_cancelled(stream):
+                self._prefilling.remove((stream, chunks))
+                continue
+            try:
+                prefilled = next(chunks, StopIteration) is StopIteration
+            except Exception as exc:  # noqa: BLE001 - this request's own prefill: it ends alone
+                self._prefilling.remove((stream, chunks))
+                self._fail(stream, exc)
+                continue
+            if prefilled:
+                self._prefilling.remove((stream, chunks))
+                self._running.append(stream)
 
     def _fail(self, stream: Stream, exc: BaseException) -> None:
         """End one request with the error its own work raised; the others go on."""

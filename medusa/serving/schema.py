@@ -59,8 +59,7 @@ class Message(BaseModel):
 
 # Fields clients send whose neutral value changes nothing: accepted at that value, refused otherwise.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
-    "top_logprobs": (0,), "echo": (False,), "min_tokens": (0,), "ignore_eos": (False,), "tools": ([],),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,), "min_tokens": (0,), "ignore_eos": (False,), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (False, True), "best_of": (1,), "suffix": ("",),
     "response_format": ({"type": "text"},),
 }
@@ -85,8 +84,6 @@ class _Request(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     min_tokens: Any = None
     ignore_eos: Any = None
     response_format: Any = None
@@ -117,13 +114,25 @@ class _Request(_Strict):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    def wants_logprobs(self) -> int | None:
+        """How many alternatives per token to report with its log-probability (None: no logprobs)."""
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+    def wants_logprobs(self) -> int | None:
+        return self.logprobs
 
     def one_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a list of several prompts is refused (one choice a request)."""

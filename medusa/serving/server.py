@@ -83,6 +83,7 @@ class Server:
         the field otherwise). Tokenizing a long prompt takes a while: the server calls this in a
         worker thread, not on the event loop."""
         request = validate(body, chat)
+        request.wants_logprobs()  # its own checks (top_logprobs without logprobs)
         if request.model is not None and request.model != self.model_name:
             raise BadRequest(f"unknown model {request.model!r}: this server serves {self.model_name!r} (GET /v1/models)")
         ids = self.chat_prompt(request) if chat else self.text_prompt(request)
@@ -124,7 +125,8 @@ class Server:
     def submit(self, ids: list[int], request: ChatRequest | CompletionRequest, listener) -> Stream:
         n = self._max_tokens(request, len(ids))
         return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener,
-                                     max_draft=request.max_draft_tokens, **request.sampling())
+                                     max_draft=request.max_draft_tokens, logprobs=request.wants_logprobs(),
+                                     **request.sampling())
 
     def usage(self, prompt: int, stream: Stream) -> dict:
         """OpenAI's usage, with the request's speculation: ``tokens_per_pass`` (tau), the steps
@@ -251,7 +253,7 @@ async def _complete(server: Server, request: Request, chat: bool):
     except MedusaError as exc:
         return error(400, str(exc))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    text = Text(server.engine.tokenizer, checked.stops())
+    text = Text(server.engine.tokenizer, checked.stops(), checked.wants_logprobs(), chat)
     if checked.stream:
         usage_chunk = checked.stream_options is not None and checked.stream_options.include_usage
         return StreamingResponse(_sse(server, stream, events, text, rid, chat, len(ids), usage_chunk),
@@ -260,23 +262,55 @@ async def _complete(server: Server, request: Request, chat: bool):
     if not isinstance(content, str):
         return content  # an error response
     reason = text.finish(stream)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
-              if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": text.take_logprobs(),
+               "finish_reason": reason}
+              if chat else {"index": 0, "text": content, "logprobs": text.take_logprobs(), "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": server.model_name, "choices": [choice], "usage": server.usage(len(ids), stream)}
 
 
 class Text:
-    """A request's answer as text: token ids decoded as they arrive, cut at the first stop string."""
+    """A request's answer as text: token ids decoded as they arrive, cut at the first stop string;
+    with ``logprobs`` (alternatives per token, or None), the tokens' log-probabilities in
+    OpenAI's chat or completions shape, handed out with the text they belong to."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.decoder, self.stops = TextStream(tokenizer), StopStrings(stops)
+    def __init__(self, tokenizer, stops: list[str], logprobs: int | None = None, chat: bool = True) -> None:
+        self.tokenizer, self.decoder, self.stops = tokenizer, TextStream(tokenizer), StopStrings(stops)
+        self.logprobs, self.chat = logprobs, chat
+        self.seen, self.pending, self.offset = 0, [], 0
 
     def push(self, ids: list[int], stream: Stream) -> str:
+        if self.stops.matched:
+            return ""  # tokens decoded after the stop string, before the cancel took effect
+        if self.logprobs is not None:
+            self.pending += stream.run.logprobs[self.seen: self.seen + len(ids)]
+            self.seen += len(ids)
         piece = self.stops.push(self.decoder.push(ids))
         if self.stops.matched:
             stream.cancel()  # the answer ends here: the slot frees at the next step
         return piece
+
+    def take_logprobs(self) -> dict | None:
+        """The pending tokens' log-probabilities as a choice's ``logprobs`` (None unless asked for)."""
+        if self.logprobs is None:
+            return None
+        entries, self.pending = self.pending, []
+        word = self._word
+        if self.chat:
+            return {"content": [{**word(e.token, e.logprob),
+                                 "top_logprobs": [word(t, lp) for t, lp in e.top]} for e in entries]}
+        tokens = [self.tokenizer.decode([e.token]) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.tokenizer.decode([t]): lp for t, lp in e.top} for e in entries]
+                if self.logprobs else None, "text_offset": offsets}
+
+    def _word(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def flush(self) -> str:
         return self.stops.push(self.decoder.flush()) + self.stops.flush()
@@ -318,11 +352,12 @@ async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: Text
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str | None, reason: str | None, first: bool = False) -> str:
+        logprobs = None if first else text.take_logprobs()  # the tokens this piece's text came from
         if chat:
             delta = {"role": "assistant", "content": piece or ""} if first else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
         return f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': server.model_name, 'choices': [choice]})}\n\n"
 
     try:
