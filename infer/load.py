@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.bench.soak import Soak
 from medusa.errors import MedusaError
 from medusa.peers import vllm_server
 from medusa.serving.loadgen import interference, run_load, versus, wait_ready
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt", type=int, default=0, metavar="WORDS",
                    help="also send a prompt of about this many words while 3 streams run, and report their "
                         "inter-token latency before and during its prefill (0: skip)")
+    p.add_argument("--soak", type=int, default=0, metavar="N",
+                   help="instead of the concurrency levels, N mixed requests from 16 clients (greedy, sampled, stop, "
+                        "logprobs, cancelled, malformed, oversized, bursts past a queue of 8): every answer checked "
+                        "against the request alone, the server idle afterwards (medusa/bench/soak.py; 0: off)")
     p.add_argument("--json", help="write every row (and the answers' agreement) here")
     p.add_argument("--plot", help="write a PNG of total tokens/s against concurrency here")
     return p
@@ -90,7 +95,7 @@ def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.P
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if server in ("medusa", "medusa-baseline"):
         cmd = [sys.executable, "-m", "infer.serve", "--port", str(args.port), "--max-batch", str(args.max_batch),
-               "--max-queue", "256", "--log-level", "warning"]
+               "--max-queue", "8" if args.soak else "256", "--log-level", "warning"]
         if server == "medusa-baseline":
             cmd += ["--mode", "baseline"]
     elif server == "llama-server":
@@ -147,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         for server in args.servers.split(","):
             url, model, proc = start(server, args)
             try:
+                if args.soak:
+                    report = Soak(url, model, prompts, args.max_tokens, pid=proc.pid if proc else None).run(args.soak)
+                    rows.append({"server": server, "soak": report.as_dict()})
+                    print("\n".join(f"{server}: {line}" for line in report.lines()), flush=True)
+                    continue
                 for c in levels:
                     result = run_load(url, model, prompts, c, args.max_tokens)
                     texts[(server, c)] = result.texts
@@ -166,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.soak:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts}, indent=1))
+        return 0 if all(not row["soak"]["failures"] and row["soak"]["idle_after"] for row in rows) else 1
     first = {s: texts[(s, levels[0])] for s, _ in texts}
     for row in rows:  # the same answers at every concurrency, and as the first server's
         if "concurrency" not in row:
