@@ -163,10 +163,8 @@ def test_stop_strings_end_the_answer_where_they_start_streamed_or_not(running):
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("presence_penalty", 0.5),
-                                          ("frequency_penalty", 1), ("logit_bias", {"5": 10}),
-                                          ("response_format", {"type": "json_object"}), ("min_tokens", 3),
-                                          ("ignore_eos", True), ("frobnicate", 1)])
+                                          ("response_format", {"type": "json_object"}), ("echo", True),
+                                          ("frobnicate", 1)])
 def test_fields_the_server_does_not_implement_are_refused_by_name(running, field, value):
     r = post(running, ask("w5", **{field: value}))
     message = r.json()["error"]["message"]
@@ -176,7 +174,7 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(running, field
 
 def test_neutral_values_of_those_fields_are_accepted(running):
     r = post(running, ask("w5", max_tokens=4, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
-                          logprobs=False, response_format={"type": "text"}, user="someone"))
+                          logprobs=False, response_format={"type": "text"}, user="someone", tools=[]))
     assert r.status_code == 200, r.text
 
 
@@ -321,3 +319,58 @@ def test_completion_logprobs_list_tokens_offsets_and_alternatives(running):
 def test_bad_logprob_requests_are_400(running, extra, said):
     r = post(running, ask("w5", **extra))
     assert r.status_code == 400 and said in r.json()["error"]["message"]
+
+
+# -- the target's distribution adjusted ----------------------------------------------------------
+def penalized_greedy(engine, prompt: list[int], n: int, presence=0.0, frequency=0.0, bias=None, min_tokens=0):
+    """Plain greedy decoding, one full forward pass a token, with vLLM's penalties written out."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([ids])).logits[0, -1].float()
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        for t, v in (bias or {}).items():
+            logits[t] += v
+        if len(out) < min_tokens:
+            logits[list(engine.eos)] = float("-inf")
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+        if out[-1] in engine.eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lookup", None])
+def test_penalties_choose_the_penalized_greedy_tokens_in_every_mode_alone_and_batched(running, mode):
+    from medusa.decoding.penalties import Penalties
+
+    engine = running.engine
+    prompts = [engine.tokenizer(q)["input_ids"] for q in QUESTIONS[:3]]
+    settings = [dict(presence=0.6, frequency=0.4), dict(frequency=1.5), dict(presence=-0.5, bias={7: 2.5})]
+    sched = Scheduler(engine, max_batch=3).start()
+    try:
+        streams = [sched.submit(p, max_new_tokens=20, temperature=0, mode=mode,
+                                penalties=Penalties(presence=s.get("presence", 0.0), frequency=s.get("frequency", 0.0),
+                                                    bias=tuple((s.get("bias") or {}).items())))
+                   for p, s in zip(prompts, settings)]
+        got = [s.wait().tokens for s in streams]
+    finally:
+        sched.close(timeout=60)
+    want = [penalized_greedy(engine, p, 20, **s) for p, s in zip(prompts, settings)]
+    assert got == want
+    assert got[1] != engine.generate(prompts[1], max_new_tokens=20, temperature=0).tokens  # the penalty mattered
+
+
+def test_logit_bias_min_tokens_and_ignore_eos_through_the_server(running):
+    eos = min(running.engine.eos)
+    forced = post(running, ask(QUESTIONS[0], max_tokens=6, logit_bias={"9": 100}, logprobs=True)).json()
+    assert [e["token"] for e in forced["choices"][0]["logprobs"]["content"]] == [running.engine.tokenizer.decode([9])] * 6
+    held = post(running, ask(QUESTIONS[0], max_tokens=12, logit_bias={str(eos): 100}, min_tokens=5)).json()
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+    ignored = post(running, ask(QUESTIONS[0], max_tokens=7, logit_bias={str(eos): 100}, ignore_eos=True)).json()
+    assert ignored["usage"]["completion_tokens"] == 7 and ignored["choices"][0]["finish_reason"] == "length"
+    for bad, said in (({"logit_bias": {"x": 1}}, "is not a token id"), ({"logit_bias": {"5": 101}}, "<= 100"),
+                      ({"presence_penalty": 3}, "presence_penalty must be <= 2"), ({"min_tokens": -1}, ">= 0")):
+        r = post(running, ask("w5", **bad))
+        assert r.status_code == 400 and said in r.json()["error"]["message"], r.text

@@ -359,7 +359,10 @@ class Engine:
         """Accept what the target agrees with in ``proposal``'s verified rows (``logits`` ``[N, V]``,
         ``hidden`` ``[N, H]``, already in ``state.cache`` after ``state.length``) and advance ``state``."""
         tree, start = proposal.tree, state.length
-        acc: Accepted = verify(tree, proposal.tokens, logits, state.sampling, state.generator, proposal.q)
+        scored = logits  # [N, V] what verification chooses from: the request's penalties applied
+        if state.penalties is not None:
+            scored = state.penalties.apply(logits, state.tokens[state.prompt_length:], tree, proposal.tokens)
+        acc: Accepted = verify(tree, proposal.tokens, scored, state.sampling, state.generator, proposal.q)
         # The step's single host sync: path, accepted length, next token and node tokens.
         d = tree.leaves.shape[1]
         flat = torch.cat([acc.length.view(1), acc.next_token.view(1), acc.path, proposal.tokens[acc.path.clamp(min=0)]]).tolist()

@@ -7,13 +7,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from medusa.decoding.generation import GenerationResult, GenerationStats
 from medusa.decoding.passes.strategies import PASS_BUCKETS, PassStrategy
+from medusa.decoding.penalties import Penalties
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
 from medusa.runtime import hf as kv
@@ -25,10 +26,12 @@ Engine = Any
 @torch.inference_mode()
 def prefill_chunks(engine: Engine, ids: list[int], state: DecodeState | None, stats: GenerationStats,
                     sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None,
-                    ) -> Generator[None, None, DecodeState]:
+                    penalties: Penalties | None = None) -> Generator[None, None, DecodeState]:
     """The prefill, one pass of at most :attr:`Engine.prefill_chunk` prompt tokens per ``next`` (a
     scheduler runs other sequences' steps between them); returns the new state. Alone and in
-    a scheduler a prompt is cut at the same places, so its cache holds the same values."""
+    a scheduler a prompt is cut at the same places, so its cache holds the same values.
+    ``penalties``: the request's adjustments, applied to the first token's choice and kept in
+    the state for the steps'."""
     passes = passes or engine.passes  # compile="auto" picks per generation (PassStrategy.for_generation)
     cache, start, share = None, 0, CacheShare()
     if state is not None and kv.is_static(state.cache) == passes.static:
@@ -56,10 +59,12 @@ def prefill_chunks(engine: Engine, ids: list[int], state: DecodeState | None, st
         hiddens.append(hidden)
     hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)  # [n, H]
     generator = sampling.generator(engine.device)
-    root = next_token(logits[-1], sampling, generator)
+    scored = logits[-1] if penalties is None else penalties.apply(logits[-1:], [])[0]
+    root = next_token(scored, sampling, generator)
     new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
                             logits=logits[-1], sampling=sampling, generator=generator, prefill_hidden=hidden,
-                            share=share, carry={} if state is None else dict(state.carry))
+                            share=share, carry={} if state is None else dict(state.carry), penalties=penalties,
+                            prompt_length=len(ids))
     share.take(new_state, start)
     return new_state
 
@@ -82,7 +87,20 @@ class Decoding:
         # log-probabilities of the emitted tokens, one entry each, when asked for (want_logprobs)
         self.logprobs: list[TokenLogprob] | None = None
         self.top_logprobs = 0
+        self.penalties: Penalties | None = None  # adjust()
+        self.eos = engine.eos  # the tokens that end the answer (none with ignore_eos)
         self._t0 = time.perf_counter()
+
+    def adjust(self, penalties: Penalties | None = None, ignore_eos: bool = False) -> None:
+        """Before the prefill: choose every token from the target's distribution adjusted by
+        ``penalties`` (medusa/decoding/penalties.py; its ``min_tokens`` holds this run's EOS
+        tokens back); with ``ignore_eos``, an EOS token does not end the answer."""
+        if penalties is not None and penalties.min_tokens and not penalties.eos:
+            penalties = replace(penalties, eos=tuple(sorted(self.engine.eos)))
+        if penalties is not None and penalties.active:
+            self.penalties = penalties
+        if ignore_eos:
+            self.eos = frozenset()
 
     def want_logprobs(self, top: int = 0) -> None:
         """Record each emitted token's log-probability under the target (its raw logits, before
@@ -101,13 +119,13 @@ class Decoding:
         engine = self.engine
         passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
         self.state = yield from prefill_chunks(engine, self.ids, self.prior, self.stats, self.sampling,
-                                                       self.max_new_tokens, passes)
+                                                       self.max_new_tokens, passes, self.penalties)
 
     def first_chunk(self) -> list[int]:
         """After the prefill: the first token, cut by EOS or the length limit."""
         state = self.state
         self.stats.prefill_seconds = time.perf_counter() - self._t0
-        chunk, self.reason = cut_chunk([int(state.root)], self.engine.eos, self.max_new_tokens)
+        chunk, self.reason = cut_chunk([int(state.root)], self.eos, self.max_new_tokens)
         state.tokens.append(int(state.root))
         if self.logprobs is not None and chunk:
             self.logprobs += token_logprobs(state.logits.view(1, -1), chunk, self.top_logprobs)
@@ -135,7 +153,7 @@ class Decoding:
         t3 = time.perf_counter()
         self.proposer.update(self.state, outcome)
         self.stats.update_seconds += time.perf_counter() - t3
-        chunk, self.reason = cut_chunk(outcome.tokens, self.engine.eos, self.max_new_tokens - len(self.emitted))
+        chunk, self.reason = cut_chunk(outcome.tokens, self.eos, self.max_new_tokens - len(self.emitted))
         if self.logprobs is not None and chunk:
             rows = outcome.logits[torch.tensor(outcome.nodes[: len(chunk)], device=outcome.logits.device)]
             self.logprobs += token_logprobs(rows, chunk, self.top_logprobs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from medusa.decoding.penalties import Penalties
 from medusa.decoding.sampling import SamplingConfig
 from medusa.decoding.tree import TreeBuffers
 from medusa.errors import MedusaError
@@ -84,6 +85,10 @@ class DecodeState:
     valid: int = 0
     share: CacheShare | None = None
     carry: dict[str, object] = field(default_factory=dict)
+    # a request's adjustments of the target's distribution (medusa/decoding/penalties.py), which
+    # count the answer: the tokens from ``prompt_length`` on
+    penalties: Penalties | None = None
+    prompt_length: int = 0
 
     def max_depth(self, depth: int) -> int:
         """``depth`` capped to what the budget can still emit (``budget - 1`` drafted tokens)."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from medusa.decoding.engine import Decoding, Engine
 from medusa.decoding.generation import GenerationResult
+from medusa.decoding.penalties import Penalties
 from medusa.errors import MedusaError
 from medusa.serving.budget import knee, share_rows
 
@@ -135,11 +136,13 @@ class Scheduler:
         return self
 
     def submit(self, input_ids, listener: Callable[[tuple[str, object]], None] | None = None,
-               max_draft: int | None = None, logprobs: int | None = None, **kwargs) -> Stream:
+               max_draft: int | None = None, logprobs: int | None = None, penalties: Penalties | None = None,
+               ignore_eos: bool = False, **kwargs) -> Stream:
         """Queue a generation (:meth:`Engine.stream`'s arguments, checked here: a bad request
         raises before it queues; ``listener``: :attr:`Stream.listener`; ``max_draft``: at most
         this many drafted tokens verified a step, 0 = no speculation; ``logprobs``: record each token's
-        log-probability and this many alternatives, :meth:`Decoding.want_logprobs`). :class:`Overloaded` when
+        log-probability and this many alternatives, :meth:`Decoding.want_logprobs`; ``penalties``,
+        ``ignore_eos``: :meth:`Decoding.adjust`). :class:`Overloaded` when
         the queue is full, :class:`Closed` while shutting down."""
         if kwargs.get("state") is not None:
             raise MedusaError("state= continues a cache a scheduler does not own: submit the whole prompt")
@@ -148,6 +151,7 @@ class Scheduler:
         run = self.engine.decoding(input_ids, **kwargs)
         if logprobs is not None:
             run.want_logprobs(logprobs)
+        run.adjust(penalties, ignore_eos)
         stream = Stream(run, max_draft=max_draft, listener=listener)
         with self._wake:
             if self._closing:

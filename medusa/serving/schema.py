@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
+from medusa.decoding.penalties import Penalties
 from medusa.decoding.sampling import SEED_RANGE
 from medusa.errors import MedusaError
 from medusa.serving.stops import MAX_STOPS
@@ -59,7 +60,7 @@ class Message(BaseModel):
 
 # Fields clients send whose neutral value changes nothing: accepted at that value, refused otherwise.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,), "min_tokens": (0,), "ignore_eos": (False,), "tools": ([],),
+    "echo": (False,), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (False, True), "best_of": (1,), "suffix": ("",),
     "response_format": ({"type": "text"},),
 }
@@ -80,12 +81,13 @@ class _Request(_Strict):
     user: StrictStr | None = None
     # this server's own: at most this many drafted tokens verified a step (0: no speculation)
     max_draft_tokens: StrictInt | None = Field(None, ge=0)
+    # the target's distribution adjusted (medusa/decoding/penalties.py; vLLM's meaning of each)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100)]] | None = None
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    ignore_eos: StrictBool | None = None
     # the fields below are accepted at their neutral value only (NEUTRAL)
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
-    ignore_eos: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -101,6 +103,18 @@ class _Request(_Strict):
 
     def stops(self) -> list[str]:
         return list(self.stop or [])
+
+    def penalties(self, vocab: int) -> Penalties | None:
+        """The request's adjustments of the target's distribution (None: none asked for);
+        ``logit_bias`` keys are token ids, as strings (JSON object keys), below ``vocab``."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise BadRequest(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})")
+            bias.append((int(key), float(value)))
+        penalties = Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0,
+                              bias=tuple(bias), min_tokens=self.min_tokens or 0)
+        return penalties if (penalties.presence or penalties.frequency or bias or penalties.min_tokens) else None
 
     def sampling(self) -> dict:
         """The scheduler's sampling arguments (unset fields keep the engine's defaults: greedy

@@ -75,6 +75,7 @@ class Server:
         self.hosts = hosts
         self.metrics = Metrics(model_name)
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics)
+        self.vocab = engine.model.get_input_embeddings().num_embeddings
         self.created = int(time.time())
 
     # -- requests -> scheduler arguments -------------------------------------------------
@@ -84,6 +85,7 @@ class Server:
         worker thread, not on the event loop."""
         request = validate(body, chat)
         request.wants_logprobs()  # its own checks (top_logprobs without logprobs)
+        request.penalties(self.vocab)  # and logit_bias's token ids
         if request.model is not None and request.model != self.model_name:
             raise BadRequest(f"unknown model {request.model!r}: this server serves {self.model_name!r} (GET /v1/models)")
         ids = self.chat_prompt(request) if chat else self.text_prompt(request)
@@ -102,9 +104,8 @@ class Server:
         prompt = request.one_prompt()
         if isinstance(prompt, str):
             return list(self.engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        vocab = self.engine.model.config.get_text_config().vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise BadRequest(f"prompt: token ids must be in [0, {vocab}) for {self.model_name}")
+        if any(not 0 <= t < self.vocab for t in prompt):
+            raise BadRequest(f"prompt: token ids must be in [0, {self.vocab}) for {self.model_name}")
         return list(prompt)
 
     def _max_tokens(self, request: ChatRequest | CompletionRequest, prompt: int) -> int:
@@ -126,6 +127,7 @@ class Server:
         n = self._max_tokens(request, len(ids))
         return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener,
                                      max_draft=request.max_draft_tokens, logprobs=request.wants_logprobs(),
+                                     penalties=request.penalties(self.vocab), ignore_eos=bool(request.ignore_eos),
                                      **request.sampling())
 
     def usage(self, prompt: int, stream: Stream) -> dict:
