@@ -131,8 +131,8 @@ class Server:
                                      **request.sampling())
 
     def usage(self, prompt: int, stream: Stream) -> dict:
-        """OpenAI's usage, with the request's speculation: ``tokens_per_pass`` (tau), the steps
-        that verified a draft, and how many drafted tokens were accepted at each position."""
+        """OpenAI's usage, with the request's speculation: ``tokens_per_pass`` (tau), ``passes``
+        (target passes after the prefill) and how many steps kept a drafted token at each position."""
         result = stream.result
         done = 0 if result is None else len(result.tokens)
         tau = 0.0 if result is None or not result.stats.steps else result.stats.tau
