@@ -18,7 +18,6 @@ Medusa heads get a static tree; eagle heads get the size of their per-step dynam
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -83,7 +82,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
     record = read_calibration(path)
-    record.setdefault("dynamic", {})[device] = {**dataclasses.asdict(size), "hybrid": dataclasses.asdict(hybrid)}
+    record.setdefault("dynamic", {})[device] = {**size.as_dict(), "hybrid": hybrid.as_dict()}
     del record["dynamic"][device]["chain"]
     record.setdefault("measured", {})[device] = {
         "expected_tokens_per_pass": expected, "tokens_per_second": tps, "cost_ms": {str(k): v for k, v in cost.items()},

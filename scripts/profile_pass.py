@@ -1,6 +1,7 @@
 """Where does one target pass go? Time per op class against this machine's memory bandwidth.
 
     python scripts/profile_pass.py [--model M] [--rows 1,16] [--prefix 200] [--reps 30] [--json OUT]
+    python scripts/profile_pass.py --prefix 256,1024,2048,4096,8192 --rows 1,8,16 --no-engine   # by context
 
 For each pass size (a one-token pass is plain decoding's whole step; 16 rows a tree), the pass
 runs the way the engine runs it eagerly (the machine plan's dtype and linear kernels, its KV
@@ -15,7 +16,11 @@ cache after a ``--prefix``-token prompt) and reports:
   that implies, beside the copy and read bandwidth measured here on a buffer larger than the
   caches.
 
-Then the engine's plain decoding itself (``mode="baseline"``: ms per token over a generation),
+With several ``--prefix`` values (comma-separated) each is profiled on its own cache and a last
+table gives the pass's wall time per context length and row count, and what a row beyond the
+first costs there (docs/performance.md#a-pass-at-long-context).
+
+Then (unless ``--no-engine``) the engine's plain decoding itself (``mode="baseline"``: ms per token over a generation),
 eager and, with ``--compiled``, with compiled passes (``compile=True``; compiling takes minutes
 the first time). docs/performance.md#where-a-pass-goes shows a run.
 """
@@ -50,12 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default=None, type=kernels_arg,
                     help="linear kernels (default: the machine plan's pick)")
     ap.add_argument("--rows", default="1,16", help="pass sizes to profile, comma-separated")
-    ap.add_argument("--prefix", type=count(1), default=200, help="cached tokens before the pass")
+    ap.add_argument("--prefix", type=_counts, default=[200],
+                    help="cached tokens before the pass; several, comma-separated, give the table by context length")
     ap.add_argument("--reps", type=count(3), default=30, help="timed passes per size")
     ap.add_argument("--new-tokens", type=count(8), default=64, help="tokens per generation for the engine rows")
     ap.add_argument("--compiled", action="store_true", help="also time plain decoding with compiled passes")
+    ap.add_argument("--no-engine", action="store_true", help="skip timing the engine's plain decoding")
     ap.add_argument("--json", default=None, help="also write the results as JSON here (default: printed only)")
     return ap
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def bandwidth(megabytes: int = 512, reps: int = 5) -> dict[str, float]:
@@ -167,26 +184,58 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def context_table(result: dict) -> str:
+    """A markdown table: the pass's wall time per context length (rows) and pass size (columns),
+    the attention share of the profiled pass, and the cost of each row beyond the first."""
+    by = result["by_prefix"]
+    sizes = [p["rows"] for p in by[0]["passes"]]
+    head = "| cached tokens | " + " | ".join(f"{n} row(s) ms (attention)" for n in sizes)
+    extra = [n for n in sizes if n > 1]
+    head += "".join(f" | ms per extra row at {n}" for n in extra) + " |"
+    lines = [head, "|---|" + "---|" * (len(sizes) + len(extra))]
+    for entry in by:
+        passes = {p["rows"]: p for p in entry["passes"]}
+        cells = [f"{p['wall_ms']:.2f} ({p['ms']['attention'] / p['profiled_ms']:.0%})" for p in entry["passes"]]
+        one = passes.get(1)
+        cells += [f"{(passes[n]['wall_ms'] - one['wall_ms']) / (n - 1):.2f}" if one else "" for n in extra]
+        lines.append(f"| {entry['prefix']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     engine = medusa.load(model=args.model, kernels=args.kernels)
     model = engine.model
     result = {"machine": {"threads": torch.get_num_threads(), "dtype": str(model.dtype), "torch": torch.__version__,
                           "plan": engine.describe()},
-              "bandwidth": bandwidth(), "bytes": {**weight_bytes(model), "attention": kv_bytes(model, args.prefix)},
-              "passes": []}
+              "bandwidth": bandwidth(), "by_prefix": []}
+    longest = kv.text_config(model).max_position_embeddings
+    if max(args.prefix) + max(int(r) for r in args.rows.split(",")) > longest:
+        raise SystemExit(f"--prefix {max(args.prefix)} plus the rows is past the model's {longest} positions: "
+                         "give shorter prefixes")
     with torch.inference_mode(), kernel_scope(model, engine.plan.kernels):
-        cache = kv.new_cache()
-        kv.forward(model, torch.randint(100, 10000, (1, args.prefix)), torch.arange(args.prefix)[None], cache, None)
-        for rows in (int(r) for r in args.rows.split(",")):
-            result["passes"].append(profile_size(model, cache, args.prefix, rows, args.reps))
-    result["engine_ms_per_token"] = {"eager": engine_ms_per_token(engine, args.new_tokens)}
+        for prefix in args.prefix:
+            cache = kv.new_cache()
+            kv.forward(model, torch.randint(100, 10000, (1, prefix)), torch.arange(prefix)[None], cache, None,
+                       logits_rows=slice(-1, None))
+            passes = [profile_size(model, cache, prefix, int(r), args.reps) for r in args.rows.split(",")]
+            result["by_prefix"].append({"prefix": prefix, "passes": passes,
+                                        "bytes": {**weight_bytes(model), "attention": kv_bytes(model, prefix)}})
+            del cache
+    first = result["by_prefix"][0]
+    result.update(passes=first["passes"], bytes=first["bytes"])  # the first prefix's op table
+    result["engine_ms_per_token"] = {} if args.no_engine else {"eager": engine_ms_per_token(engine, args.new_tokens)}
     if args.compiled:
         compiled = medusa.load(model=args.model, kernels=args.kernels, compile=True)
         result["engine_ms_per_token"]["compiled"] = engine_ms_per_token(compiled, args.new_tokens)
     bw = result["bandwidth"]
     print(f"{model.dtype}, {torch.get_num_threads()} threads; copy {bw['copy_gbs']:.1f} GB/s, read {bw['read_gbs']:.1f} GB/s")
-    print(table(result))
+    for entry in result["by_prefix"]:
+        print(f"\n{entry['prefix']} cached tokens:")
+        print(table({"passes": entry["passes"], "bytes": entry["bytes"]}))
+    if len(result["by_prefix"]) > 1:
+        print("\nby context length (wall ms, not profiled):")
+        print(context_table(result))
     weights = sum(v for k, v in result["bytes"].items() if k != "attention")
     for name, ms in result["engine_ms_per_token"].items():
         print(f"plain decoding ({name}): {ms:.2f} ms/token = {weights / ms / 1e6:.1f} GB/s of weights")

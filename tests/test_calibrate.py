@@ -1,4 +1,3 @@
-import dataclasses
 import importlib.util
 import json
 from collections import Counter
@@ -153,7 +152,7 @@ def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     assert "--dtype bfloat16" in record["measured"]["cpu-bfloat16"]["command"]
     # random heads accept too little for either curve to pick a tree; give the dtypes other sizes
     fp32, bf16 = DynamicTree(nodes=2, depth=2, topk=1), DynamicTree(nodes=6, depth=3, topk=2)
-    record["dynamic"] = {"cpu": dataclasses.asdict(fp32), "cpu-bfloat16": dataclasses.asdict(bf16)}
+    record["dynamic"] = {"cpu": fp32.as_dict(), "cpu-bfloat16": bf16.as_dict()}
     path.write_text(json.dumps(record))
     for dtype, size in (("float32", fp32), ("bfloat16", bf16)):
         eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype=dtype, kernels="default",
@@ -231,10 +230,10 @@ def test_block_heads_are_calibrated_and_decode_with_the_calibrated_size(tmp_path
     assert record["measured"]["cpu"]["cost_ms"] == {"1": 10.0, "9": 12.0}
     assert set(record["measured"]["cpu"]["curves"])  # one acceptance curve per proposal shape
     size = DynamicTree(nodes=3, depth=3, topk=1)  # random heads pick nothing worth testing: set one
-    record["dynamic"] = {"cpu": dataclasses.asdict(size)}
+    record["dynamic"] = {"cpu": size.as_dict()}
     path.write_text(json.dumps(record))
     eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype="float32", kernels="default",
                       autotune=False)
-    assert eng.heads.dynamic["cpu"] == dataclasses.asdict(size)
+    assert eng.heads.dynamic["cpu"] == size.as_dict()
     proposer = eng.proposer("block")
     assert (proposer.size, proposer.depth, proposer.nodes) == (size, 3, 3)

@@ -24,7 +24,7 @@ import torch
 from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
-from medusa.autotune.sizing import heads_fingerprint, measure_sizes, sizable, sizes_from
+from medusa.autotune.sizing import CONTEXTS, heads_fingerprint, measure_sizes, sizable, sizes_from
 from medusa.decoding.passes.strategies import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
@@ -185,7 +185,7 @@ class Planner:
                 return measure_sizes(lm, heads, kernel_scope(lm, plan.kernels, None, heads), max_rows, sorted(curves))
 
         name = key("sizes", lm.device, lm, _name(lm.dtype), kernels_key(plan.kernels), f"rows {max_rows}",
-                   heads_fingerprint(heads))
+                   heads_fingerprint(heads), f"contexts {','.join(map(str, CONTEXTS))}")
         entry, cached = self.entry(name, ("cost_ms", "draft_ms"), measure)
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))

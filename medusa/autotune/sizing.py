@@ -43,6 +43,12 @@ from medusa.runtime import hf as kv
 
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
+# longer contexts the same passes are timed after: a row attends to every cached token, so the
+# rows beyond the first cost more there (docs/performance.md#a-pass-at-long-context)
+CONTEXTS = (1024, 2048)
+# the context lengths trees are sized for beside PREFIX (the cost between and beyond the timed
+# contexts linear in the length, as attention's is); a size applies from 3/4 of its length on
+LENGTHS = (512, 1024, 2048, 4096)
 # Timed rounds per pass size and per draft shape: enough that sizings in a row on one machine
 # pick the same hybrid tree, which 7 rounds did not (docs/performance.md#where-a-decode-steps-time-goes).
 REPS = 13
@@ -116,12 +122,33 @@ def drafter(heads, device: torch.device, depth: int, topk: int):
 
 def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[int, int]]) -> dict:
     """The timings sizing needs: the target's pass for each of ``SIZES`` (up to ``max_rows``)
+    after ``PREFIX`` cached tokens and after each of ``CONTEXTS`` the model's positions reach,
     and the head's work per draft shape, inside ``scope`` (the engine's linear kernels)."""
     sizes = [n for n in SIZES if n <= (max_rows or SIZES[-1])]
+    longest = getattr(kv.text_config(model), "max_position_embeddings", None) or PREFIX + max(sizes)
     with scope:
         cost = measure_cost(model, sizes, prefix=PREFIX, reps=REPS)
+        by_context = {str(c): {str(n): ms for n, ms in measure_cost(model, sizes, prefix=c, reps=REPS).items()}
+                      for c in CONTEXTS if c + max(sizes) <= longest}
         draft = drafting_ms(heads, model, shapes)
-    return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft}
+    return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft, "cost_by_context": by_context}
+
+
+def cost_at(entry: dict, length: int) -> dict[int, float]:
+    """The pass cost curve after ``length`` cached tokens, from ``entry``'s timings: at a timed
+    context as timed, between two linear in the length, beyond the last along its last segment
+    (attention's cost grows linearly with the tokens it reads), below ``PREFIX`` as at ``PREFIX``;
+    made non-decreasing in the rows (:func:`monotone`)."""
+    timed = {PREFIX: {int(n): ms for n, ms in entry["cost_ms"].items()}}
+    for context, curve in (entry.get("cost_by_context") or {}).items():
+        timed[int(context)] = {int(n): ms for n, ms in curve.items()}
+    contexts = sorted(timed)
+    if length <= contexts[0] or len(contexts) == 1:
+        return monotone(timed[contexts[0]])
+    a, b = next(((x, y) for x, y in zip(contexts, contexts[1:]) if length <= y), tuple(contexts[-2:]))
+    share = (length - a) / (b - a)
+    rows = sorted(set(timed[a]) & set(timed[b]))
+    return monotone({n: max(timed[a][n] + share * (timed[b][n] - timed[a][n]), 1e-6) for n in rows})
 
 
 def heads_fingerprint(heads) -> str:
@@ -149,8 +176,10 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
 
 def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows: int | None,
                compiled: bool, device_type: str = "cpu") -> SizeChoice:
-    """Mode eagle's and mode hybrid's trees from the timings ``entry`` (:func:`measure_sizes`)."""
-    cost = monotone({int(n): ms for n, ms in entry["cost_ms"].items()})
+    """Mode eagle's and mode hybrid's trees from the timings ``entry`` (:func:`measure_sizes`), each
+    with the smaller sizes it switches to at longer contexts (``DynamicTree.longer``, sized from
+    the pass cost there: :func:`cost_at`, within the short context's draft shape)."""
+    cost = cost_at(entry, PREFIX)
     if compiled:
         cost = bucketed(cost)
     draft = entry["draft_ms"]
@@ -158,12 +187,38 @@ def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows:
             for shape, acc in curves.items()}
     eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=max_rows)
     hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=max_rows)
+    if entry.get("cost_by_context"):
+        eagle, hybrid = (by_length(entry, here, size, max_rows, compiled, hybrid=mode)
+                         for size, mode in ((eagle, False), (hybrid, True)))
     reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
               f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
               f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms"
+              + "".join(f", after {c} tokens T(1)={curve[str(1)]:.1f} ms"
+                        for c, curve in sorted(entry.get("cost_by_context", {}).items(), key=lambda kv_: int(kv_[0])))
               + ("; compiled passes padded to their buckets" if compiled else ""))
     lookahead = size_lookahead(cost, device_type, max_rows)
     return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead)
+
+
+def by_length(entry: dict, curves: dict[tuple[int, int], Acceptance], size: DynamicTree, max_rows: int | None,
+              compiled: bool, hybrid: bool) -> DynamicTree:
+    """``size`` (sized at ``PREFIX``) with the sizes it switches to at each of ``LENGTHS``, where
+    they differ: sized from the pass cost at that length, within the size of the length before
+    (``size``'s draft shape, no more nodes, no longer a chain: timing noise never grows a tree
+    back as the context grows), applying from 3/4 of the length on."""
+    longer, last = [], replace(size, longer=())
+    for length in LENGTHS:
+        cost = cost_at(entry, length)
+        if compiled:
+            cost = bucketed(cost)
+        # within the size chosen for the length before: a longer context never gets a larger tree
+        here = choose_dynamic(curves, cost, hybrid=hybrid, max_rows=max_rows, within=last)[0]
+        if size.nodes and not here.nodes:  # no tree: the proposer still drafts the shape, verifies none
+            here = replace(here, depth=size.depth, topk=size.topk)
+        if here != last:
+            longer.append((length * 3 // 4, here))
+            last = here
+    return replace(size, longer=tuple(longer))
 
 
 def bucketed(cost_ms: dict[int, float]) -> dict[int, float]:
@@ -191,4 +246,5 @@ def monotone(cost_ms: dict[int, float]) -> dict[int, float]:
 
 def _describe(size: DynamicTree) -> str:
     tree = "no tree" if size.nodes == 0 else f"{size.nodes} nodes (depth {size.depth}, top-{size.topk})"
-    return tree if size.chain is None else f"{tree} + {size.chain}-token lookup chain"
+    text = tree if size.chain is None else f"{tree} + {size.chain}-token lookup chain"
+    return text + size.describe_longer()

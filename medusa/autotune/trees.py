@@ -265,7 +265,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
 
 
 def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int, float], hybrid: bool = False,
-                   max_rows: int | None = None) -> tuple[DynamicTree, float, float]:
+                   max_rows: int | None = None, within: DynamicTree | None = None) -> tuple[DynamicTree, float, float]:
     """The tree size with the most expected tokens per second, from the acceptance of each
     ``(depth, topk)`` draft shape and the target's pass cost ``T(n)``; ``nodes=0`` (plain
     decoding) when no size beats it. Curves with replayed decoding (:func:`simulate`) are
@@ -273,12 +273,16 @@ def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int,
     hybrid, the lookup chain's length (``chain``) chosen with it from the replay, the rows it
     adds beyond the nodes it shares with the tree paid in the steps where it adds any (older
     curves are sized without a chain). ``max_rows``: the
-    largest pass the engine verifies (root, nodes and chain). Returns the size, its expected
-    tokens per pass and its tokens per second."""
+    largest pass the engine verifies (root, nodes and chain). ``within``: only sizes a proposer
+    built for it can switch to per step (the context-length sizing, medusa/autotune/sizing.py):
+    its draft shape's ``topk``, no deeper, no more nodes, no longer a chain. Returns the size, its
+    expected tokens per pass and its tokens per second."""
     simulated = all(acc.hybrid is not None for acc in curves.values())
     chains = hybrid and simulated
     best = (DynamicTree(nodes=0, depth=1, topk=1, chain=0 if chains else None), 1.0, 1e3 / cost_ms[1])
     for (depth, topk), acc in sorted(curves.items()):
+        if within is not None and within.nodes and (topk != within.topk or depth > within.depth):
+            continue
         if simulated:  # decoding replayed (mode eagle: the chain of length 0)
             tables, shares = (acc.hybrid, acc.chain_share) if chains else (acc.hybrid[:1], acc.chain_share[:1])
         else:
@@ -287,6 +291,8 @@ def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int,
             for n, accepted in enumerate(table):
                 if max_rows is not None and 1 + n + length > max_rows:
                     break
+                if within is not None and (n > within.nodes or length > (within.chain or 0)):
+                    continue
                 rows = acc.rows_added(length, n) if chains else 0.0
                 ms = (1 - share[n]) * interpolate(cost_ms, 1 + n) + share[n] * interpolate(cost_ms, 1 + n + rows)
                 ms += acc.draft_ms if n else 0.0

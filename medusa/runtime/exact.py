@@ -48,6 +48,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from medusa.runtime import grouped
+
 NAME = "medusa_exact"
 _ROW_CHUNK = 64  # query rows per gather: bounds the [n, L, D] gathered keys of a long prompt
 _KEY_BUCKET = 32  # key lists are padded to a multiple: a matmul's reduction over keys depends on their number
@@ -342,8 +344,10 @@ AttentionMaskInterface.register(NAME, eager_mask)  # additive masks, always mate
 
 
 def set_exact(model: PreTrainedModel, exact: bool) -> None:
-    """Run ``model``'s attention batch-invariantly (``exact=True``) or with SDPA (False)."""
-    model.set_attn_implementation(NAME if exact else "sdpa")
+    """Run ``model``'s attention batch-invariantly (``exact=True``) or with SDPA, the query heads
+    of a KV head grouped on a CPU (False: medusa/runtime/grouped.py; transformers' own elsewhere)."""
+    cpu = model.get_output_embeddings().weight.device.type == "cpu"
+    model.set_attn_implementation(NAME if exact else grouped.NAME if cpu else "sdpa")
 
 
 def is_exact(model: PreTrainedModel) -> bool:

@@ -94,7 +94,8 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
     if compile and exact and device.type != "cpu":
         raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
                           f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
-    if exact != is_exact(model):
+    # SDPA's passes of several rows group the query heads of a KV head (medusa/runtime/grouped.py)
+    if exact != is_exact(model) or (not exact and model.config._attn_implementation == "sdpa"):
         set_exact(model, exact)
     return exact
 

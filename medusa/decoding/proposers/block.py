@@ -87,16 +87,21 @@ class BlockProposer(Proposer):
     @property
     def max_rows(self) -> int:
         """The largest proposal, root included (Engine.precompile reads it)."""
-        return 1 + self.nodes
+        return 1 + max(self._nodes(size) for size in self.size.sizes)
 
     @property
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
-        return 1 + self.nodes
+        return 1 + min(self._nodes(size) for size in self.size.sizes)
+
+    def _nodes(self, size: DynamicTree) -> int:
+        """Nodes a step of ``size`` verifies at most (its depth within the block's and this draft's)."""
+        return min(size.nodes, min(size.depth, self.depth) * self.topk)
 
     def describe(self) -> str:
-        return (f"top-1 chain of {self.nodes}" if self.topk == 1
+        text = (f"top-1 chain of {self.nodes}" if self.topk == 1
                 else f"{self.nodes} nodes (chain {self.depth} deep, top-{self.topk} per depth)")
+        return text + self.size.describe_longer()
 
     # -- the context buffer of verified positions ---------------------------------------
     def _ensure(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -139,7 +144,7 @@ class BlockProposer(Proposer):
     @torch.inference_mode()
     def begin(self, state: DecodeState) -> None:
         self.kv, self.used = [], 0
-        if self.nodes == 0:  # sized to draft nothing here: the drafter never runs
+        if self.max_rows == 1:  # sized to draft nothing here: the drafter never runs
             return
         # The prefill's verified positions (a reused state prefilled only its new tokens: the
         # drafter sees those), written at once: the prefill is one-off, not a captured step.
@@ -163,14 +168,16 @@ class BlockProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
-        depth = state.max_depth(self.depth)  # no deeper than the tokens left to emit
-        if self.nodes == 0 or depth == 0:
+        size = self.size.at(state.length)  # smaller at long contexts (the same draft shape)
+        nodes = self._nodes(size)
+        depth = state.max_depth(min(size.depth, self.depth))  # no deeper than the tokens left to emit
+        if nodes == 0 or depth == 0:
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
         position = torch.full((1,), state.length, device=self.device)
         ids, scores = self.draft_step(state.root, position)
         if self.topk == 1:  # the chain: no host read, the engine's step sync reads the ids
-            n = min(self.nodes, depth)
+            n = min(nodes, depth)
             self.ranked, self.scores = chain(n), []
             tree = _compiled(tuple(self.ranked)).to(self.device)
             return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), ids[:n, 0].to(state.root.dtype)]),
@@ -178,7 +185,7 @@ class BlockProposer(Proposer):
         paths = block_paths(depth, self.topk)
         # the drafting's host reads: what was drafted and its scores, to select the tree
         id_list, score_list = ids[:depth].flatten().tolist(), scores[:depth].flatten().tolist()
-        keep = select(paths, score_list, min(self.nodes, len(paths)))
+        keep = select(paths, score_list, min(nodes, len(paths)))
         self.ranked, self.scores = [paths[i] for i in keep], [score_list[i] for i in keep]
         tree = _compiled(tuple(sorted(self.ranked, key=lambda p: (len(p), p)))).to(self.device)
         index = {p: i for i, p in enumerate(paths)}
@@ -188,7 +195,7 @@ class BlockProposer(Proposer):
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        if self.nodes == 0:
+        if self.max_rows == 1:
             return
         # the root and every accepted node are verified now: their features join the context
         nodes = torch.tensor(outcome.nodes, device=outcome.hidden.device)

@@ -38,6 +38,42 @@ class DynamicTree:
     depth: int = 5
     topk: int = 4
     chain: int | None = None  # mode hybrid: lookup tokens beside this tree (None: the engine's lookup_tokens)
+    # from a cached length on, a smaller size of the same draft shape: ((length, size), ...) in
+    # increasing length (medusa/autotune/sizing.py sizes each context length from the pass cost
+    # timed there: a row costs more the more tokens it attends to)
+    longer: tuple[tuple[int, DynamicTree], ...] = ()
+
+    def at(self, length: int) -> DynamicTree:
+        """The size for a step after ``length`` cached tokens."""
+        size = self
+        for start, smaller in self.longer:
+            if length >= start:
+                size = smaller
+        return size
+
+    @property
+    def sizes(self) -> list[DynamicTree]:
+        """This size and every smaller one it switches to at longer contexts."""
+        return [self] + [size for _, size in self.longer]
+
+    def describe_longer(self) -> str:
+        """``"; from 1536 tokens 6 nodes + 2-token chain, ..."`` (empty without longer sizes)."""
+        parts = [f"from {start} tokens {size.nodes} nodes" + ("" if size.chain is None else f" + {size.chain}-token chain")
+                 for start, size in self.longer]
+        return "" if not parts else "; " + ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        """The size as a calibration file keeps it (``longer`` only where there are longer sizes)."""
+        data = {"nodes": self.nodes, "depth": self.depth, "topk": self.topk, "chain": self.chain}
+        if self.longer:
+            data["longer"] = [[start, size.as_dict()] for start, size in self.longer]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DynamicTree:
+        """The size :meth:`as_dict` wrote (a mode's entry beside it, ``"hybrid"``, is skipped)."""
+        longer = tuple((int(start), cls.from_dict(size)) for start, size in data.get("longer", ()))
+        return cls(**{k: v for k, v in data.items() if k not in ("hybrid", "longer")}, longer=longer)
 
     @classmethod
     def for_device(cls, calibrated: dict[str, dict], device: torch.device,
@@ -49,9 +85,7 @@ class DynamicTree:
         for key in (tree_key(device.type, dtype), device.type):
             if key in calibrated:
                 entry = calibrated[key]
-                if hybrid and "hybrid" in entry:
-                    return cls(**entry["hybrid"])
-                return cls(**{k: v for k, v in entry.items() if k != "hybrid"})
+                return cls.from_dict(entry["hybrid"] if hybrid and "hybrid" in entry else entry)
         return cls(nodes=48, depth=6, topk=8) if device.type == "cuda" else cls()
 
 
@@ -96,15 +130,21 @@ class EagleProposer(Proposer):
     @property
     def max_rows(self) -> int:
         """The largest proposal, root included (Engine.precompile reads it)."""
-        return 1 + self.size.nodes
+        return 1 + max(size.nodes for size in self.size.sizes)
 
     @property
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
-        return 1 + self.size.nodes
+        return 1 + min(size.nodes for size in self.size.sizes)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the head runs at all: sized to draft nothing at every context, it never does."""
+        return self.max_rows > 1
 
     def describe(self) -> str:
-        return f"dynamic tree ({self.size.nodes} nodes, depth {self.size.depth}, top-{self.size.topk})"
+        size = self.size
+        return f"dynamic tree ({size.nodes} nodes, depth {size.depth}, top-{size.topk}{size.describe_longer()})"
 
     # -- the head's cache of accepted pairs ---------------------------------------------
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
@@ -121,7 +161,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()  # the head's cache buffers are inference tensors (propose may regrow them)
     def begin(self, state: DecodeState) -> None:
-        if self.size.nodes == 0:  # sized to draft nothing here: the head never runs
+        if not self.drafts:  # sized to draft nothing here: the head never runs
             return
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
@@ -134,7 +174,7 @@ class EagleProposer(Proposer):
     # -- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
-        size = self.size
+        size = self.size.at(state.length)  # smaller at long contexts (the draft shape's topk is the same)
         depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
@@ -191,7 +231,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        if self.size.nodes == 0:
+        if not self.drafts:
             return
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)

@@ -117,8 +117,14 @@ def make_proposer(
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
         table = heads.ngrams if config.answer_ngrams else None
         jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
-        return Hybrid(guessed, PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table),
-                      device, lookahead=jacobi)
+        lookup = PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table)
+        sized = getattr(guessed, "size", None)  # eagle and block heads: their chain per context length
+        chain_at = None
+        if not config.lookup_tokens and isinstance(sized, DynamicTree) and sized.longer:
+            def chain_at(length: int, sized: DynamicTree = sized) -> int:
+                here = sized.at(length).chain
+                return chain if here is None else min(here, chain)
+        return Hybrid(guessed, lookup, device, lookahead=jacobi, chain_at=chain_at)
     if mode == "draft":
         if draft is None:
             raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")

@@ -4,6 +4,7 @@ verified together in one target pass."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -46,8 +47,11 @@ class Hybrid(Proposer):
     """
 
     def __init__(self, heads: Proposer, lookup: Proposer, device: torch.device,
-                 lookahead: LookaheadProposer | None = None) -> None:
+                 lookahead: LookaheadProposer | None = None, chain_at: Callable[[int], int] | None = None) -> None:
+        """``chain_at(length)``: the lookup chain's length for a step after ``length`` cached
+        tokens (sized per context length with the heads' tree; None: always ``lookup.k``)."""
         self.heads, self.lookup, self.device, self.lookahead = heads, lookup, device, lookahead
+        self.chain_at = chain_at
         rows = heads.max_rows  # None: a heads proposer that does not say
         self.max_rows = None if rows is None else rows + lookup.k + (0 if lookahead is None else lookahead.max_rows - 1)
         self.min_rows = heads.min_rows
@@ -65,9 +69,12 @@ class Hybrid(Proposer):
             self.lookahead.begin(state)
 
     def propose(self, state: DecodeState) -> Proposal:
-        copied = self.lookup.propose(state)
-        k = copied.tokens.numel() - 1
+        limit = None if self.chain_at is None else self.chain_at(state.length)
         guessed = self.heads.propose(state)
+        if limit == 0 and not self.jacobi:  # sized without a chain at this context length
+            return guessed
+        copied = self.lookup.propose(state, limit)
+        k = copied.tokens.numel() - 1
         if self.jacobi:
             return self._with_lookahead(state, guessed, copied.tokens[1:].tolist())
         if not guessed.tree.paths:  # a calibrated tree may be empty: then this is plain lookup

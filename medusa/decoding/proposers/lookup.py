@@ -49,7 +49,10 @@ class PromptLookup(Proposer):
             text += f" (else from {len(self.table):,} n-grams of {self.table.sequences:,} answers)"
         return text
 
-    def propose(self, state: DecodeState) -> Proposal:
+    def propose(self, state: DecodeState, limit: int | None = None) -> Proposal:
+        """The chain; ``limit``: at most that many tokens this step (mode hybrid's chain sized
+        for the context length), else ``num_tokens``."""
+        k = self.k if limit is None else min(limit, self.k)
         tokens = state.tokens
         total = len(tokens)
         # Index n-grams that end before the last token, so each has a continuation.
@@ -64,12 +67,12 @@ class PromptLookup(Proposer):
             if end is not None:
                 # Copy what followed. A match that runs into the suffix itself (a repeating
                 # span, period total - end) is continued periodically rather than cut short.
-                for i in range(state.max_depth(self.k)):
+                for i in range(state.max_depth(k)):
                     j = end + i
                     follow.append(tokens[j] if j < total else follow[j - total])
                 break
         if not follow and self.table is not None:
-            follow = self.table.chain(tokens, state.max_depth(self.k))
+            follow = self.table.chain(tokens, state.max_depth(k))
         chain_tokens = torch.tensor(tokens[-1:] + follow, device=self.device)  # [1 + k]: the root, then the copy
         return Proposal(tree=chain_tree(self.trees, len(follow), self.device), tokens=chain_tokens, is_chain=True)
 
