@@ -3,12 +3,11 @@ arrival pattern (threads sharing one engine, a failed prefill: tests/test_faults
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from tiny import hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
+from medusa.decoding.generation import read
 from medusa.errors import MedusaError
 from medusa.models.block_heads import init_block_for
 from medusa.models.draft import shallow_draft
@@ -51,14 +50,12 @@ def scheduled(eng: Engine, prompts, mode: str, row_budget: int, stagger: bool, *
     one has produced tokens (requests joining running ones); short and long answers."""
     sched = Scheduler(eng, max_batch=3, row_budget=row_budget).start()
     try:
-        streams = []
+        streams, firsts = [], []
         for i, p in enumerate(prompts):
-            started = threading.Event()
-            streams.append(sched.submit(p, max_new_tokens=N - 3 * (i % 3), mode=mode,
-                                        listener=lambda event, started=started: started.set(), **kwargs))
-            if stagger:
-                assert started.wait(60)  # its first tokens: it runs, and the next request joins it
-        return [[t for chunk in s for t in chunk] for s in streams]
+            streams.append(sched.submit(p, max_new_tokens=N - 3 * (i % 3), mode=mode, **kwargs))
+            # with stagger, its first tokens before the next request: it runs, and the next joins it
+            firsts.append(read(streams[-1].get(timeout=60), streams[-1]) or [] if stagger else [])
+        return [first + [t for chunk in s for t in chunk] for first, s in zip(firsts, streams)]
     finally:
         sched.close(timeout=60)
 

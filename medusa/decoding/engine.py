@@ -6,15 +6,15 @@ so they share the cache handling, stopping rules, streaming and statistics.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa.decoding import MAX_NEW_TOKENS
-from medusa.decoding.generation import Generation, GenerationResult, GenerationStats, as_token_list
+from medusa.decoding.batch import Batch
+from medusa.decoding.generation import Event, Generation, GenerationResult, GenerationStats
 from medusa.decoding.passes.build import PassBuild, start_build
 from medusa.decoding.passes.strategies import (
     AUTO,
@@ -26,13 +26,12 @@ from medusa.decoding.passes.strategies import (
     use_exact,
 )
 from medusa.decoding.plan import Plan, check_plan, default_mode
-from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.proposers.factory import ProposerConfig, make_proposer
-from medusa.decoding.run import Decoding, prefill_chunks
+from medusa.decoding.request import Request, make_request
+from medusa.decoding.run import Decoding, accept, prefill_chunks
 from medusa.decoding.sampling import SamplingConfig
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome, as_proposer
-from medusa.decoding.tree import compile_tree, load_tree, tree_key
-from medusa.decoding.verify import Accepted, verify
+from medusa.decoding.tree import load_tree, tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.kinds import kind, kinds_where
@@ -40,14 +39,6 @@ from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
 
 PREFILL_CHUNK = 256
-
-
-def truncate(proposal: Proposal, rows: int) -> Proposal:
-    """``proposal``'s first ``rows`` nodes: nodes are laid out by depth (compile_tree), so every
-    kept node's ancestors are kept and node indices stay those of the proposer."""
-    tree = compile_tree(proposal.tree.paths[: rows - 1]).to(proposal.tokens.device)
-    q = None if proposal.q is None else proposal.q[:rows]
-    return Proposal(tree=tree, tokens=proposal.tokens[:rows], q=q, is_chain=proposal.is_chain)
 
 
 def no_tree_for_eagle(tree, heads: MedusaHeads | None, mode: str = "eagle"):
@@ -151,78 +142,47 @@ class Engine:
         return self._kernels
 
     # -- public API -----------------------------------------------------------------
-    def generate(self, input_ids: Sequence[int] | torch.Tensor, **kwargs) -> GenerationResult:
+    def generate(self, input_ids: Sequence[int] | torch.Tensor | Request, *args, **kwargs) -> GenerationResult:
         """Decode to the end; see :meth:`stream` for the arguments."""
-        return self.stream(input_ids, **kwargs).run()
+        return self.stream(input_ids, *args, **kwargs).run()
 
-    def stream(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int = MAX_NEW_TOKENS,
-        mode: str | Proposer | None = None,
-        temperature: float | None = None,
-        tree: str | Sequence[Sequence[int]] | None = None,
-        state: DecodeState | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        acceptance: str | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> Generation:
+    def stream(self, input_ids: Sequence[int] | torch.Tensor | Request, *args, **kwargs) -> Generation:
         """Start decoding ``input_ids``; iterate the result for lists of new token ids.
+
+        The arguments are :func:`~medusa.decoding.request.make_request`'s (a
+        :class:`~medusa.decoding.request.Request` may be passed instead): ``max_new_tokens``,
+        ``mode``, ``temperature``, ``tree``, ``state``, ``top_p``, ``top_k``, ``seed``,
+        ``acceptance``, ``sampling``, ``max_draft``, ``logprobs``, ``penalties``, ``ignore_eos``.
 
         ``state`` is the final state of an earlier generation (``result.state``): the
         cache is reused for the longest common prefix, so a chat re-prefills only the turn
-        it adds.
-
-        ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed`` and ``acceptance``
-        (``"lossless"`` or the lossy ``"typical"``) override ``sampling`` (default:
-        :class:`~medusa.sampling.SamplingConfig`, which documents them). Sampled output
-        follows the target's distribution exactly with any heads; the same seed gives the
-        same tokens.
+        it adds. Sampled output follows the target's distribution exactly with any heads; the
+        same seed gives the same tokens.
         """
-        run = self.decoding(input_ids, max_new_tokens, mode, temperature, tree, state, top_p, top_k, seed, acceptance,
-                            sampling)
+        run = self.decoding(make_request(input_ids, *args, **kwargs))
         return Generation(self._run(run), run.stop)
 
-    def decoding(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int = MAX_NEW_TOKENS,
-        mode: str | Proposer | None = None,
-        temperature: float | None = None,
-        tree: str | Sequence[Sequence[int]] | None = None,
-        state: DecodeState | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        acceptance: str | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> Decoding:
-        """A checked, not yet started generation (:meth:`stream`'s arguments): what
+    def decoding(self, request: Request) -> Decoding:
+        """The sequence for ``request``, checked against this engine and not yet started: what
         :meth:`stream` runs alone and a scheduler runs beside others."""
-        ids = as_token_list(input_ids)
-        if not ids:
-            raise MedusaError("input_ids is empty: give at least one prompt token")
+        ids = list(request.prompt)
         vocab = self.model.get_input_embeddings().num_embeddings
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise MedusaError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab}: encode the "
                               "prompt with this model's tokenizer")
-        if max_new_tokens < 1:
-            raise MedusaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        # Defaults come from SamplingConfig alone; the keyword arguments override them.
-        sampling = (sampling or SamplingConfig()).override(temperature=temperature, top_p=top_p, top_k=top_k,
-                                                           seed=seed, acceptance=acceptance)
         if self.max_positions is not None and len(ids) >= self.max_positions:
             raise MedusaError(
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_positions}: shorten the prompt"
             )
-        proposer = self.proposer(mode, tree)
-        if proposer.greedy_only and not sampling.greedy:
+        mode = request.mode
+        proposer = self.proposer(mode, request.tree)
+        if proposer.greedy_only and not request.sampling.greedy:
             name = mode if isinstance(mode, str) else type(mode).__name__
             raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
-        return Decoding(self, ids, proposer, max_new_tokens, state, threading.Event(), sampling)
+        # compile="auto" picks the passes per generation (PassStrategy.for_generation)
+        passes = self.passes.for_generation(lambda: self.pass_sizes(proposer))
+        return Decoding(request, proposer, passes, self.eos, self.max_rows, self.prefill_chunk)
 
     def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
                     **kwargs) -> Generator[str, None, GenerationResult]:
@@ -338,8 +298,9 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------
     def _prefill(self, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                 sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None) -> DecodeState:
-        steps = prefill_chunks(self, ids, state, stats, sampling, max_new_tokens, passes)
+                 sampling: SamplingConfig, max_new_tokens: int) -> DecodeState:
+        """A whole prompt's prefill on the engine's passes (tests and calibration)."""
+        steps = prefill_chunks(self.passes, self.prefill_chunk, ids, state, stats, sampling, max_new_tokens)
         while True:
             try:
                 next(steps)
@@ -351,90 +312,25 @@ class Engine:
         """Verify ``proposal`` in one target pass and advance ``state`` past what is accepted.
         ``min_rows``: a compiled pass of fewer rows runs padded to that size's bucket (the
         proposer's usual size: a tree cut short by the budget reuses the usual graph)."""
-        logits, hidden, side = self.passes.verify(state.cache, state.length, proposal, min_rows)
-        return self._advance(state, proposal, logits, hidden, side)
+        return accept(state, proposal, *self.passes.verify(state.cache, state.length, proposal, min_rows))
 
-    def _advance(self, state: DecodeState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor,
-                 side: torch.Tensor | None) -> StepOutcome:
-        """Accept what the target agrees with in ``proposal``'s verified rows (``logits`` ``[N, V]``,
-        ``hidden`` ``[N, H]``, already in ``state.cache`` after ``state.length``) and advance ``state``."""
-        tree, start = proposal.tree, state.length
-        scored = logits  # [N, V] what verification chooses from: the request's penalties applied
-        if state.penalties is not None:
-            scored = state.penalties.apply(logits, state.tokens[state.prompt_length:], tree, proposal.tokens)
-        acc: Accepted = verify(tree, proposal.tokens, scored, state.sampling, state.generator, proposal.q)
-        # The step's single host sync: path, accepted length, next token and node tokens.
-        d = tree.leaves.shape[1]
-        flat = torch.cat([acc.length.view(1), acc.next_token.view(1), acc.path, proposal.tokens[acc.path.clamp(min=0)]]).tolist()
-        m, nxt, path, path_tokens = flat[0], flat[1], flat[2:2 + d], flat[2 + d:]
-        nodes = path[: m + 1]
-        kv.keep_nodes(state.cache, start, acc.path[: m + 1], contiguous=nodes == list(range(m + 1)))
-        new_tokens = path_tokens[1: m + 1] + [nxt]
-        last = nodes[-1]
-        state.length = start + m + 1
-        state.tokens.extend(new_tokens)
-        state.root = acc.next_token
-        state.hidden = hidden[last]
-        state.logits = logits[last]
-        return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side, logits=logits)
-
-    def _run(self, run: Decoding) -> Generator[tuple[list[int], int], None, GenerationResult]:
-        """The one decode loop: prefill, then propose -> verify -> emit until a stop reason. Each
-        step holds the engine's lock, never across a yield: generations in several threads
-        interleave their steps (the caller may also use the model between them)."""
+    @contextlib.contextmanager
+    def owned(self) -> Iterator[None]:
+        """Hold the model for one step: the engine's lock (generations in several threads, and a
+        scheduler's thread, take turns on the model and its caches) and its kernel scope."""
         with self._lock, self._kernels:
-            chunk = run.prefill()
-        yield chunk, 0
-        with self._lock, self._kernels:
-            run.begin()
-        while True:
-            with self._lock, self._kernels:
-                proposal = run.propose()
-                if proposal is None:
-                    break
-                t2 = time.perf_counter()
-                outcome = self.step(run.state, proposal, run.least)
-                run.stats.verify_seconds += time.perf_counter() - t2
-                chunk, drafted = run.advance(outcome)
-            if chunk:
-                yield chunk, drafted
-        return run.result()
+            yield
 
-    @torch.inference_mode()
-    def step_many(self, runs: Sequence[Decoding], proposals: Sequence[Proposal]) -> list[StepOutcome]:
-        """Verify each run's proposal in one packed target pass (their rows side by side, attention
-        per sequence: medusa/runtime/packed.py) and advance each state; the same outcomes as a
-        :meth:`step` of each alone wherever the linear kernels are row-count invariant
-        (docs/exactness.md#batches). Passes that cannot pack (static caches) run one by one."""
-        pack = [i for i, r in enumerate(runs) if self.passes.packs and not kv.is_static(r.state.cache)]
-        outcomes: list[StepOutcome | None] = [None] * len(runs)
-        if len(pack) > 1:
-            items = [(runs[i].state.cache, runs[i].state.length, proposals[i]) for i in pack]
-            for i, out in zip(pack, self.passes.verify_many(items)):
-                outcomes[i] = self._advance(runs[i].state, proposals[i], *out)
-        for i, r in enumerate(runs):
-            if outcomes[i] is None:
-                outcomes[i] = self.step(r.state, proposals[i], r.least)
-        return outcomes
-
-    def _propose(self, proposer: Proposer, state: DecodeState, room: int, rows_cap: int | None = None) -> Proposal:
-        """The proposer's tree for this step, within the token budget and the context, and within
-        ``rows_cap`` rows (a batch's share): 1 row drafts nothing at all, fewer rows draft no
-        deeper than they can verify."""
-        state.budget = room  # (compiled passes pad a cut tree to its bucket)
-        if self.max_positions is not None:
-            state.budget = min(state.budget, self.max_positions - state.length)
-        if rows_cap == 1:
-            return Autoregressive(self.device).propose(state)  # nothing to verify a draft in: skip drafting
-        cap = self.max_rows if rows_cap is None else min(rows_cap, self.max_rows or rows_cap)
-        if rows_cap is not None:
-            state.budget = min(state.budget, rows_cap)  # a chain of rows_cap rows is rows_cap - 1 deep
-        proposal = proposer.propose(state)
-        n = proposal.tokens.shape[0]
-        rows = n if proposal.side is None else n + proposal.side.tokens.shape[0]
-        if cap is not None and rows > cap:
-            proposal = truncate(proposal, min(n, cap))  # side rows go first
-        reach = proposal.tree.max_depth if proposal.side is None else max(proposal.tree.max_depth, proposal.side.reach)
-        if self.max_positions is not None and state.length + reach + 1 > self.max_positions:
-            proposal = Autoregressive(self.device).propose(state)  # a proposer that ignored the budget
-        return proposal
+    def _run(self, run: Decoding) -> Iterator[Event]:
+        """A generation alone: a :class:`~medusa.decoding.batch.Batch` of one, each prefill chunk
+        and each step holding the engine (:meth:`owned`), never across a yield: generations in
+        several threads interleave their steps (the caller may also use the model between them)."""
+        batch = Batch(self.passes, self.max_rows)
+        batch.add(run)
+        while batch:
+            with self.owned():
+                _, events = batch.prefill()
+            yield from (event for _, event in events)
+            with self.owned():
+                report = batch.step()
+            yield from (event for _, event in report.events)

@@ -1,10 +1,11 @@
-"""What a generation gives back: the token stream, its result and its statistics, and the
-prompt forms :meth:`medusa.decoding.engine.Engine.stream` takes."""
+"""What a generation gives back: its typed events (:class:`Tokens`, then :class:`Done` or
+:class:`Failed`, read by every reader with :func:`read`), the token stream, its result and its
+statistics, and the prompt forms :meth:`medusa.decoding.engine.Engine.stream` takes."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,49 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "eos", "length", "context" or "stopped"
     state: DecodeState | None = None
-    logprobs: list | None = None  # a TokenLogprob per token when asked for (Decoding.want_logprobs)
+    logprobs: list | None = None  # a TokenLogprob per token when asked for (Request.logprobs)
+
+
+# -- events: what a generation tells its reader, read in one place (read) ------------
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids a step accepted (the prefill's first token, then each step's); ``drafted``: how
+    many of the leading ones the proposer drafted (the rest is the target's own token)."""
+
+    ids: list[int]
+    drafted: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation ended: its result."""
+
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation ended with an error (its own work failed, or the pass it was in)."""
+
+    error: BaseException
+
+
+Event = Tokens | Done | Failed  # what a generation emits
+
+
+def read(event: Event, into) -> list[int] | None:
+    """Read one event for ``into`` (a stream or generation with ``result`` and ``error``
+    attributes): a :class:`Tokens`'s ids; None once :class:`Done` (its result stored in
+    ``into.result``); a :class:`Failed` stores its error in ``into.error`` and raises it."""
+    if isinstance(event, Tokens):
+        return event.ids
+    if isinstance(event, Done):
+        into.result = event.result
+        return None
+    if isinstance(event, Failed):
+        into.error = event.error
+        raise event.error
+    raise TypeError(f"not a generation event: {event!r}")
 
 
 class Generation:
@@ -63,13 +106,14 @@ class Generation:
     (heads, draft model, lookup); the rest is the target's own token. ``stop()`` (safe from
     a signal handler or another thread) ends decoding at the next step boundary, with a
     ``result.state`` that holds every token yielded so far and can seed the next turn.
+    ``events``: the generation's events, read here with :func:`read`.
     """
 
-    def __init__(self, steps: Generator[tuple[list[int], int], None, GenerationResult],
-                 stop: threading.Event) -> None:
-        self._steps = steps
+    def __init__(self, events: Iterator, stop: threading.Event) -> None:
+        self._events = events
         self._stop = stop
         self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
         self.proposed = 0
 
     def stop(self) -> None:
@@ -79,12 +123,12 @@ class Generation:
         return self
 
     def __next__(self) -> list[int]:
-        try:
-            chunk, self.proposed = next(self._steps)
-            return chunk
-        except StopIteration as stop:
-            self.result = stop.value
-            raise
+        event = next(self._events)
+        ids = read(event, self)
+        if ids is None:
+            raise StopIteration
+        self.proposed = event.drafted
+        return ids
 
     def run(self) -> GenerationResult:
         for _ in self:

@@ -1,6 +1,7 @@
-"""One generation's half of the decode loop (:class:`Decoding`) and its prefill: what
-:meth:`Engine._run <medusa.decoding.engine.Engine._run>` drives alone and
-:class:`medusa.serving.scheduler.Scheduler` drives beside other sequences."""
+"""One sequence's half of the decode loop (:class:`Decoding`): its prefill, its proposal within
+the step's budget, and what a verified step accepts (:func:`accept`). The step that drives
+sequences, one or many at a time, is :class:`medusa.decoding.batch.Batch`; nothing here knows
+the engine: a sequence reads the passes it runs on and its limits, given when it is made."""
 
 from __future__ import annotations
 
@@ -8,31 +9,30 @@ import threading
 import time
 from collections.abc import Collection, Generator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from medusa.decoding.generation import GenerationResult, GenerationStats
 from medusa.decoding.passes.strategies import PASS_BUCKETS, PassStrategy
 from medusa.decoding.penalties import Penalties
+from medusa.decoding.proposers.autoregressive import Autoregressive
+from medusa.decoding.request import Request, Status
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.tree import compile_tree
+from medusa.decoding.verify import Accepted, verify
 from medusa.runtime import hf as kv
-
-# ``engine`` below is a medusa.decoding.engine.Engine (which imports this module: not imported back)
-Engine = Any
 
 
 @torch.inference_mode()
-def prefill_chunks(engine: Engine, ids: list[int], state: DecodeState | None, stats: GenerationStats,
-                    sampling: SamplingConfig, max_new_tokens: int, passes: PassStrategy | None = None,
-                    penalties: Penalties | None = None) -> Generator[None, None, DecodeState]:
-    """The prefill, one pass of at most :attr:`Engine.prefill_chunk` prompt tokens per ``next`` (a
-    scheduler runs other sequences' steps between them); returns the new state. Alone and in
-    a scheduler a prompt is cut at the same places, so its cache holds the same values.
-    ``penalties``: the request's adjustments, applied to the first token's choice and kept in
-    the state for the steps'."""
-    passes = passes or engine.passes  # compile="auto" picks per generation (PassStrategy.for_generation)
+def prefill_chunks(passes: PassStrategy, chunk: int | None, ids: list[int], state: DecodeState | None,
+                   stats: GenerationStats, sampling: SamplingConfig, max_new_tokens: int,
+                   penalties: Penalties | None = None) -> Generator[None, None, DecodeState]:
+    """The prefill on ``passes``, one pass of at most ``chunk`` prompt tokens per ``next`` (None:
+    the whole prompt at once; a batch runs other sequences' steps between them); returns the new
+    state. Alone and in a batch a prompt is cut at the same places, so its cache holds the same
+    values. ``penalties``: the request's adjustments, applied to the first token's choice and
+    kept in the state for the steps'."""
     cache, start, share = None, 0, CacheShare()
     if state is not None and kv.is_static(state.cache) == passes.static:
         cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
@@ -45,20 +45,20 @@ def prefill_chunks(engine: Engine, ids: list[int], state: DecodeState | None, st
             share.narrow(start)
             kv.crop(cache, start)
         else:  # its cache was taken by another generation since: branch off a copy
-            cache = kv.copy_prefix(state.cache, start, engine.model)
+            cache = kv.copy_prefix(state.cache, start, passes.model)
     if cache is None:
         cache = passes.new_cache()
     stats.prefill_tokens = len(ids) - start
-    step = engine.prefill_chunk or len(ids)
+    step = chunk or len(ids)
     hiddens = []
     for at in range(start, len(ids), step):
         if hiddens:
             yield
-        new = torch.tensor([ids[at: at + step]], device=engine.device)
+        new = torch.tensor([ids[at: at + step]], device=passes.device)
         logits, hidden = passes.prefill(cache, new, at, max_new_tokens)
         hiddens.append(hidden)
     hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)  # [n, H]
-    generator = sampling.generator(engine.device)
+    generator = sampling.generator(passes.device)
     scored = logits[-1] if penalties is None else penalties.apply(logits[-1:], [])[0]
     root = next_token(scored, sampling, generator)
     new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
@@ -70,43 +70,42 @@ def prefill_chunks(engine: Engine, ids: list[int], state: DecodeState | None, st
 
 
 class Decoding:
-    """One generation's own half of the decode loop: prefill, then propose -> (a target pass
-    verifies the proposal, alone or packed beside other sequences') -> advance, until a stop
-    reason. :meth:`Engine._run` drives one alone; :class:`medusa.serving.scheduler.Scheduler`
-    drives many, one packed pass per step. The caller holds the engine's lock and kernel scope."""
+    """One sequence: a request's generation, from its prefill through propose -> (a target pass
+    verifies the proposal, alone or packed beside other sequences': :class:`~medusa.decoding.batch.Batch`)
+    -> advance, until a stop reason; :attr:`status` says where it is. Made by
+    :meth:`Engine.decoding <medusa.decoding.engine.Engine.decoding>`: ``passes``, the strategy its
+    prefill runs on (chosen per generation); ``eos``, the engine's end tokens; ``max_rows``, the rows
+    a pass verifies exactly at most; ``prefill_chunk``, prompt tokens a prefill pass runs at most.
+    The caller holds the engine's lock and kernel scope."""
 
-    def __init__(self, engine: Engine, ids: list[int], proposer: Proposer, max_new_tokens: int,
-                 prior: DecodeState | None, stop: threading.Event, sampling: SamplingConfig) -> None:
-        self.engine, self.ids, self.proposer, self.max_new_tokens = engine, ids, proposer, max_new_tokens
-        self.prior, self.stop, self.sampling = prior, stop, sampling
+    def __init__(self, request: Request, proposer: Proposer, passes: PassStrategy, eos: frozenset[int] | set[int],
+                 max_rows: int | None, prefill_chunk: int | None) -> None:
+        self.request, self.proposer, self.passes = request, proposer, passes
+        self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
+        self.max_positions = passes.max_positions
+        self.ids, self.max_new_tokens = list(request.prompt), request.max_new_tokens
+        self.prior, self.sampling = request.state, request.sampling
+        self.stop = threading.Event()  # set from any thread: ends the generation at the next step
+        self.status = Status.WAITING
         self.stats = GenerationStats()
         self.emitted: list[int] = []
         self.reason: str | None = None
         self.state: DecodeState | None = None
-        self.least = min(proposer.min_rows, engine.max_rows or PASS_BUCKETS[-1])
-        # log-probabilities of the emitted tokens, one entry each, when asked for (want_logprobs)
-        self.logprobs: list[TokenLogprob] | None = None
-        self.top_logprobs = 0
-        self.penalties: Penalties | None = None  # adjust()
-        self.eos = engine.eos  # the tokens that end the answer (none with ignore_eos)
-        self._t0 = time.perf_counter()
-
-    def adjust(self, penalties: Penalties | None = None, ignore_eos: bool = False) -> None:
-        """Before the prefill: choose every token from the target's distribution adjusted by
-        ``penalties`` (medusa/decoding/penalties.py; its ``min_tokens`` holds this run's EOS
-        tokens back); with ``ignore_eos``, an EOS token does not end the answer."""
+        self.least = min(proposer.min_rows, max_rows or PASS_BUCKETS[-1])
+        # log-probabilities of the emitted tokens under the target (its raw logits, before
+        # temperature or filters: what verification computed, so exact under speculation), one
+        # entry each, with the request's number of likeliest alternatives; None unless asked for
+        self.logprobs: list[TokenLogprob] | None = None if request.logprobs is None else []
+        self.top_logprobs = request.logprobs or 0
+        # every token is chosen from the target's distribution adjusted by the request's penalties
+        # (medusa/decoding/penalties.py; its min_tokens holds this run's EOS tokens back)
+        penalties = request.penalties
         if penalties is not None and penalties.min_tokens and not penalties.eos:
-            penalties = replace(penalties, eos=tuple(sorted(self.engine.eos)))
-        if penalties is not None and penalties.active:
-            self.penalties = penalties
-        if ignore_eos:
-            self.eos = frozenset()
-
-    def want_logprobs(self, top: int = 0) -> None:
-        """Record each emitted token's log-probability under the target (its raw logits, before
-        temperature or filters: what verification computed, so exact under speculation) and the
-        ``top`` likeliest tokens at its position, in :attr:`logprobs`."""
-        self.logprobs, self.top_logprobs = [], top
+            penalties = replace(penalties, eos=tuple(sorted(eos)))
+        self.penalties: Penalties | None = penalties if penalties is not None and penalties.active else None
+        # the tokens that end the answer (none with ignore_eos)
+        self.eos = frozenset() if request.ignore_eos else frozenset(eos)
+        self._t0 = time.perf_counter()
 
     def prefill(self) -> list[int]:
         """Run the prompt; the first token's chunk (empty if nothing may be emitted)."""
@@ -116,10 +115,9 @@ class Decoding:
 
     def prefill_chunks(self) -> Generator[None, None, None]:
         """:meth:`prefill` one pass at a time (``next`` runs one); then :meth:`first_chunk`."""
-        engine = self.engine
-        passes = engine.passes.for_generation(lambda: engine.pass_sizes(self.proposer))
-        self.state = yield from prefill_chunks(engine, self.ids, self.prior, self.stats, self.sampling,
-                                                       self.max_new_tokens, passes, self.penalties)
+        self.status = Status.PREFILLING
+        self.state = yield from prefill_chunks(self.passes, self.prefill_chunk, self.ids, self.prior, self.stats,
+                                               self.sampling, self.max_new_tokens, self.penalties)
 
     def first_chunk(self) -> list[int]:
         """After the prefill: the first token, cut by EOS or the length limit."""
@@ -131,6 +129,7 @@ class Decoding:
             self.logprobs += token_logprobs(state.logits.view(1, -1), chunk, self.top_logprobs)
         self.emitted += chunk
         self.stats.new_tokens = len(self.emitted)
+        self.status = Status.RUNNING
         return chunk
 
     def begin(self) -> None:
@@ -144,8 +143,31 @@ class Decoding:
         if self.reason is not None:
             return None
         t1 = time.perf_counter()
-        proposal = self.engine._propose(self.proposer, self.state, self.max_new_tokens - len(self.emitted), rows_cap)
+        proposal = self._propose(self.max_new_tokens - len(self.emitted), rows_cap)
         self.stats.draft_seconds += time.perf_counter() - t1
+        return proposal
+
+    def _propose(self, room: int, rows_cap: int | None = None) -> Proposal:
+        """The proposer's tree for this step, within ``room`` tokens left and the context, and
+        within ``rows_cap`` rows (a batch's share): 1 row drafts nothing at all, fewer rows draft
+        no deeper than they can verify."""
+        state, device = self.state, self.passes.device
+        state.budget = room  # (compiled passes pad a cut tree to its bucket)
+        if self.max_positions is not None:
+            state.budget = min(state.budget, self.max_positions - state.length)
+        if rows_cap == 1:
+            return Autoregressive(device).propose(state)  # nothing to verify a draft in: skip drafting
+        cap = self.max_rows if rows_cap is None else min(rows_cap, self.max_rows or rows_cap)
+        if rows_cap is not None:
+            state.budget = min(state.budget, rows_cap)  # a chain of rows_cap rows is rows_cap - 1 deep
+        proposal = self.proposer.propose(state)
+        n = proposal.tokens.shape[0]
+        rows = n if proposal.side is None else n + proposal.side.tokens.shape[0]
+        if cap is not None and rows > cap:
+            proposal = truncate(proposal, min(n, cap))  # side rows go first
+        reach = proposal.tree.max_depth if proposal.side is None else max(proposal.tree.max_depth, proposal.side.reach)
+        if self.max_positions is not None and state.length + reach + 1 > self.max_positions:
+            proposal = Autoregressive(device).propose(state)  # a proposer that ignored the budget
         return proposal
 
     def advance(self, outcome: StepOutcome) -> tuple[list[int], int]:
@@ -167,6 +189,7 @@ class Decoding:
     def result(self) -> GenerationResult:
         """The finished generation (its state trimmed to what was emitted, for a later turn)."""
         self._trim(len(self.ids) + len(self.emitted))
+        self.status = Status.FINISHED
         self.stats.seconds = time.perf_counter() - self._t0
         return GenerationResult(tokens=self.emitted, stats=self.stats, finish_reason=self.reason or "stopped",
                                 state=self.state, logprobs=self.logprobs)
@@ -175,7 +198,7 @@ class Decoding:
         """Why the loop must stop before the next step (None: go on)."""
         if self.stop.is_set():
             return "stopped"
-        limit = self.engine.max_positions
+        limit = self.max_positions
         if limit is not None and self.state.length + 1 > limit:
             return "context"  # the root's KV entry has no slot left
         return None
@@ -189,6 +212,39 @@ class Decoding:
             state.length = len(state.tokens) - 1
             kv.crop(state.cache, state.length)
         state.valid, state.budget = state.length, None
+
+
+def truncate(proposal: Proposal, rows: int) -> Proposal:
+    """``proposal``'s first ``rows`` nodes: nodes are laid out by depth (compile_tree), so every
+    kept node's ancestors are kept and node indices stay those of the proposer."""
+    tree = compile_tree(proposal.tree.paths[: rows - 1]).to(proposal.tokens.device)
+    q = None if proposal.q is None else proposal.q[:rows]
+    return Proposal(tree=tree, tokens=proposal.tokens[:rows], q=q, is_chain=proposal.is_chain)
+
+
+def accept(state: DecodeState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor,
+           side: torch.Tensor | None) -> StepOutcome:
+    """Accept what the target agrees with in ``proposal``'s verified rows (``logits`` ``[N, V]``,
+    ``hidden`` ``[N, H]``, already in ``state.cache`` after ``state.length``) and advance ``state``."""
+    tree, start = proposal.tree, state.length
+    scored = logits  # [N, V] what verification chooses from: the request's penalties applied
+    if state.penalties is not None:
+        scored = state.penalties.apply(logits, state.tokens[state.prompt_length:], tree, proposal.tokens)
+    acc: Accepted = verify(tree, proposal.tokens, scored, state.sampling, state.generator, proposal.q)
+    # The step's single host sync: path, accepted length, next token and node tokens.
+    d = tree.leaves.shape[1]
+    flat = torch.cat([acc.length.view(1), acc.next_token.view(1), acc.path, proposal.tokens[acc.path.clamp(min=0)]]).tolist()
+    m, nxt, path, path_tokens = flat[0], flat[1], flat[2:2 + d], flat[2 + d:]
+    nodes = path[: m + 1]
+    kv.keep_nodes(state.cache, start, acc.path[: m + 1], contiguous=nodes == list(range(m + 1)))
+    new_tokens = path_tokens[1: m + 1] + [nxt]
+    last = nodes[-1]
+    state.length = start + m + 1
+    state.tokens.extend(new_tokens)
+    state.root = acc.next_token
+    state.hidden = hidden[last]
+    state.logits = logits[last]
+    return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side, logits=logits)
 
 
 @dataclass(frozen=True)

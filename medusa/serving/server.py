@@ -30,6 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from medusa.decoding.engine import Engine
+from medusa.decoding.generation import read
+from medusa.decoding.request import make_request
 from medusa.decoding.text import TextStream
 from medusa.errors import MedusaError
 from medusa.serving.metrics import Metrics
@@ -125,10 +127,10 @@ class Server:
 
     def submit(self, ids: list[int], request: ChatRequest | CompletionRequest, listener) -> Stream:
         n = self._max_tokens(request, len(ids))
-        return self.scheduler.submit(ids, max_new_tokens=n, mode=self.mode, listener=listener,
-                                     max_draft=request.max_draft_tokens, logprobs=request.wants_logprobs(),
-                                     penalties=request.penalties(self.vocab), ignore_eos=bool(request.ignore_eos),
-                                     **request.sampling())
+        asked = make_request(ids, max_new_tokens=n, mode=self.mode, max_draft=request.max_draft_tokens,
+                             logprobs=request.wants_logprobs(), penalties=request.penalties(self.vocab),
+                             ignore_eos=bool(request.ignore_eos), **request.sampling())
+        return self.scheduler.submit(asked, listener=listener)
 
     def usage(self, prompt: int, stream: Stream) -> dict:
         """OpenAI's usage, with the request's speculation: ``tokens_per_pass`` (tau), ``passes``
@@ -328,19 +330,19 @@ async def _collect(stream: Stream, events: asyncio.Queue, text: Text, request: R
     try:
         while True:
             try:
-                kind, value = await asyncio.wait_for(events.get(), timeout=0.5)
+                event = await asyncio.wait_for(events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     stream.cancel()
                     return error(499, "the client went away")
                 continue
-            if kind == "tokens":
-                parts.append(text.push(value, stream))
-            elif kind == "done":
-                stream.result = value
+            try:
+                ids = read(event, stream)
+            except Exception as exc:  # noqa: BLE001 - the request failed: its error answers it
+                return error(500, str(exc), "server_error")
+            if ids is None:
                 break
-            else:
-                return error(500, str(value), "server_error")
+            parts.append(text.push(ids, stream))
     except asyncio.CancelledError:
         stream.cancel()
         raise
@@ -366,17 +368,16 @@ async def _sse(server: Server, stream: Stream, events: asyncio.Queue, text: Text
         if chat:
             yield chunk("", None, first=True)
         while True:
-            kind, value = await events.get()
-            if kind == "tokens":
-                if piece := text.push(value, stream):
-                    yield chunk(piece, None)
-            elif kind == "done":
-                stream.result = value
-                break
-            else:
-                payload = {"error": {"message": str(value), "type": "server_error", "code": None}}
+            try:
+                ids = read(await events.get(), stream)
+            except Exception as exc:  # noqa: BLE001 - the request failed: its error ends the stream
+                payload = {"error": {"message": str(exc), "type": "server_error", "code": None}}
                 yield f"data: {json.dumps(payload)}\n\n"
                 return
+            if ids is None:
+                break
+            if piece := text.push(ids, stream):
+                yield chunk(piece, None)
         if rest := text.flush():
             yield chunk(rest, None)
         yield chunk(None, text.finish(stream))

@@ -1,0 +1,206 @@
+"""The decode step, for one sequence or many: the engine's only step.
+
+A :class:`Batch` holds sequences (:class:`~medusa.decoding.run.Decoding`) on one engine's passes.
+:meth:`Batch.prefill` runs one chunk of the first waiting prompt (a long prompt takes several
+turns, so running sequences keep going); :meth:`Batch.step` asks every running sequence for its
+proposal (within the rows a caller's policy gives it), verifies them in one packed target pass
+(several passes where the kernels' exact row cap requires, one by one where the caches cannot
+pack), accepts, and returns what happened as typed events. The library's
+:meth:`Engine.stream <medusa.decoding.engine.Engine.stream>` is a batch of one;
+:class:`medusa.serving.scheduler.Scheduler` runs many. Time is accounted here alone: drafting in
+each sequence's proposal, the verification pass shared out over the sequences in it, the update.
+
+A request's own work that raises (its prefill, drafting, acceptance or update) fails that request
+alone. A packed pass that raises is undone (each cache cropped back to its length) and its
+sequences verify one by one: the one whose own pass raises fails, the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa.decoding.generation import Done, Event, Failed, Tokens
+from medusa.decoding.passes.strategies import PassStrategy
+from medusa.decoding.request import Status
+from medusa.decoding.run import Decoding, accept
+from medusa.decoding.state import Proposal, StepOutcome
+from medusa.runtime import hf as kv
+
+log = logging.getLogger("medusa.decoding")
+
+# a policy: each running sequence's row cap this step (None: its whole proposal; 1: no draft)
+Caps = Callable[[list[Decoding]], list[int | None]]
+
+
+@dataclass
+class StepReport:
+    """What one :meth:`Batch.step` did: the events it emitted (``(sequence, event)``), the
+    sequences running when it began (``batch``) and verified (``live``), its wall-clock seconds
+    (drafting, passes and updates), and per verified sequence the tokens drafted and kept."""
+
+    events: list[tuple[Decoding, Event]] = field(default_factory=list)
+    batch: int = 0
+    live: int = 0
+    seconds: float = 0.0
+    drafted: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    emitted: int = 0
+
+
+class Batch:
+    """Sequences decoding together on ``passes`` (see the module docstring); ``max_rows``: the
+    rows one pass verifies exactly at most (None: any). The caller holds the engine's lock and
+    kernel scope around each call (:meth:`Engine.owned <medusa.decoding.engine.Engine.owned>`)."""
+
+    def __init__(self, passes: PassStrategy, max_rows: int | None) -> None:
+        self.passes, self.max_rows = passes, max_rows
+        self.prefilling: list[tuple[Decoding, Iterator]] = []  # in arrival order; the first runs
+        self.running: list[Decoding] = []
+
+    def __len__(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def add(self, run: Decoding) -> None:
+        """Queue ``run``'s prefill (it starts at a later :meth:`prefill`)."""
+        self.prefilling.append((run, run.prefill_chunks()))
+
+    def remove(self, run: Decoding) -> None:
+        """Drop ``run``, wherever it is (its caller ends it)."""
+        self.prefilling = [(r, c) for r, c in self.prefilling if r is not run]
+        if run in self.running:
+            self.running.remove(run)
+
+    def prefill(self) -> tuple[Decoding | None, list[tuple[Decoding, Event]]]:
+        """One chunk of the first waiting prompt. Returns the sequence whose prefill ended with
+        it (None: none did) and the events: its first tokens, or its failure."""
+        if not self.prefilling:
+            return None, []
+        run, chunks = self.prefilling[0]
+        try:
+            if next(chunks, StopIteration) is not StopIteration:
+                return None, []
+            first = run.first_chunk()
+            run.begin()
+        except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+            self.prefilling.pop(0)
+            return None, [(run, _failed(run, exc))]
+        self.prefilling.pop(0)
+        self.running.append(run)
+        return run, [(run, Tokens(first))] if first else []
+
+    @torch.inference_mode()
+    def step(self, caps: Caps | None = None) -> StepReport:
+        """Propose, verify in one packed pass, accept: one step of every running sequence.
+        ``caps``: the policy giving each its rows (None: each drafts its whole proposal, as alone);
+        a request's own ``max_draft`` caps it further."""
+        running = list(self.running)
+        report = StepReport(batch=len(running))
+        t0 = time.perf_counter()
+        wanted = caps(running) if caps is not None else [None] * len(running)
+        live: list[Decoding] = []
+        proposals: list[Proposal] = []
+        for run, cap in zip(running, wanted):
+            try:
+                proposal = run.propose(within(cap, run.request.max_draft))
+            except Exception as exc:  # noqa: BLE001 - this request's own drafting: it fails alone
+                self.running.remove(run)
+                report.events.append((run, _failed(run, exc)))
+                continue
+            if proposal is None:
+                self.running.remove(run)
+                report.events.append((run, Done(run.result())))
+                continue
+            live.append(run)
+            proposals.append(proposal)
+        report.live = len(live)
+        if live:
+            t1 = time.perf_counter()
+            outcomes = self._verify(live, proposals)
+            share = (time.perf_counter() - t1) / len(live)
+            for run, proposal, outcome in zip(live, proposals, outcomes):
+                run.stats.verify_seconds += share
+                try:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    chunk, drafted = run.advance(outcome)
+                except Exception as exc:  # noqa: BLE001 - this request's own pass or update: it fails alone
+                    self.running.remove(run)
+                    report.events.append((run, _failed(run, exc)))
+                    continue
+                report.emitted += len(chunk)
+                report.drafted.append(proposal.tokens.shape[0] - 1)
+                report.kept.append(drafted)
+                if chunk:
+                    report.events.append((run, Tokens(chunk, drafted)))
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _verify(self, live: list[Decoding], proposals: list[Proposal]) -> list[StepOutcome | Exception]:
+        """Each sequence's proposal verified and accepted (or the error its own pass raised): in
+        one packed pass per group of at most :attr:`max_rows` rows; static caches one by one."""
+        out: list[StepOutcome | Exception | None] = [None] * len(live)
+        for group in self._groups(proposals):
+            pack = [i for i in group if self.passes.packs and not kv.is_static(live[i].state.cache)]
+            if len(pack) > 1:
+                items = [(live[i].state.cache, live[i].state.length, proposals[i]) for i in pack]
+                try:
+                    verified = self.passes.verify_many(items)
+                except Exception as exc:  # noqa: BLE001 - undone; each sequence then verifies alone
+                    log.warning("medusa: a packed pass of %d sequences failed (%s); they verify one by one",
+                                len(pack), exc)
+                    for i in pack:
+                        kv.crop(live[i].state.cache, live[i].state.length)
+                else:
+                    for i, v in zip(pack, verified):
+                        out[i] = _accepted(live[i], proposals[i], v)
+            for i in group:
+                if out[i] is None:
+                    run = live[i]
+                    try:
+                        v = self.passes.verify(run.state.cache, run.state.length, proposals[i], run.least)
+                    except Exception as exc:  # noqa: BLE001 - this request's own pass: it fails alone
+                        kv.crop(run.state.cache, run.state.length)
+                        out[i] = exc
+                        continue
+                    out[i] = _accepted(run, proposals[i], v)
+        return out
+
+    def _groups(self, proposals: list[Proposal]) -> list[list[int]]:
+        """The passes a step runs: all sequences in one, or as many as :attr:`max_rows` (the
+        rows the kernels are exact for) requires."""
+        cap = self.max_rows
+        if cap is None:
+            return [list(range(len(proposals)))]
+        groups, rows = [[]], 0
+        for i, p in enumerate(proposals):
+            n = p.tokens.shape[0] + (0 if p.side is None else p.side.tokens.shape[0])
+            if groups[-1] and rows + n > cap:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += n
+        return groups
+
+
+def _accepted(run: Decoding, proposal: Proposal, verified) -> StepOutcome | Exception:
+    try:
+        return accept(run.state, proposal, *verified)
+    except Exception as exc:  # noqa: BLE001 - this request's own acceptance: it fails alone
+        return exc
+
+
+def _failed(run: Decoding, exc: Exception) -> Failed:
+    run.status = Status.FAILED
+    return Failed(exc)
+
+
+def within(cap: int | None, max_draft: int | None) -> int | None:
+    """A step's row cap within a request's own draft limit (the root plus ``max_draft`` rows)."""
+    if max_draft is None:
+        return cap
+    return 1 + max_draft if cap is None else min(cap, 1 + max_draft)
