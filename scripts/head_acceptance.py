@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode(), engine.kernel_scope():
                 facts = kind(heads.config.kind)
                 if facts.drafts_per_step:
-                    # a block drafts no deeper than its k tokens; eagle heads' chains go on
-                    depth = args.depth if facts.dynamic_tree else min(args.depth, heads.config.num_heads)
+                    # as deep as asked, or as the heads can draft (a block: its k tokens)
+                    depth = min(args.depth, facts.proposer_class().deepest(heads) or args.depth)
                     acc = acceptance_by_size(heads, engine.model, pairs, DynamicTree(nodes=depth, depth=depth, topk=1))
                     # accepted[n - 1]: mean tokens accepted with a chain of n; its increments: right through depth n
                     per_depth = [a - b for a, b in zip(acc.accepted, [0.0] + acc.accepted[:-1])]

@@ -159,3 +159,57 @@ def test_the_chat_loads_the_shipped_heads_of_the_kind_its_mode_names():
         assert heads_for(argparse.Namespace(heads=None, model="other/model", mode=name)) is None
     for mode in ("hybrid", "lookup", None):
         assert heads_for(argparse.Namespace(heads=None, model=None, mode=mode)) is None
+
+
+def test_the_kind_fields_are_the_registrys_own_fields():
+    assert KIND_FIELDS == tuple(dict.fromkeys(f for k in REGISTRY.values() for f in k.own_fields))
+    assert set(KIND_FIELDS) == {"eagle_layout", "fc_bias", "feature_layers", "draft_vocab_size",
+                                "norm_before_residual", "draft_layer"}
+
+
+def test_every_kinds_proposer_is_built_by_one_constructor():
+    from medusa.decoding.state import HeadsProposer
+
+    for k in REGISTRY.values():
+        cls = k.proposer_class()
+        assert issubclass(cls, HeadsProposer), k.name
+        params = list(inspect.signature(cls.for_heads).parameters)
+        assert params == ["heads", "device", "size", "paths", "dtype", "hybrid"], (k.name, params)
+
+
+def test_a_new_kind_is_one_registry_entry_plus_its_own_files(monkeypatch, tmp_path):
+    """tests/mock_kind.py is a whole kind (heads, proposer, training hooks): registered, it loads
+    from a folder, decodes in its own mode and in hybrid exactly, is timed by sizing, describes
+    itself in the chat's banner line and trains through its hooks - with no other file touched."""
+    import mock_kind
+    import torch
+    from tiny import tiny_model
+
+    from medusa.autotune.sizing import drafter
+    from medusa.decoding.engine import Engine
+    from medusa.models.heads_config import save_heads
+    from medusa.models.loader import load_heads
+
+    monkeypatch.setitem(REGISTRY, "mock", mock_kind.KIND)
+    model = tiny_model("llama")
+    cfg = argparse.Namespace(num_heads=3)
+    heads = named(mock_kind.KIND.fresh_heads)(model, cfg, None)
+    loaded = load_heads(save_heads(heads, tmp_path / "mock"), model)
+    assert isinstance(loaded, mock_kind.MockHeads) and torch.equal(loaded.fc.weight, heads.fc.weight)
+    eng = Engine(model, heads=loaded)
+    prompt = [5, 17, 33, 9, 41, 12, 5, 17]
+    plain = eng.generate(prompt, max_new_tokens=20, mode="baseline").tokens
+    for mode in ("mock", "hybrid", None):
+        result = eng.generate(prompt, max_new_tokens=20, mode=mode)
+        assert result.tokens == plain, mode
+    assert isinstance(eng.proposer("mock"), mock_kind.MockProposer)
+    hybrid = eng.proposer("hybrid")
+    assert isinstance(getattr(hybrid, "heads", hybrid), mock_kind.MockProposer)  # beside a lookup chain, if sized one
+    assert "mock chain of 3" in eng.proposer("mock").describe() and loaded.describe() == "mock chain of 3 tokens"
+    with pytest.raises(MedusaError, match="a tree .* shapes the static tree of Medusa heads"):
+        eng.proposer("mock", tree=[(0,)])
+    assert drafter(loaded, torch.device("cpu"), 2, 4).size.depth == 2  # sizing times the kind's own draft shapes
+    hidden, labels = torch.randn(4, model.config.hidden_size), torch.tensor([1, 2, 3, 4])
+    value, counts = named(mock_kind.KIND.loss)(loaded, model, (hidden, labels), cfg, None, None)
+    value.backward()
+    assert counts["tokens"] == 4 and loaded.fc.weight.grad is not None

@@ -119,7 +119,7 @@ def test_a_failed_pass_fails_only_the_request_it_belongs_to(eng):
     prompts = [[5, 17, 33, 9], [9, 8, 7, 6, 5], [11, 12, 13]]
     alone = [eng.generate(p, max_new_tokens=12, mode="baseline").tokens for p in prompts]
     passes = eng.passes
-    verify, verify_many = passes.verify, passes.verify_many
+    verify = passes.verify
     poisoned = []
 
     def failing_many(items):

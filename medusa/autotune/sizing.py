@@ -33,8 +33,7 @@ import torch
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
 from medusa.decoding.passes.strategies import pass_bucket
-from medusa.decoding.proposers.block import BlockProposer
-from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.lookahead import LookaheadSize, size_lookahead
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
@@ -114,10 +113,9 @@ def drafting_ms(heads, model, shapes: list[tuple[int, int]], reps: int = REPS) -
 
 def drafter(heads, device: torch.device, depth: int, topk: int):
     """The proposer of ``heads``' kind drafting its largest proposal of shape ``(depth, topk)``:
-    an EAGLE tree expands ``topk`` nodes into ``topk`` children per level, a block ``topk`` per depth."""
-    if not kind(heads.config.kind).dynamic_tree:  # a block's chain and siblings
-        return BlockProposer(heads, device, DynamicTree(nodes=depth * topk, depth=depth, topk=topk))
-    return EagleProposer(heads, device, DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk))
+    the kind's proposer says what that is (``HeadsProposer.shape``)."""
+    cls = kind(heads.config.kind).proposer_class()
+    return cls.for_heads(heads, device, size=cls.shape(depth, topk))
 
 
 def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[int, int]]) -> dict:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.proposers.block import BlockProposer
-from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.lookup import PromptLookup
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import spelled
@@ -214,7 +213,7 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     (:func:`simulate`; chain length 0 is mode eagle)."""
     device = heads.fc.weight.device
     # block heads (medusa.decoding.proposers.block) read the same features, rank their nodes alike
-    proposer = (EagleProposer if kind(heads.config.kind).dynamic_tree else BlockProposer)(heads, device, size)
+    proposer = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size)
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)

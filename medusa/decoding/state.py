@@ -185,6 +185,30 @@ class Proposer(abc.ABC):
         return type(self).__name__
 
 
+class HeadsProposer(Proposer):
+    """A heads kind's proposer (the registry's ``Kind.proposer``, medusa/models/kinds.py): every
+    kind's is built by :meth:`for_heads`, one signature for all, and says what sizing asks of it."""
+
+    @classmethod
+    @abc.abstractmethod
+    def for_heads(cls, heads, device: torch.device, *, size=None, paths: list[tuple[int, ...]] | None = None,
+                  dtype: torch.dtype = torch.float32, hybrid: bool = False) -> HeadsProposer:
+        """The proposer of ``heads`` on ``device``: ``size``, its proposal's size where it drafts per
+        step (None: the size calibrated for the device and the target's ``dtype``, for mode hybrid
+        with ``hybrid``); ``paths``, the static tree where it has one."""
+
+    @staticmethod
+    def shape(depth: int, topk: int):
+        """The size of its largest proposal of a ``(depth, topk)`` draft shape (the kinds that draft
+        per step: medusa/autotune/sizing.py times it)."""
+        raise NotImplementedError("a static tree has no draft shape: it is not sized per step")
+
+    @staticmethod
+    def deepest(heads) -> int | None:
+        """How deep ``heads`` can draft at most (None: as deep as asked)."""
+        return None
+
+
 class _Foreign(Proposer):
     """A proposer of the caller's own class, which declares what it may (``max_rows``, ...)."""
 

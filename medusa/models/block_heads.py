@@ -82,6 +82,12 @@ class BlockHeads(FusedDrafter):
         self.layers = nn.ModuleList([LlamaDecoderLayer(self.layer_config, layer_idx=i) for i in range(config.num_layers)])
         self.bind(target)
 
+    def describe(self) -> str:
+        """What these heads are, in a few words (the chat's banner)."""
+        c = self.config
+        return (f"block of {c.num_heads} tokens per drafter pass (layers {', '.join(map(str, c.feature_layers))}, "
+                f"{c.draft_vocab_size:,}-token draft vocabulary)")
+
     @property
     def block_size(self) -> int:
         """``k``: the tokens one pass drafts (``x_{t+2} .. x_{t+k+1}``)."""

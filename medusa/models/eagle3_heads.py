@@ -193,6 +193,12 @@ class Eagle3Heads(FusedDrafter):
         self.layers = nn.ModuleList([Eagle3Layer(self.layer_config, config.norm_before_residual)])
         self.bind(target)
 
+    def describe(self) -> str:
+        """What these heads are, in a few words (the chat's banner)."""
+        c = self.config
+        return (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft "
+                f"vocabulary), {c.num_heads} draft steps trained")
+
     # -- compute ------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., L*H]`` target features -> ``[..., H]``; the head's own outputs (``[..., H]``) pass."""

@@ -69,6 +69,14 @@ class OnTarget:
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    def describe(self) -> str:
+        """What these heads are, in a few words (the chat's banner)."""
+        return f"eagle ({self.config.eagle_layout}), {self.config.num_heads} draft steps trained"
+
+    def forget_calibration(self) -> None:
+        """Drop the sizes calibrated for other weights (after training: recalibrate)."""
+        self.dynamic, self.measured = {}, {}
+
 
 class EagleHeads(OnTarget, nn.Module):
     """An autoregressive draft head over a target's features (see the module docstring).

@@ -73,6 +73,14 @@ class MedusaHeads(nn.Module):
         self.ngrams: NgramTable | None = None
 
     # -- wiring -------------------------------------------------------------------------
+    def describe(self) -> str:
+        """What these heads are, in a few words (the chat's banner)."""
+        return f"{self.config.num_heads} heads x {self.config.num_layers} layer(s)"
+
+    def forget_calibration(self) -> None:
+        """Drop the trees calibrated for other weights (after training: recalibrate)."""
+        self.trees = {}
+
     def bind(self, lm_head: nn.Module) -> MedusaHeads:
         """Attach the target's vocabulary projection (used by ``shared`` heads)."""
         weight = lm_head.weight

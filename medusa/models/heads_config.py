@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from medusa.errors import MedusaError
-from medusa.models.kinds import KINDS, kind, kinds_where  # noqa: F401 (KINDS: kept for its importers)
+from medusa.models.kinds import KIND_FIELDS, KINDS, kind, kinds_where  # noqa: F401 (KINDS, KIND_FIELDS: kept for importers)
 from medusa.models.target import DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME
 from medusa.runtime.files import atomic_folder, read_json
 
@@ -30,8 +30,6 @@ PROJECTIONS = ("shared", "per_head")
 # The kinds and their facts: medusa.models.kinds (these names are kept for their importers).
 FUSED_KINDS = kinds_where("fused")  # heads over several target layers fused, with their own draft vocabulary
 EAGLE_KINDS = kinds_where("dynamic_tree")  # heads that draft autoregressively, growing a dynamic tree per step
-# The config fields of one kind or a few (medusa.models.kinds.Kind.own_fields): dropped from other kinds' folders.
-KIND_FIELDS = ("eagle_layout", "fc_bias", "feature_layers", "draft_vocab_size", "norm_before_residual", "draft_layer")
 # How an eagle head's decoder layer sits between fusion and vocabulary (medusa.models.eagle_heads):
 # "norms" (the layer's own input norm, then the target's final norm: folders written before
 # layouts existed) or "eagle1" (neither: vLLM's EAGLE-1 Llama drafter, so it exports to vLLM).

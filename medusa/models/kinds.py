@@ -22,7 +22,9 @@ class Kind:
     name: str  # the ``kind`` a heads folder's config.json names, and the mode that runs it alone
     summary: str  # one line: what the heads are
     heads: str  # "module:Class" of the heads, built from a HeadsConfig
-    proposer: str  # "module:Class" of its proposer (medusa.decoding), built by proposers.make_proposer
+    # "module:Class" of its proposer (medusa.decoding), a HeadsProposer: every kind's is built by
+    # Class.for_heads(heads, device, size=, paths=, dtype=, hybrid=) (proposers/factory.py, sizing)
+    proposer: str
     # its training hooks, "module:function" in its own training module (medusa.training), which
     # training/heads_task.py calls (see TRAINING_HOOKS for their signatures):
     fresh_heads: str  # new heads for a target: (target, cfg, vocab) -> heads
@@ -63,6 +65,10 @@ class Kind:
     def heads_class(self) -> type:
         """The class of these heads, imported now."""
         return named(self.heads)
+
+    def proposer_class(self) -> type:
+        """The class of its proposer (a ``HeadsProposer``), imported now."""
+        return named(self.proposer)
 
 
 # The fields naming a kind's training hooks, and the parameters each one takes (cfg: a
@@ -111,6 +117,8 @@ REGISTRY: dict[str, Kind] = {k.name: k for k in (
          block_trained=True, layers=(1, 2), own_fields=("feature_layers", "draft_vocab_size")),
 )}
 KINDS = tuple(REGISTRY)  # every kind's name, in registry order
+# the HeadsConfig fields of one kind or a few (Kind.own_fields), in registry order: other kinds drop them
+KIND_FIELDS = tuple(dict.fromkeys(f for k in REGISTRY.values() for f in k.own_fields))
 
 
 def kind(name: str) -> Kind:

@@ -75,15 +75,16 @@ def heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], model:
                 "use heads trained for this model"
             )
     facts = kind(config.kind)
+    build = facts.heads_class()  # the class the registry names for this kind
     if facts.on_target:
         if model is None:
             raise MedusaError(f"{where} holds {config.kind} heads, which are built on their target: pass the target model")
-        heads: nn.Module = facts.heads_class()(config, model)
+        heads: nn.Module = build(config, model)
         check_state(config, heads.state_dict(), state, where)
     else:
         with torch.device("meta"):  # shapes only: no memory for per-head [V, H] projections
-            check_state(config, MedusaHeads(config).state_dict(), state, where)
-        heads = MedusaHeads(config)
+            check_state(config, build(config).state_dict(), state, where)
+        heads = build(config)
     if lm_head is not None:
         if not facts.on_target:  # heads apart from their target share its lm_head
             heads.bind(lm_head)

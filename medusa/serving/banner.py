@@ -14,15 +14,18 @@ if TYPE_CHECKING:
     from medusa.decoding.engine import Engine
 
 
-def block_line(args: argparse.Namespace, engine: Engine, mode: str) -> str:
-    """The banner's line for block heads: the block, its layers and vocabulary, the proposal."""
-    c = engine.heads.config
-    facts = kinds.kind(c.kind)
-    proposer = engine.proposer(mode if mode in facts.modes else c.kind)  # lookup, baseline: the heads' own
-    label = "sized here" if engine.plan.eagle is not None else "default"
-    return (f"heads   {args.heads} · block of {c.num_heads} tokens per drafter pass (layers "
-            f"{', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary) · "
-            f"proposal {label}: {proposer.describe()}")
+def drafting_line(args: argparse.Namespace, engine: Engine, mode: str) -> str:
+    """The banner's line for heads that draft per step: what the heads are (they say it), and
+    their proposal and where its size came from."""
+    from medusa.decoding.tree import tree_key
+
+    heads = engine.heads
+    c, key = heads.config, tree_key(engine.device.type, engine.model.dtype)
+    proposer = engine.proposer(mode if mode in kinds.kind(c.kind).modes else c.kind)  # lookup, baseline: the heads' own
+    device = key if key in heads.dynamic else engine.device.type
+    label = f"calibrated for {device}" if device in heads.dynamic else "default"
+    label = "sized here" if engine.plan.eagle is not None else label
+    return f"heads   {args.heads or 'shipped'} · {heads.describe()} · proposal {label}: {proposer.describe()}"
 
 
 def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, style: Style) -> str:
@@ -36,28 +39,15 @@ def banner(args: argparse.Namespace, engine: Engine, mode: str, window: int, sty
     # what the machine plan picked and why (dtype, kernels, rows, heads' dtype, trees)
     lines += [line for line in engine.describe() if not line.startswith(("passes", "mode"))]
     facts = None if engine.heads is None else kinds.kind(engine.heads.config.kind)
-    if facts is not None and facts.dynamic_tree:
-        from medusa.decoding.tree import tree_key
-
-        c, key = engine.heads.config, tree_key(engine.device.type, engine.model.dtype)
-        proposer = engine.proposer(mode if mode in facts.modes else c.kind)  # lookup, baseline: the heads' own
-        device = key if key in engine.heads.dynamic else engine.device.type
-        label = f"calibrated for {device}" if device in engine.heads.dynamic else "default"
-        label = "sized here" if engine.plan.eagle is not None else label
-        kind = (f"eagle3 (layers {', '.join(map(str, c.feature_layers))}, {c.draft_vocab_size:,}-token draft vocabulary)"
-                if facts.fused else f"eagle ({c.eagle_layout})")
-        lines.append(f"heads   {args.heads or 'shipped'} · {kind}, {c.num_heads} draft steps trained · "
-                     f"proposal {label}: {proposer.describe()}")
-    elif facts is not None and facts.drafts_per_step:
-        lines.append(block_line(args, engine, mode))
+    if facts is not None and facts.drafts_per_step:
+        lines.append(drafting_line(args, engine, mode))
     elif engine.heads is not None:
-        c = engine.heads.config
         source = args.heads or "shipped"
         tree = compile_tree(engine.tree_paths(args.tree))
         device = engine.device.type
         label = args.tree or (f"calibrated for {device}" if engine.heads.trees.get(device) is not None
                               else ("gpu" if device == "cuda" else "cpu"))
-        lines.append(f"heads   {source} · {c.num_heads} heads x {c.num_layers} layer(s) · tree {label} "
+        lines.append(f"heads   {source} · {engine.heads.describe()} · tree {label} "
                      f"({tree.num_nodes} nodes, depth {tree.max_depth})")
     if args.draft is not None:
         lines.append(f"draft   {args.draft}")

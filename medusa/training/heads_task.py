@@ -121,11 +121,7 @@ class HeadsTask:
             raise MedusaError(f"init_heads {cfg.init_heads} holds {heads.config.kind} heads but kind is {cfg.kind}: "
                               "set kind to match")
         # calibrated for the old weights: recalibrate after training
-        facts = kind(cfg.kind)
-        if facts.dynamic_tree:
-            heads.dynamic, heads.measured = {}, {}
-        elif not facts.drafts_per_step:  # Medusa's static trees
-            heads.trees = {}
+        heads.forget_calibration()
         heads.config.base_model = base_model_name(target)
         heads.set_draft_vocab(None)
         cfg.num_heads, cfg.num_layers, cfg.projection = (heads.config.num_heads, heads.config.num_layers,

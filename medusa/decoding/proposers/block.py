@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from medusa.decoding.proposers.eagle import DynamicTree, _compiled, select
-from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import chain, tree_key
 
 INITIAL_CAPACITY = 256  # context slots allocated per drafter layer before the first doubling
@@ -63,8 +63,24 @@ def block_paths(depth: int, topk: int) -> list[Path_]:
     return [(0,) * d + (r,) for d in range(depth) for r in range(topk)]
 
 
-class BlockProposer(Proposer):
+class BlockProposer(HeadsProposer):
     """Block heads proposing the top-1 chain of one drafter pass, with siblings (see the module docstring)."""
+
+    @classmethod
+    def for_heads(cls, heads: nn.Module, device: torch.device, *, size: DynamicTree | None = None,
+                  paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
+                  hybrid: bool = False) -> BlockProposer:
+        """``size``, else the size calibrated for the device and dtype, else the block's default."""
+        return cls(heads, device, size=size or block_size_for(heads, device, dtype, hybrid=hybrid), dtype=dtype)
+
+    @staticmethod
+    def shape(depth: int, topk: int) -> DynamicTree:
+        """``topk`` candidates at each of ``depth`` positions of the block."""
+        return DynamicTree(nodes=depth * topk, depth=depth, topk=topk)
+
+    @staticmethod
+    def deepest(heads: nn.Module) -> int:
+        return heads.config.num_heads  # a block drafts no deeper than its k tokens
 
     def __init__(self, heads: nn.Module, device: torch.device, size: DynamicTree | None = None,
                  dtype: torch.dtype = torch.float32, capacity: int = INITIAL_CAPACITY) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
 from medusa.models.eagle_heads import EagleHeads, additive_mask
 from medusa.runtime import hf as kv
@@ -111,8 +111,20 @@ def select(paths: list[Path_], scores: list[float], nodes: int) -> list[int]:
     return kept
 
 
-class EagleProposer(Proposer):
+class EagleProposer(HeadsProposer):
     """EAGLE heads proposing a dynamic tree each step (see the module docstring)."""
+
+    @classmethod
+    def for_heads(cls, heads: EagleHeads, device: torch.device, *, size: DynamicTree | None = None,
+                  paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
+                  hybrid: bool = False) -> EagleProposer:
+        """``size``, else the size calibrated for the device and dtype (mode hybrid's with ``hybrid``)."""
+        return cls(heads, device, size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid), dtype)
+
+    @staticmethod
+    def shape(depth: int, topk: int) -> DynamicTree:
+        """``topk`` nodes expanded into ``topk`` children per level: every candidate, ``depth`` deep."""
+        return DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk)
 
     def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None,
                  dtype: torch.dtype = torch.float32) -> None:

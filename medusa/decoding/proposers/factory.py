@@ -8,17 +8,15 @@ import torch
 from transformers import PreTrainedModel
 
 from medusa.decoding.proposers.autoregressive import Autoregressive
-from medusa.decoding.proposers.block import BlockProposer, block_size_for
 from medusa.decoding.proposers.draft_model import DraftModel
-from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.decoding.proposers.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
 from medusa.decoding.proposers.lookup import PromptLookup
-from medusa.decoding.proposers.medusa import MedusaProposer
 from medusa.decoding.state import Proposer
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
-from medusa.models.kinds import KINDS, kind
+from medusa.models.kinds import KINDS, REGISTRY, kind
 
 
 def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int | None) -> Proposer:
@@ -67,19 +65,16 @@ class ProposerConfig:
 
 def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: list[tuple[int, ...]] | None,
                     size: DynamicTree | None, dtype: torch.dtype, hybrid: bool) -> tuple[Proposer, int]:
-    """The heads' own proposer (Medusa's static tree, EAGLE's dynamic tree, the block's chain)
-    and the lookup chain's length mode hybrid puts beside it (0: none, as sized)."""
-    facts = kind(heads.config.kind)
-    if not facts.drafts_per_step:
-        return MedusaProposer(heads, paths or [], device), config.chain()
-    if not facts.dynamic_tree:  # a block's chain and siblings
-        size = size or block_size_for(heads, device, dtype, hybrid=hybrid)
-        guessed: Proposer = BlockProposer(heads, device, size=size, dtype=dtype)
-    else:
-        size = size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid)
-        guessed = EagleProposer(heads, device, size=size, dtype=dtype)
-    chain = config.chain(size.chain)
-    return guessed, 0 if hybrid and size.chain == 0 and not config.lookup_tokens else chain
+    """The heads' own proposer, built as the registry names it (Medusa's static tree, EAGLE's
+    dynamic tree, the block's chain), and the lookup chain's length mode hybrid puts beside it
+    (0: none, as sized)."""
+    guessed = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size, paths=paths, dtype=dtype,
+                                                                hybrid=hybrid)
+    sized = getattr(guessed, "size", None)  # a proposal sized per step (a static tree has none)
+    if not isinstance(sized, DynamicTree):
+        return guessed, config.chain()
+    chain = config.chain(sized.chain)
+    return guessed, 0 if hybrid and sized.chain == 0 and not config.lookup_tokens else chain
 
 
 def make_proposer(
@@ -105,7 +100,7 @@ def make_proposer(
         return Autoregressive(device)
     if mode == "lookahead":
         return _lookahead(device, config, size, max_rows)
-    if mode in (*HEADS_MODES, "hybrid"):
+    if mode in REGISTRY or mode == "hybrid":  # a kind registered after import too
         if heads is None:
             raise MedusaError(f"mode {mode!r} needs heads: load with heads=FOLDER (or heads='init' for untrained ones)")
         loaded = heads.config.kind
@@ -132,4 +127,5 @@ def make_proposer(
                           max_tokens=max(16, config.draft_tokens), confidence=config.draft_confidence)
     if mode == "lookup":
         return PromptLookup(device, num_tokens=config.chain(), max_ngram=config.lookup_ngram)
-    raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    known = dict.fromkeys((*MODES, *REGISTRY))
+    raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(known)}")

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
+from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree
 from medusa.models.heads import MedusaHeads
 
 
-class MedusaProposer(Proposer):
+class MedusaProposer(HeadsProposer):
     """Medusa heads proposing the top-k of each head, arranged by a static tree."""
+
+    @classmethod
+    def for_heads(cls, heads: MedusaHeads, device: torch.device, *, size=None,
+                  paths: list[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
+                  hybrid: bool = False) -> MedusaProposer:
+        """The static tree ``paths`` over the heads (no size: the tree is the size)."""
+        return cls(heads, paths or [], device)
+
+    @staticmethod
+    def deepest(heads: MedusaHeads) -> int:
+        return heads.num_heads
 
     def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]], device: torch.device) -> None:
         tree = compile_tree(paths)
