@@ -9,8 +9,8 @@ Exit codes: 0 done, 1 a problem the user can fix (bad path, heads for another mo
 message too long, ...), 2 bad command-line usage, 3 out of memory, 130 interrupted.
 
 This module parses the flags and talks to the terminal (readline, stdin, the prompt loop); the
-session, its startup and the banner are library code in medusa/serving/ (chat.py,
-chat_setup.py, banner.py).
+session, its startup and the banner are library code in medusa/chat/ (session.py,
+prepare.py, banner.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from medusa.config import HelpFormatter, count
-from medusa.decoding import MAX_NEW_TOKENS
-from medusa.runtime.kernels import kernels_arg
-from medusa.serving.banner import banner
-from medusa.serving.chat import EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_USER_ERROR, Chat
-from medusa.serving.chat_setup import (
+from medusa.chat.banner import banner
+from medusa.chat.prepare import (
     OOM_HINT,
     Style,
     conversation_window,
@@ -38,6 +34,10 @@ from medusa.serving.chat_setup import (
     say,
     start_problem,
 )
+from medusa.chat.session import EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_USER_ERROR, Chat
+from medusa.config import HelpFormatter, count
+from medusa.decoding import MAX_NEW_TOKENS
+from medusa.runtime.kernels import kernels_arg
 
 
 def build_parser() -> argparse.ArgumentParser:

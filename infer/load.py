@@ -5,7 +5,7 @@ would deploy instead, measured the same way on the same prompts in one run.
         --prompts docs/benchmarks/prompts/heldout-serve.jsonl --max-tokens 128 --json load.json --plot load.png
 
 Each server is started on 127.0.0.1, sent every prompt once per concurrency (streaming, greedy;
-medusa/serving/loadgen.py), and stopped. ``medusa`` is ``python -m infer.serve`` in its default
+medusa/bench/loadgen.py), and stopped. ``medusa`` is ``python -m infer.serve`` in its default
 mode, ``medusa-baseline`` the same server decoding without drafts (the engine's batched plain
 decoding), ``llama-server`` llama.cpp's server with ``--parallel`` slots on the same weights as
 an F32 GGUF (built once from PyPI's llama-cpp-python sources), ``vllm`` vLLM's CPU server with
@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import torch
-
+from medusa.bench.loadgen import interference, run_load, versus
+from medusa.bench.servers import start, stop
 from medusa.bench.soak import Soak
 from medusa.errors import MedusaError
-from medusa.peers import vllm_server
-from medusa.serving.loadgen import interference, run_load, versus, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "docs" / "benchmarks" / "prompts" / "heldout-serve.jsonl"
@@ -87,62 +80,6 @@ def long_text(words: int) -> str:
     return "Summarize the following report in three sentences.\n\n" + " ".join(text)
 
 
-def start(server: str, args: argparse.Namespace) -> tuple[str, str, subprocess.Popen | None]:
-    """``(url, model id, process)`` of a started (or, for url=, a running) server."""
-    if server.startswith("url="):
-        return server[4:], args.model_name, None
-    url = f"http://127.0.0.1:{args.port}"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if server in ("medusa", "medusa-baseline"):
-        cmd = [sys.executable, "-m", "infer.serve", "--port", str(args.port), "--max-batch", str(args.max_batch),
-               "--max-queue", "8" if args.soak else "256", "--log-level", "warning"]
-        if server == "medusa-baseline":
-            cmd += ["--mode", "baseline"]
-    elif server == "llama-server":
-        from medusa.peers.gguf_f32 import f32_gguf
-        from medusa.peers.llama_server import ensure_llama_server, server_command
-
-        ensure_llama_server()
-        cmd = server_command(f32_gguf(None), args.port, args.max_batch, torch.get_num_threads())
-    elif server in vllm_server.SERVERS:
-        from medusa.models.target import default_model_dir
-        from medusa.peers.vllm_client import vllm_python, worker_env
-
-        cmd = vllm_server.server_command(vllm_python(), default_model_dir(), args.port, args.max_batch,
-                                         args.model_name, ngram=server == "vllm-ngram")
-        env = worker_env()
-    else:
-        raise MedusaError(f"unknown server {server!r}: use medusa, medusa-baseline, llama-server, vllm, vllm-ngram "
-                          "or url=URL")
-    log = open(Path(tempfile.gettempdir()) / f"medusa-load-{server}.log", "w")  # a full pipe would stall it
-    # its own process group: vLLM's server runs its engine in child processes, stopped with it
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        wait_ready(url, proc=proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return url, args.model_name, proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Ends a started server and every process it started: SIGTERM to its group, SIGKILL after 60 s."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            os.killpg(proc.pid, 0)  # the server is gone; are its children?
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-        time.sleep(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -150,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(c) for c in args.concurrency.split(",")]
         rows, texts = [], {}
         for server in args.servers.split(","):
-            url, model, proc = start(server, args)
+            url, model, proc = start(server, args.port, args.max_batch, args.model_name, 8 if args.soak else 256)
             try:
                 if args.soak:
                     report = Soak(url, model, prompts, args.max_tokens, pid=proc.pid if proc else None).run(args.soak)

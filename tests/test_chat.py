@@ -19,11 +19,11 @@ import pytest
 from tiny import tiny_model
 
 from infer.chat import main, parse_args
+from medusa.chat.prepare import Style
+from medusa.chat.session import Chat
 from medusa.decoding.text import TextStream
 from medusa.models.heads_config import save_heads
 from medusa.models.loader import init_heads_for
-from medusa.serving.chat import Chat
-from medusa.serving.chat_setup import Style
 
 pytestmark = pytest.mark.e2e
 

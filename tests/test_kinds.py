@@ -150,7 +150,7 @@ def test_the_chat_loads_the_shipped_heads_of_the_kind_its_mode_names():
     """--mode KIND on the embedded model picks that kind's shipped heads, for every kind that ships
     (on CUDA --mode eagle3 used to load the Medusa heads, then stop on the mode mismatch)."""
     from medusa.api import SHIPPED
-    from medusa.serving.chat_setup import heads_for
+    from medusa.chat.prepare import heads_for
 
     assert set(SHIPPED) <= set(KINDS) and "eagle3" in SHIPPED
     for name in SHIPPED:

@@ -103,22 +103,22 @@ def test_no_import_cycles_behind_function_level_imports():
 
 
 # The layers, bottom up: each may import only those below it (and its own package).
-# entry points -> bench -> api -> autotune -> decoding / training / peers -> hub -> models -> runtime (+ errors, config)
+# entry points -> bench, chat -> api -> autotune -> decoding / training / peers -> hub -> models -> runtime (+ errors, config)
 ABOVE = {
     "medusa.errors": ("medusa.config", "medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training",
-                      "medusa.hub", "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
+                      "medusa.hub", "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
     "medusa.config": ("medusa.runtime", "medusa.models", "medusa.decoding", "medusa.training", "medusa.hub",
-                      "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
+                      "medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
     "medusa.runtime": ("medusa.models", "medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers",
-                       "medusa.autotune", "medusa.api", "medusa.bench"),
+                       "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
     "medusa.models": ("medusa.decoding", "medusa.training", "medusa.hub", "medusa.peers", "medusa.autotune",
-                      "medusa.api", "medusa.bench"),
-    "medusa.decoding": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
-    "medusa.training": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
-    "medusa.hub": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench"),
-    "medusa.peers": ("medusa.autotune", "medusa.api", "medusa.bench"),
-    "medusa.autotune": ("medusa.api", "medusa.bench"),
-    "medusa.api": ("medusa.bench",),
+                      "medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.decoding": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.training": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.hub": ("medusa.peers", "medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.peers": ("medusa.autotune", "medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.autotune": ("medusa.api", "medusa.bench", "medusa.chat"),
+    "medusa.api": ("medusa.bench", "medusa.chat"),
 }
 
 

@@ -12,9 +12,10 @@ import pytest
 from test_serve import QUESTIONS, Running, free_port
 
 from infer import load
+from medusa.bench import servers
+from medusa.bench.loadgen import run_load
 from medusa.errors import MedusaError
 from medusa.peers import vllm_server
-from medusa.serving.loadgen import run_load
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_stopping_a_started_server_ends_the_processes_it_started(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     child = int(pids.read_text())
-    load.stop(proc)
+    servers.stop(proc)
     assert proc.poll() is not None
     assert ended(child, within=30), f"process {child} still runs after stop"
 
@@ -143,7 +144,7 @@ def test_vllm_cpu_server_answers_like_the_engine_at_every_concurrency(tmp_path):
 
 
 def test_versus_puts_the_first_server_against_each_other_at_each_concurrency():
-    from medusa.serving.loadgen import versus
+    from medusa.bench.loadgen import versus
 
     rows = [{"server": "a", "concurrency": 1, "tokens_per_second": 30.0},
             {"server": "a", "concurrency": 4, "tokens_per_second": 60.0},
@@ -163,7 +164,7 @@ def test_the_plot_takes_the_rows_a_long_prompt_run_adds(tmp_path):
 
 
 def test_a_long_prompt_is_sent_once_the_streams_run_and_they_run_through_its_prefill(running):
-    from medusa.serving.loadgen import interference
+    from medusa.bench.loadgen import interference
 
     # a prompt of several prefill chunks (256 tokens each), so the streams run steps between them
     # and answers long enough that no stream is between two answers (not yet streaming) meanwhile

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from medusa.serving.loadgen import _percentile, check_loopback
+from medusa.bench.loadgen import _percentile, check_loopback
 
 # (kind, share of the requests); the rest of each kind's parameters are drawn per request
 MIX = (("greedy", 0.30), ("sampled", 0.10), ("stop", 0.10), ("logprobs", 0.10), ("cancelled", 0.20),

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from medusa.conversation import Conversation
-from medusa.decoding.text import TextStream
-from medusa.serving.chat_setup import (
+from medusa.chat.prepare import (
     OOM_HINT,
     Style,
     is_out_of_memory,
@@ -25,6 +23,8 @@ from medusa.serving.chat_setup import (
     sampling_label,
     say,
 )
+from medusa.conversation import Conversation
+from medusa.decoding.text import TextStream
 
 if TYPE_CHECKING:
     from medusa.decoding.engine import Engine, Generation, GenerationResult

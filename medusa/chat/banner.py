@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from medusa.chat.prepare import Style, sampling_config, sampling_label
 from medusa.models import kinds
-from medusa.serving.chat_setup import Style, sampling_config, sampling_label
 
 if TYPE_CHECKING:
     from medusa.decoding.engine import Engine
