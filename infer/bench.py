@@ -47,9 +47,9 @@ from pathlib import Path
 from medusa.bench.engines import AUTOTUNE, load_bench, prepare
 from medusa.bench.modes import COMPILED, HEAD_KINDS, MODES, UNSHIPPED, parse_modes
 from medusa.bench.prompts import DEFAULT_PROMPTS, read_prompts
-from medusa.bench.report import run_meta, write_results
+from medusa.bench.report import run_meta, write_results, write_temperatures
 from medusa.bench.runners import close_peers
-from medusa.bench.summary import against_fastest_peer, profile_lines, summarise, table
+from medusa.bench.summary import against_fastest_peer, profile_lines, summarise, table, temperature_table
 from medusa.bench.timing import timed_runs
 from medusa.config import HelpFormatter, count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-answer-ngrams", dest="answer_ngrams", action="store_false",
                     help="hybrid modes: draft no chain from the heads folder's n-gram table of the target's "
                          "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
+    ap.add_argument("--draw", type=count(0), default=pc.draw,
+                    help=f"sampled runs: candidates per depth the heads draw from their own distribution (default "
+                         f"{pc.draw}: a chain; 0: their deterministic top-k, verified as point masses)")
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
     ap.add_argument("--chat-template", default=None,
@@ -126,7 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def machine_flags(ap: argparse.ArgumentParser) -> None:
     """Sampling, device, dtype, kernels, compile: how every mode runs."""
     d = SamplingConfig()  # the one place sampling defaults live
-    ap.add_argument("--temperature", type=float, default=None, help=f"0 is greedy (default: {d.temperature:g})")
+    ap.add_argument("--temperature", type=temperatures_arg, default=None,
+                    help=f"0 is greedy (default: {d.temperature:g}); several, comma-separated (0,0.7,1.0), run every "
+                         "mode at each in one run, a table each and one side by side")
     ap.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {d.top_p:g} = off)")
     ap.add_argument("--top-k", type=int, default=None, help=f"sample from the k likeliest tokens (default: {d.top_k} = off)")
     ap.add_argument("--seed", type=int, default=None, help="seed for sampled runs: the same seed, the same outputs "
@@ -162,8 +167,26 @@ def check_outputs(args: argparse.Namespace) -> None:
             writable_folder(folder, flag)  # before the run: a long bench never ends in a traceback
 
 
+def temperatures_arg(text: str) -> list[float]:
+    """``--temperature``: one value or several, comma-separated."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature or a comma-separated list of them") from None
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one temperature")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    temperatures = args.temperature or [None]
+    if len(temperatures) > 1 and args.output:
+        print("error: --output draws one temperature's report: pass one --temperature, or use --json for several",
+              file=sys.stderr)
+        return 2
+    args.temperature = temperatures[0]
+    by_temperature = {}
     try:
         if args.modes:
             parse_modes(args.modes)  # before loading anything: an unknown mode is a one-line error now
@@ -172,13 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         bench = load_bench(args)
         modes = parse_modes(args.modes, bench.main)
         prepare(bench, modes)
-        runs = timed_runs(bench, modes, prompts)
+        for t in temperatures:  # every mode at each temperature, in this one run
+            bench.sampling = bench.sampling.override(temperature=t)
+            by_temperature[bench.sampling.temperature] = (bench.sampling, timed_runs(bench, modes, prompts))
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:  # the peers' workers belong to this run (their model and settings are this run's)
         close_peers()
     reference = "hf" if "hf" in modes else None
+    if len(by_temperature) > 1:
+        return several_temperatures(args, bench, prompts, modes, by_temperature, reference)
+    bench.sampling, runs = next(iter(by_temperature.values()))
     summary = summarise(prompts, runs, reference, sampled=not bench.sampling.greedy)
     print(table(summary, reference))
     for line in profile_lines(summary):
@@ -189,6 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     folder = write_results(args, run_meta(bench, prompts, modes, fastest), summary, reference, bench.main.heads)
     if folder is not None:
         print(f"report written to {folder}", file=sys.stderr)
+    return 0
+
+
+def several_temperatures(args: argparse.Namespace, bench, prompts, modes: list[str], by_temperature: dict,
+                         reference: str | None) -> int:
+    """The tables of a run at several temperatures: one per temperature, then each mode's tokens/s,
+    tau and speedup over the engine's own baseline side by side; --json holds every summary."""
+    summaries = {}
+    for t, (sampling, runs) in by_temperature.items():
+        bench.sampling = sampling
+        summaries[t] = summarise(prompts, runs, reference, sampled=not sampling.greedy)
+        print(f"\ntemperature {t:g}\n")
+        print(table(summaries[t], reference))
+    print("\n" + "\n".join(temperature_table(summaries)))
+    write_temperatures(args, run_meta(bench, prompts, modes, None), summaries)
     return 0
 
 

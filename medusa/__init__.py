@@ -31,7 +31,7 @@ _EXPORTS = {
     "load_heads": "medusa.models.loader",
     "compile_tree": "medusa.decoding.tree",
     "SamplingConfig": "medusa.decoding.sampling",
-    "ProposerConfig": "medusa.decoding.proposers",
+    "ProposerConfig": "medusa.decoding.proposers.factory",
     "Conversation": "medusa.conversation",
 }
 

@@ -60,7 +60,8 @@ class MockProposer(HeadsProposer):
         self.max_rows = 1 + size.nodes
 
     @classmethod
-    def for_heads(cls, heads, device, *, size=None, paths=None, dtype=torch.float32, hybrid=False) -> MockProposer:
+    def for_heads(cls, heads, device, *, size=None, paths=None, dtype=torch.float32, hybrid=False,
+                  draw=1) -> MockProposer:
         k = heads.config.num_heads
         return cls(heads, device, size or DynamicTree(nodes=k, depth=k, topk=1))
 

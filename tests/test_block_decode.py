@@ -140,15 +140,16 @@ def test_siblings_are_ranked_by_cumulative_draft_score():
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("draw", [0, 1, 2])  # top-k point masses; drawn per depth; drawn siblings
 @pytest.mark.parametrize("mode", ["block", "hybrid"])
-def test_block_sampling_keeps_the_target_distribution(mode):
+def test_block_sampling_keeps_the_target_distribution(mode, draw):
     # The exact-law chi-square check of test_sampling.py, with block heads drafting.
     from test_sampling import ALPHA, PROMPT, V, chi_square_pvalue, engine_samples, target_law
 
     model = tiny_model("llama", vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
     sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
     forced, _ = oracle(model, PROMPT, 8, block=3)  # drafts the greedy answer: often what is sampled
-    eng = Engine(model, heads=forced)
+    eng = Engine(model, heads=forced, proposer_config=medusa.ProposerConfig(draw=draw))
     samples, drafted_hits = engine_samples(eng, mode, sampling, 300)
     assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA
     assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path

@@ -250,8 +250,9 @@ def test_the_feature_cache_holds_what_the_target_gives_eagle3_training(tmp_path)
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("draw", [0, 1, 2])  # top-k point masses; a drawn chain; drawn siblings
 @pytest.mark.parametrize("mode", ["eagle3", "hybrid"])
-def test_eagle3_sampling_keeps_the_target_distribution(mode):
+def test_eagle3_sampling_keeps_the_target_distribution(mode, draw):
     # The exact-law chi-square check of test_sampling.py, with eagle3 heads drafting.
     from test_sampling import ALPHA, V, chi_square_pvalue, engine_samples, target_law
 
@@ -259,7 +260,7 @@ def test_eagle3_sampling_keeps_the_target_distribution(mode):
     torch.manual_seed(4)
     heads = init_eagle3_for(model, 3)  # lm_head starts as the target's rows: its drafts are often right
     sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
-    eng = Engine(model, heads=heads)
+    eng = Engine(model, heads=heads, proposer_config=medusa.ProposerConfig(draw=draw))
     samples, drafted_hits = engine_samples(eng, mode, sampling, 300)
     assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA
     assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path

@@ -90,3 +90,25 @@ def test_bench_eagle_heads_given_win_over_the_eagle_heads_loaded(tmp_path):
     result = json.loads(out.read_text())
     assert result["meta"]["eagle_tree_nodes"] == 7 and result["meta"]["tree_nodes"] != 7
     assert result["modes"]["eagle"]["identical_baseline"] == 1
+
+
+def test_bench_runs_every_mode_at_several_temperatures_in_one_run(tmp_path, capsys):
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    folder = tiny_target(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    eagle3 = save_heads(init_eagle3_for(model, 3), tmp_path / "eagle3")
+    out = tmp_path / "bench.json"
+    args = ["--model", str(folder), "--heads", str(eagle3), "--limit", "2", "--max-new-tokens", "8", "--seed", "0",
+            "--modes", "baseline,eagle3,hybrid", "--temperature", "0,0.7,1", "--autotune", "off", "--json", str(out)]
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "temperature 0.7" in printed and "T=1 tok/s (x baseline, tau)" in printed
+    by_t = json.loads(out.read_text())["temperatures"]
+    assert list(by_t) == ["0", "0.7", "1"] and all(set(s) == {"baseline", "eagle3", "hybrid"} for s in by_t.values())
+    greedy = [p["tokens"] for p in by_t["0"]["baseline"]["per_prompt"]]
+    assert all([p["tokens"] for p in by_t["0"][m]["per_prompt"]] == greedy for m in ("eagle3", "hybrid"))
+    # seeded sampling: each mode keeps the target's distribution, not its samples; a sample differs from greedy
+    assert any([p["tokens"] for p in by_t["1"][m]["per_prompt"]] != greedy for m in ("baseline", "eagle3"))
+    assert bench.main([*args[:-2], "--output", str(tmp_path / "report")]) == 2
+    assert "--output draws one temperature's report" in capsys.readouterr().err

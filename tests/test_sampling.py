@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from medusa.decoding.engine import Engine
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.decoding.sampling import SamplingConfig, probabilities, sample
 from medusa.decoding.tree import chain, compile_tree
 from medusa.decoding.verify import verify_sampled, verify_typical
@@ -262,12 +263,15 @@ def marginal_heads(model, sampling: SamplingConfig, sign: float) -> MedusaHeads:
     return heads.eval()
 
 
-@pytest.mark.parametrize("kind,sampling", [
-    ("good", SamplingConfig(temperature=0.7, top_k=6)),
-    ("bad", SamplingConfig(temperature=0.8, top_p=0.9)),
-    ("adversarial", SamplingConfig(temperature=1.0, top_k=8, top_p=0.95)),
+@pytest.mark.parametrize("kind,sampling,draw", [
+    ("good", SamplingConfig(temperature=0.7, top_k=6), 0),
+    ("bad", SamplingConfig(temperature=0.8, top_p=0.9), 0),
+    ("adversarial", SamplingConfig(temperature=1.0, top_k=8, top_p=0.95), 0),
+    ("good", SamplingConfig(temperature=0.7, top_k=6), 1),  # drawn from each head: a chain
+    ("bad", SamplingConfig(temperature=0.8, top_p=0.9), 2),  # drawn siblings
+    ("adversarial", SamplingConfig(temperature=1.0, top_k=8, top_p=0.95), 1),
 ])
-def test_engine_medusa_sampling_matches_the_target(target, kind, sampling):
+def test_engine_medusa_sampling_matches_the_target(target, kind, sampling, draw):
     if kind == "bad":
         heads = init_heads_for(target, num_heads=2)
         g = torch.Generator().manual_seed(11)
@@ -276,7 +280,7 @@ def test_engine_medusa_sampling_matches_the_target(target, kind, sampling):
                 prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
     else:
         heads = marginal_heads(target, sampling, 1.0 if kind == "good" else -1.0)
-    eng = Engine(target, heads=heads, tree=ENGINE_TREE)
+    eng = Engine(target, heads=heads, tree=ENGINE_TREE, proposer_config=ProposerConfig(draw=draw))
     samples, first_step_hits, m = [], 0, 400 if kind == "good" else 300
     for seed in range(m):
         res = eng.generate(PROMPT, max_new_tokens=K, sampling=sampling.override(seed=seed), mode="medusa")
@@ -362,3 +366,32 @@ def test_seeds_outside_torch_s_range_are_one_line_errors_and_a_vanishing_tempera
             SamplingConfig(temperature=0.7, seed=seed)
     assert SamplingConfig(temperature=0.7, seed=2**64 - 1).generator("cpu") is not None
     assert SamplingConfig(temperature=1e-40).greedy and not SamplingConfig(temperature=1e-4).greedy
+
+
+# -- drawn proposals (medusa/decoding/proposers/drawn.py) --------------------------------------
+def test_drawn_candidates_come_without_replacement_each_with_its_own_law():
+    from medusa.decoding.proposers.drawn import draw, drawn_proposal
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, generator=g)
+    ids = torch.arange(12) * 3 + 1  # a draft vocabulary: entry i is target id 3i + 1
+    sampling = SamplingConfig(temperature=0.9, top_k=5)
+    for _ in range(50):
+        tokens, law = draw(logits, sampling, 3, g, ids, 40)
+        assert tokens.shape == (3,) and law.shape == (3, 40) and len(set(tokens.tolist())) == 3
+        assert torch.allclose(law.sum(-1), torch.ones(3)) and set(tokens.tolist()) <= set(ids.tolist())
+        for j, t in enumerate(tokens.tolist()):
+            assert law[j, t] > 0 and all(law[j, e] == 0 for e in tokens[:j].tolist())  # earlier ones removed
+        support = (law[0] > 0).nonzero().view(-1).tolist()
+        assert len(support) == 5 and all(i % 3 == 1 for i in support)  # top-k of the head, mapped
+    # more candidates than top-k leaves tokens: as many as there are
+    tokens, _ = draw(logits, SamplingConfig(temperature=0.9, top_k=2), 4, g, None, 12)
+    assert tokens.numel() == 2
+    # the first draws follow q: a chi-square of the first candidate against the processed law
+    wide = SamplingConfig(temperature=0.9)  # every token in the law: enough cells for the test
+    q = probabilities(logits, wide)
+    firsts = [(int(draw(logits, wide, 1, g, None, 12)[0][0]),) for _ in range(3000)]
+    assert chi_square_pvalue(firsts, {(i,): float(q[i]) for i in range(12) if q[i] > 0}) > ALPHA
+    proposal = drawn_proposal(torch.tensor(7), [draw(logits, sampling, 2, g, None, 12) for _ in range(3)])
+    assert proposal.tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1))
+    assert proposal.q.shape == (7, 12) and not proposal.q[0].any() and proposal.tokens[0] == 7 and not proposal.is_chain

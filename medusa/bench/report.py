@@ -83,6 +83,15 @@ def write_results(args: argparse.Namespace, meta: dict, summary: dict, reference
                         "\n\n".join([table(summary, reference), *profile_lines(summary)]), heads)
 
 
+def write_temperatures(args: argparse.Namespace, meta: dict, summaries: dict[float, dict]) -> None:
+    """The --json file of a run at several temperatures: every temperature's summary."""
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "temperatures": {f"{t:g}": s for t, s in summaries.items()}},
+                                   indent=1))
+
+
 def category_table(summary: dict, reference: str | None) -> str:
     """Tokens/s per category and mode, with the speedup over the reference mode."""
     modes = list(summary)

@@ -101,3 +101,18 @@ def table(summary: dict, reference: str | None) -> str:
             same += f"; baseline: {'yes' if base == s['prompts'] else 'NO'} ({base}/{s['prompts']})"
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {speed} | {tau} | {same} |")
     return "\n".join(lines)
+
+
+def temperature_table(summaries: dict[float, dict]) -> list[str]:
+    """Mode by temperature: tokens/s, tau and the speedup over ``baseline`` (where it ran)."""
+    temps = list(summaries)
+    lines = ["| mode | " + " | ".join(f"T={t:g} tok/s (x baseline, tau)" for t in temps) + " |",
+             "|---" * (len(temps) + 1) + "|"]
+    for mode in next(iter(summaries.values())):
+        cells = []
+        for t in temps:
+            s, base = summaries[t][mode], summaries[t].get("baseline")
+            ratio = f"{s['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
+            cells.append(f"{s['tokens_per_second']:.1f} ({ratio}, {s['tau']:.2f})")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines

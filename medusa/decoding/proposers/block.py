@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, siblings_paths
 from medusa.decoding.proposers.eagle import DynamicTree, _compiled, select
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import chain, tree_key
@@ -60,7 +61,7 @@ def block_size_for(heads: nn.Module, device: torch.device, dtype: torch.dtype = 
 def block_paths(depth: int, topk: int) -> list[Path_]:
     """Every candidate node of a ``depth x topk`` block draft, depth-major: ``(0,) * (d - 1) + (r,)``
     is the rank-``r`` token at depth ``d`` under the top-1 chain (flat index ``(d - 1) * topk + r``)."""
-    return [(0,) * d + (r,) for d in range(depth) for r in range(topk)]
+    return siblings_paths((topk,) * depth)
 
 
 class BlockProposer(HeadsProposer):
@@ -69,9 +70,10 @@ class BlockProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: nn.Module, device: torch.device, *, size: DynamicTree | None = None,
                   paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False) -> BlockProposer:
+                  hybrid: bool = False, draw: int = 1) -> BlockProposer:
         """``size``, else the size calibrated for the device and dtype, else the block's default."""
-        return cls(heads, device, size=size or block_size_for(heads, device, dtype, hybrid=hybrid), dtype=dtype)
+        return cls(heads, device, size=size or block_size_for(heads, device, dtype, hybrid=hybrid), dtype=dtype,
+                   draw=draw)
 
     @staticmethod
     def shape(depth: int, topk: int) -> DynamicTree:
@@ -83,11 +85,13 @@ class BlockProposer(HeadsProposer):
         return heads.config.num_heads  # a block drafts no deeper than its k tokens
 
     def __init__(self, heads: nn.Module, device: torch.device, size: DynamicTree | None = None,
-                 dtype: torch.dtype = torch.float32, capacity: int = INITIAL_CAPACITY) -> None:
+                 dtype: torch.dtype = torch.float32, capacity: int = INITIAL_CAPACITY, draw: int = 1) -> None:
         """``dtype``: the target's (calibrated sizes depend on it); ``capacity``: the context
-        buffer's first size in slots (it doubles when full)."""
+        buffer's first size in slots (it doubles when full); ``draw``: a sampled request's
+        candidates per depth, drawn from the block's distribution at that depth (0: its top-k)."""
         self.heads = heads
         self.device = device
+        self.draw = draw
         self.size = size or block_size_for(heads, device, dtype)
         self.k = heads.block_size
         self.depth = min(self.size.depth, self.k)
@@ -174,13 +178,16 @@ class BlockProposer(HeadsProposer):
         ids ``[depth, topk]`` and cumulative draft log-probabilities ``[depth, topk]`` of the
         candidate nodes (:func:`block_paths`' order). No host sync: every shape is fixed by the
         buffer's capacity, ``k`` and ``topk``."""
-        capacity = self.kv[0][0].shape[2]
-        valid = torch.arange(capacity, device=self.device)[None] < self.used  # [1, C]
-        logits = self.heads.draft(root.view(1), position, self.kv, valid)[0, : self.depth]  # [depth, S]
-        top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)  # [depth, topk]
+        top = torch.log_softmax(self._logits(root, position).float(), dim=-1).topk(self.topk, dim=-1)  # [depth, topk]
         chain_logp = top.values[:, 0].cumsum(0)  # [depth] the top-1 chain's cumulative score
         above = torch.cat([chain_logp.new_zeros(1), chain_logp[:-1]])  # [depth] the parent's
         return self.heads.to_target(top.indices), above[:, None] + top.values
+
+    def _logits(self, root: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """One drafter pass over the context buffer: ``[depth, S]`` logits over the draft vocabulary."""
+        capacity = self.kv[0][0].shape[2]
+        valid = torch.arange(capacity, device=self.device)[None] < self.used  # [1, C]
+        return self.heads.draft(root.view(1), position, self.kv, valid)[0, : self.depth]
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
@@ -191,6 +198,14 @@ class BlockProposer(HeadsProposer):
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
         position = torch.full((1,), state.length, device=self.device)
+        if draws(state.sampling, self.draw):  # each depth's candidates drawn from its distribution
+            logits = self._logits(state.root, position).float()  # [depth, S]
+            ids = self.heads.to_target(torch.arange(logits.shape[-1], device=self.device))  # [S] target ids
+            levels = [draw(logits[d], state.sampling, self.draw, state.generator, ids, self.heads.config.vocab_size)
+                      for d in range(min(depth, max(1, nodes // self.draw)))]
+            proposal = drawn_proposal(state.root, levels)
+            self.ranked, self.scores = list(proposal.tree.paths), []
+            return proposal
         ids, scores = self.draft_step(state.root, position)
         if self.topk == 1:  # the chain: no host read, the engine's step sync reads the ids
             n = min(nodes, depth)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
 from medusa.models.eagle_heads import EagleHeads, additive_mask
@@ -117,9 +118,10 @@ class EagleProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: EagleHeads, device: torch.device, *, size: DynamicTree | None = None,
                   paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False) -> EagleProposer:
+                  hybrid: bool = False, draw: int = 1) -> EagleProposer:
         """``size``, else the size calibrated for the device and dtype (mode hybrid's with ``hybrid``)."""
-        return cls(heads, device, size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid), dtype)
+        return cls(heads, device, size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid), dtype,
+                   draw)
 
     @staticmethod
     def shape(depth: int, topk: int) -> DynamicTree:
@@ -127,10 +129,12 @@ class EagleProposer(HeadsProposer):
         return DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk)
 
     def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        """``dtype``: the target's (the pass cost, hence the calibrated tree, depends on it)."""
+                 dtype: torch.dtype = torch.float32, draw: int = 1) -> None:
+        """``dtype``: the target's (the pass cost, hence the calibrated tree, depends on it);
+        ``draw``: a sampled request's candidates per depth, drawn down a chain (0: the top-k tree)."""
         self.heads = heads
         self.device = device
+        self.draw = draw
         self.size = size or DynamicTree.for_device(heads.dynamic, device, dtype)
         self.cache = kv.new_cache()
         self.length = 0  # pairs in the head's cache: positions 0..length-1 (or from `start`)
@@ -191,6 +195,8 @@ class EagleProposer(HeadsProposer):
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
+        if draws(state.sampling, self.draw):  # a chain as deep as the tree, within its nodes
+            return self._drawn(state, min(depth, max(1, size.nodes // self.draw)))
         parents, tokens, scores = self._draft(state.length, depth)
         kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
         # the drafting's host sync: what was drafted, once every level is queued
@@ -208,6 +214,24 @@ class EagleProposer(HeadsProposer):
         index = {p: i for i, p in enumerate(paths)}
         drafted = torch.tensor([token_list[index[p]] for p in tree.paths], device=self.device)
         return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted]))
+
+    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
+        """A sampled request's chain: at each depth ``draw`` candidates drawn from the head's
+        processed distribution; the head then runs on the first one to guess the next depth."""
+        root, past = state.length, state.length - self.start
+        feature, levels = self.last, []
+        for d in range(depth):
+            logits = self.heads.logits(feature, self.heads.draft_vocab).float()  # [S or V]
+            levels.append(draw(logits, state.sampling, self.draw, state.generator, self.heads.draft_vocab,
+                               self.heads.config.vocab_size))
+            if d + 1 < depth:  # the chain's node sees the accepted context and the chain above it
+                visible = torch.ones(1, past + d + 1, dtype=torch.bool, device=self.device)
+                feature = self.heads(feature[None], levels[-1][0][:1], torch.full((1,), root + d, device=self.device),
+                                     self.cache, additive_mask(visible, self.heads.fc.weight.dtype))[0]
+        kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
+        proposal = drawn_proposal(state.root, levels)
+        self.ranked, self.scores = list(proposal.tree.paths), []
+        return proposal
 
     def _draft(self, root: int, depth: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Grow the draft to ``depth`` levels: ``(parents, tokens, scores)``, per level the

@@ -57,6 +57,10 @@ class ProposerConfig:
     lookahead_text: bool = True
     # mode hybrid: also run lookahead's window and verify its pool's n-grams in the same pass
     hybrid_lookahead: bool = False
+    # sampled requests (lossless): heads draw this many candidates per depth of a chain from their
+    # own processed distribution (medusa/decoding/proposers/drawn.py); 0: their deterministic
+    # top-k tree, verified as point masses
+    draw: int = 1
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -69,7 +73,7 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
     dynamic tree, the block's chain), and the lookup chain's length mode hybrid puts beside it
     (0: none, as sized)."""
     guessed = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size, paths=paths, dtype=dtype,
-                                                                hybrid=hybrid)
+                                                                hybrid=hybrid, draw=config.draw)
     sized = getattr(guessed, "size", None)  # a proposal sized per step (a static tree has none)
     if not isinstance(sized, DynamicTree):
         return guessed, config.chain()

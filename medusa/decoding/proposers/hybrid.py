@@ -42,8 +42,9 @@ class Hybrid(Proposer):
     complementary: the heads guess short continuations anywhere, the lookup copies long
     spans where the answer repeats the prompt or itself. Where the target's pass costs about
     the same for a few more nodes (GPUs), the chain is nearly free. A combined layout is
-    compiled once per (heads' tree, chain length, shared node). Neither part samples, so lossless
-    verification treats every node as a point mass.
+    compiled once per (heads' tree, chain length, shared node). For a sampled request whose heads
+    drew their candidates (medusa/decoding/proposers/drawn.py), their rows keep the laws they were
+    drawn from and the chain's rows are point masses, verified together by one rule.
     """
 
     def __init__(self, heads: Proposer, lookup: Proposer, device: torch.device,
@@ -91,7 +92,12 @@ class Hybrid(Proposer):
         tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
         tokens[base_nodes.to(self.device)] = guessed.tokens.long()
         tokens[chain_nodes.to(self.device)] = copied.tokens[1 + len(attach):].long()
-        return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
+        q = None
+        if guessed.q is not None:  # drawn heads' rows keep their laws; the chain's are point masses
+            q = guessed.q.new_zeros(tree.num_nodes, guessed.q.shape[-1])
+            q[base_nodes.to(self.device)] = guessed.q
+            q[chain_nodes.to(self.device), tokens[chain_nodes.to(self.device)]] = 1.0
+        return Proposal(tree=tree, tokens=tokens, q=q, is_chain=is_chain)
 
     def _with_lookahead(self, state: DecodeState, guessed: Proposal, chain: list[int]) -> Proposal:
         """The heads' tree grown by the lookup chain and the lookahead pool's n-grams (shared

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree
 from medusa.models.heads import MedusaHeads
@@ -15,20 +16,23 @@ class MedusaProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: MedusaHeads, device: torch.device, *, size=None,
                   paths: list[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False) -> MedusaProposer:
+                  hybrid: bool = False, draw: int = 1) -> MedusaProposer:
         """The static tree ``paths`` over the heads (no size: the tree is the size)."""
-        return cls(heads, paths or [], device)
+        return cls(heads, paths or [], device, draw)
 
     @staticmethod
     def deepest(heads: MedusaHeads) -> int:
         return heads.num_heads
 
-    def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]], device: torch.device) -> None:
+    def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]], device: torch.device, draw: int = 1) -> None:
+        """``draw``: a sampled request's candidates per depth, drawn from each head's distribution
+        down a chain as deep as the tree (0: the tree's top-k)."""
         tree = compile_tree(paths)
         if tree.max_depth > heads.num_heads:
             raise ValueError(f"tree is {tree.max_depth} deep but there are only {heads.num_heads} heads")
         self.heads = heads
         self.device = device
+        self.draw = draw
         self.tree = tree.to(device)
         self.max_rows = self.min_rows = tree.num_nodes
         self.width = max(tree.topk, default=1)
@@ -52,9 +56,20 @@ class MedusaProposer(HeadsProposer):
         tree, candidate_index, is_chain = self._layout(state.max_depth(self.tree.max_depth))
         if tree.max_depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
             return Proposal(tree=tree, tokens=state.root.view(1), is_chain=True)
+        if draws(state.sampling, self.draw):
+            return self._drawn(state, min(tree.max_depth, max(1, self.max_rows // self.draw)))
         top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
         tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
         return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
+
+    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
+        """Each head's candidates drawn from its processed distribution: head ``d`` guesses depth
+        ``d + 1`` whatever was drawn above it, so its law is its own at every node."""
+        vocab = self.heads.draft_vocab
+        logits = self.heads.logits(state.hidden, heads=range(depth), vocab=vocab)  # [D, S or V]
+        levels = [draw(logits[d].float(), state.sampling, self.draw, state.generator, self.heads.draft_vocab,
+                       self.heads.config.vocab_size) for d in range(depth)]
+        return drawn_proposal(state.root, levels)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
