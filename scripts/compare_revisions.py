@@ -97,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         same = all(x["tokens"] == runs[0]["tokens"] for x in runs)
         old = statistics.median(x[mode]["tokens_per_second"] for x in results["old"])
         new = statistics.median(x[mode]["tokens_per_second"] for x in results["new"])
+        rounds = {name: [round(x[mode]["tokens_per_second"], 2) for x in results[name]] for name in ("old", "new")}
         summary[mode] = {"identical": same, "old_tokens_per_second": round(old, 2),
-                         "new_tokens_per_second": round(new, 2), "new_over_old": round(new / old, 3)}
+                         "new_tokens_per_second": round(new, 2), "new_over_old": round(new / old, 3), "rounds": rounds}
         print(f"{mode:10s} identical {'yes' if same else 'NO'}  old {old:6.2f} tok/s  new {new:6.2f} tok/s  "
-              f"new/old {new / old:.3f}")
+              f"new/old {new / old:.3f}  (rounds: old {rounds['old']}, new {rounds['new']})")
     if args.json:
         meta = {"old": str(checkouts["old"]), "new": str(checkouts["new"]), "modes": args.modes,
                 "prompts": 2 * args.limit, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds}

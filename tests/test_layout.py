@@ -245,3 +245,17 @@ def test_the_cli_size_check_sees_a_long_module(tmp_path):
     (tmp_path / "infer" / "short.py").write_text("x = 1\n" * MAX_CLI_LINES)
     (tmp_path / "infer" / "long.py").write_text("x = 1\n" * (MAX_CLI_LINES + 1))
     assert long_cli_modules(tmp_path) == {"infer/long.py": MAX_CLI_LINES + 1}
+
+
+def test_the_loop_modules_never_call_back_into_the_engine():
+    """One step (medusa/decoding/batch.py) over sequences (medusa/decoding/run.py) that know the
+    passes they run on, never the engine: the engine builds them and calls down, nothing calls
+    back up (no import, no ``engine`` object handed in)."""
+    graph = import_graph(top_level_only=False)
+    root = Path(medusa.__file__).parent
+    for module in ("medusa.decoding.run", "medusa.decoding.batch"):
+        assert "medusa.decoding.engine" not in graph[module], module
+        tree = ast.parse((root / "decoding" / f"{module.rsplit('.', 1)[1]}.py").read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            a.arg for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for a in n.args.args}
+        assert not {"engine", "Engine"} & names, f"{module} holds an engine: {sorted({'engine', 'Engine'} & names)}"

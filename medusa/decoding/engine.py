@@ -328,9 +328,10 @@ class Engine:
         batch = Batch(self.passes, self.max_rows)
         batch.add(run)
         while batch:
-            with self.owned():
-                _, events = batch.prefill()
-            yield from (event for _, event in events)
+            if batch.prefilling:
+                with self.owned():
+                    _, events = batch.prefill()
+                yield from (event for _, event in events)
             with self.owned():
                 report = batch.step()
             yield from (event for _, event in report.events)
