@@ -69,7 +69,7 @@ def run(checkout: Path, prompt_file: Path, modes: str, max_new_tokens: int) -> d
     return json.loads(line[len("RESULT "):])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/compare_revisions.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the earlier checkout (a git worktree)")
     p.add_argument("--new", default=str(REPO), help="the later checkout (default: this one)")
@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the summary here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     checkouts = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
     for name, path in checkouts.items():

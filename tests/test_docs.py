@@ -176,3 +176,15 @@ def test_the_anecdote_scan_finds_one(tmp_path):
                                    "    return 'an EPYC string literal is no comment'\n")
     assert machine_anecdotes(tmp_path / "m.py", tmp_path) == ["m.py:4: # on one AMX Xeon this took 13 ms",
                                                               "m.py:10: Measured on a 2-core CPU."]
+
+
+def test_the_long_context_prompts_cover_every_task_and_length_in_order():
+    """docs/benchmarks/prompts/long-context.jsonl (scripts/long_prompts.py) reads as bench prompts:
+    code, summarization and rag at 1k, 2k, 4k and 8k, the shorter first (``--limit`` keeps them)."""
+    from medusa.bench.prompts import read_prompts
+
+    prompts = read_prompts(ROOT / "docs" / "benchmarks" / "prompts" / "long-context.jsonl")
+    lengths = ["1k", "2k", "4k", "8k"]
+    assert [p.category for p in prompts] == [f"{task}-{n}" for n in lengths for task in ("code", "summarization", "rag")]
+    sizes = [len(p.text) for p in prompts]
+    assert all(max(sizes[i:i + 3]) < min(sizes[i + 3:i + 6]) for i in range(0, 9, 3))  # longer at each length
