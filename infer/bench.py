@@ -49,7 +49,7 @@ from medusa.bench.modes import COMPILED, HEAD_KINDS, MODES, UNSHIPPED, parse_mod
 from medusa.bench.prompts import DEFAULT_PROMPTS, read_prompts
 from medusa.bench.report import run_meta, write_results, write_temperatures
 from medusa.bench.runners import close_peers
-from medusa.bench.summary import against_fastest_peer, profile_lines, summarise, table, temperature_table
+from medusa.bench.summary import against_fastest_peer, length_table, profile_lines, summarise, table, temperature_table
 from medusa.bench.timing import timed_runs
 from medusa.config import HelpFormatter, count, writable_folder
 from medusa.decoding import MAX_NEW_TOKENS
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.sampling, runs = next(iter(by_temperature.values()))
     summary = summarise(prompts, runs, reference, sampled=not bench.sampling.greedy)
     print(table(summary, reference))
+    if by_length := length_table(summary):  # prompts of named lengths (long-context.jsonl): a table by length
+        print("\n" + "\n".join(by_length))
     for line in profile_lines(summary):
         print(line)
     fastest = against_fastest_peer(summary)

@@ -112,3 +112,23 @@ def test_bench_runs_every_mode_at_several_temperatures_in_one_run(tmp_path, caps
     assert any([p["tokens"] for p in by_t["1"][m]["per_prompt"]] != greedy for m in ("baseline", "eagle3"))
     assert bench.main([*args[:-2], "--output", str(tmp_path / "report")]) == 2
     assert "--output draws one temperature's report" in capsys.readouterr().err
+
+
+def test_the_length_table_groups_prompts_by_their_length():
+    from medusa.bench.prompts import Prompt
+    from medusa.bench.records import Run
+    from medusa.bench.summary import length_table, summarise
+
+    prompts = [Prompt(str(i), f"{task}-{n}", "x") for i, (task, n) in enumerate([("rag", "2k"), ("code", "1k"),
+                                                                                  ("rag", "1k")])]
+
+    def run(tokens: int, seconds: float, steps: int) -> Run:
+        return Run(tokens=[1] * tokens, seconds=seconds, steps=steps)
+
+    runs = {"baseline": [run(10, 2.0, 10), run(10, 1.0, 10), run(10, 1.0, 10)],
+            "hybrid": [run(10, 1.0, 5), run(10, 0.5, 4), run(10, 0.5, 6)]}
+    lines = length_table(summarise(prompts, runs, None))
+    assert lines[0] == "| mode | 1k tokens: tok/s (x baseline, tau) | 2k tokens: tok/s (x baseline, tau) |"
+    assert lines[2] == "| baseline | 10.0 (1.00x, 1.00) | 5.0 (1.00x, 1.00) |"
+    assert lines[3] == "| hybrid | 20.0 (2.00x, 2.00) | 10.0 (2.00x, 2.00) |"
+    assert length_table(summarise([Prompt("0", "writing", "x")], {"baseline": [run(4, 1.0, 4)]}, None)) == []

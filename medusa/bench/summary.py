@@ -116,3 +116,36 @@ def temperature_table(summaries: dict[float, dict]) -> list[str]:
             cells.append(f"{s['tokens_per_second']:.1f} ({ratio}, {s['tau']:.2f})")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines
+
+
+def length_table(summary: dict) -> list[str]:
+    """Mode by prompt length, where every prompt's category ends in one (``rag-2k``, as
+    docs/benchmarks/prompts/long-context.jsonl names them): tokens/s, the speedup over ``baseline``
+    where it ran, and tau, per length. Empty for prompts without lengths."""
+    first = next(iter(summary.values()), None)
+    if first is None:
+        return []
+    lengths = [p["category"].rsplit("-", 1)[-1] for p in first["per_prompt"]]
+    if not all(n[:-1].isdigit() and n.endswith("k") for n in lengths):
+        return []
+    order = sorted(set(lengths), key=lambda n: int(n[:-1]))
+    rows = {}
+    for mode, s in summary.items():
+        rows[mode] = {}
+        for n in order:
+            runs = [p for p in s["per_prompt"] if p["category"].endswith(f"-{n}")]
+            tokens, seconds = sum(len(p["tokens"]) for p in runs), sum(p["seconds"] for p in runs)
+            steps = [p["steps"] for p in runs if p["steps"] is not None]
+            tau = tokens / sum(steps) if len(steps) == len(runs) and sum(steps) else None
+            rows[mode][n] = (tokens / seconds if seconds else 0.0, tau)
+    lines = ["| mode | " + " | ".join(f"{n} tokens: tok/s (x baseline, tau)" for n in order) + " |",
+             "|---" * (len(order) + 1) + "|"]
+    for mode, cells in rows.items():
+        text = []
+        for n in order:
+            tps, tau = cells[n]
+            base = rows.get("baseline", {}).get(n, (0.0, None))[0]
+            ratio = f"{tps / base:.2f}x" if base else "-"
+            text.append(f"{tps:.1f} ({ratio}, {tau:.2f})" if tau is not None else f"{tps:.1f} ({ratio})")
+        lines.append(f"| {mode} | " + " | ".join(text) + " |")
+    return lines
