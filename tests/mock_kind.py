@@ -61,7 +61,7 @@ class MockProposer(HeadsProposer):
 
     @classmethod
     def for_heads(cls, heads, device, *, size=None, paths=None, dtype=torch.float32, hybrid=False,
-                  draw=1) -> MockProposer:
+                  draw=1, window=None) -> MockProposer:
         k = heads.config.num_heads
         return cls(heads, device, size or DynamicTree(nodes=k, depth=k, topk=1))
 

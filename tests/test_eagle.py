@@ -260,3 +260,32 @@ def test_eagle1_layout_round_trips_and_old_folders_load_as_norms(tmp_path):
     assert "eagle_layout" not in medusa_cfg
     with pytest.raises(MedusaError, match="unknown eagle layout"):
         init_eagle_for(model, layout="eagle3")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_drafting_window_keeps_the_heads_cache_small_and_the_output_exact(kind):
+    """With ``draft_window`` the head's own cache slides: it never holds more accepted pairs than
+    the window (drafted pairs come and go within a proposal), and greedy output is unchanged."""
+    from medusa.decoding.request import make_request
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = noisy_eagle(model) if kind == "eagle" else init_eagle3_for(model, 3)
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(60)]
+    plain = Engine(model).generate(prompt, max_new_tokens=40, mode="baseline").tokens
+    eng = Engine(model, heads=heads, proposer_config=medusa.ProposerConfig(draft_window=16))
+    proposer = eng.proposer(kind)
+    assert proposer.window == 16
+    run = eng.decoding(make_request(prompt, max_new_tokens=40, mode=proposer))
+    for _ in run.prefill_chunks():
+        pass
+    run.first_chunk()
+    run.begin()
+    assert proposer.cache.get_seq_length() == 16 and proposer.start == len(prompt) - 16
+    while (proposal := run.propose()) is not None:
+        run.advance(eng.step(run.state, proposal))
+        assert proposer.cache.get_seq_length() <= 16 and proposer.length - proposer.start <= 16
+    assert run.result().tokens == plain
+    assert eng.generate(prompt, max_new_tokens=40, mode="hybrid").tokens == plain
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        EagleProposer(heads, torch.device("cpu"), window=0)

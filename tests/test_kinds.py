@@ -174,7 +174,7 @@ def test_every_kinds_proposer_is_built_by_one_constructor():
         cls = k.proposer_class()
         assert issubclass(cls, HeadsProposer), k.name
         params = list(inspect.signature(cls.for_heads).parameters)
-        assert params == ["heads", "device", "size", "paths", "dtype", "hybrid", "draw"], (k.name, params)
+        assert params == ["heads", "device", "size", "paths", "dtype", "hybrid", "draw", "window"], (k.name, params)
 
 
 def test_a_new_kind_is_one_registry_entry_plus_its_own_files(monkeypatch, tmp_path):

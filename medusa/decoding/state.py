@@ -192,12 +192,15 @@ class HeadsProposer(Proposer):
     @classmethod
     @abc.abstractmethod
     def for_heads(cls, heads, device: torch.device, *, size=None, paths: list[tuple[int, ...]] | None = None,
-                  dtype: torch.dtype = torch.float32, hybrid: bool = False, draw: int = 1) -> HeadsProposer:
+                  dtype: torch.dtype = torch.float32, hybrid: bool = False, draw: int = 1,
+                  window: int | None = None) -> HeadsProposer:
         """The proposer of ``heads`` on ``device``: ``size``, its proposal's size where it drafts per
         step (None: the size calibrated for the device and the target's ``dtype``, for mode hybrid
         with ``hybrid``); ``paths``, the static tree where it has one; ``draw``, the candidates per
         depth a sampled request's chain draws from the heads' own distribution (0: their
-        deterministic top-k instead, verified as point masses; medusa/decoding/proposers/drawn.py)."""
+        deterministic top-k instead, verified as point masses; medusa/decoding/proposers/drawn.py);
+        ``window``, the pairs of accepted context a drafter with its own cache attends to at most
+        (a sliding window; None: all of it)."""
 
     @staticmethod
     def shape(depth: int, topk: int):

@@ -148,6 +148,12 @@ def crop(cache: Cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+def drop_front(cache: Cache, n: int) -> None:
+    """Forget a dynamic cache's first ``n`` positions (a view; the kept ones keep their rotary phases)."""
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
+
+
 def copy_prefix(cache: Cache, length: int, model: PreTrainedModel) -> Cache:
     """A new cache of the same kind holding a copy of the first ``length`` positions of
     ``cache`` (which stays untouched): a branch from a state whose cache another generation
@@ -271,14 +277,8 @@ def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def tree_attention_mask(
-    model: PreTrainedModel,
-    past: int,
-    ancestor: torch.Tensor,
-    depth: torch.Tensor,
-    dtype: torch.dtype,
-    kv_len: int | None = None,
-) -> torch.Tensor | dict[str, torch.Tensor]:
+def tree_attention_mask(model: PreTrainedModel, past: int, ancestor: torch.Tensor, depth: torch.Tensor,
+                        dtype: torch.dtype, kv_len: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive mask for ``N`` tree nodes appended after ``past`` cached positions.
 
     ``ancestor`` ``[N, N]`` bool says which tree nodes each node sees; ``depth`` ``[N]``

@@ -70,7 +70,7 @@ class BlockProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: nn.Module, device: torch.device, *, size: DynamicTree | None = None,
                   paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False, draw: int = 1) -> BlockProposer:
+                  hybrid: bool = False, draw: int = 1, window: int | None = None) -> BlockProposer:
         """``size``, else the size calibrated for the device and dtype, else the block's default."""
         return cls(heads, device, size=size or block_size_for(heads, device, dtype, hybrid=hybrid), dtype=dtype,
                    draw=draw)

@@ -118,10 +118,10 @@ class EagleProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: EagleHeads, device: torch.device, *, size: DynamicTree | None = None,
                   paths: list[Path_] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False, draw: int = 1) -> EagleProposer:
+                  hybrid: bool = False, draw: int = 1, window: int | None = None) -> EagleProposer:
         """``size``, else the size calibrated for the device and dtype (mode hybrid's with ``hybrid``)."""
         return cls(heads, device, size or DynamicTree.for_device(heads.dynamic, device, dtype, hybrid=hybrid), dtype,
-                   draw)
+                   draw, window)
 
     @staticmethod
     def shape(depth: int, topk: int) -> DynamicTree:
@@ -129,12 +129,16 @@ class EagleProposer(HeadsProposer):
         return DynamicTree(nodes=depth * topk * topk, depth=depth, topk=topk)
 
     def __init__(self, heads: EagleHeads, device: torch.device, size: DynamicTree | None = None,
-                 dtype: torch.dtype = torch.float32, draw: int = 1) -> None:
+                 dtype: torch.dtype = torch.float32, draw: int = 1, window: int | None = None) -> None:
         """``dtype``: the target's (the pass cost, hence the calibrated tree, depends on it);
-        ``draw``: a sampled request's candidates per depth, drawn down a chain (0: the top-k tree)."""
+        ``draw``: a sampled request's candidates per depth, drawn down a chain (0: the top-k tree);
+        ``window``: the accepted pairs the head attends to at most (its cache slides; None: all)."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1 pair, got {window}")
         self.heads = heads
         self.device = device
         self.draw = draw
+        self.window = window
         self.size = size or DynamicTree.for_device(heads.dynamic, device, dtype)
         self.cache = kv.new_cache()
         self.length = 0  # pairs in the head's cache: positions 0..length-1 (or from `start`)
@@ -182,6 +186,8 @@ class EagleProposer(HeadsProposer):
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
         hidden = state.prefill_hidden
+        if self.window is not None:
+            hidden = hidden[-self.window:]  # a window: only the prompt's last pairs
         first = state.length - hidden.shape[0]
         self.cache = kv.new_cache()
         self.start = self.length = first
@@ -272,3 +278,7 @@ class EagleProposer(HeadsProposer):
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)
         self._feed(outcome.hidden[nodes], outcome.tokens, outcome.start)
+        excess = self.length - self.start - (self.window or self.length)
+        if excess > 0:  # the window slides: the oldest pairs leave the head's cache
+            kv.drop_front(self.cache, excess)
+            self.start += excess

@@ -61,6 +61,9 @@ class ProposerConfig:
     # own processed distribution (medusa/decoding/proposers/drawn.py); 0: their deterministic
     # top-k tree, verified as point masses
     draw: int = 1
+    # EAGLE heads: the accepted pairs their own cache keeps and attends to, a sliding window
+    # (None: the whole context)
+    draft_window: int | None = None
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -73,7 +76,8 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
     dynamic tree, the block's chain), and the lookup chain's length mode hybrid puts beside it
     (0: none, as sized)."""
     guessed = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size, paths=paths, dtype=dtype,
-                                                                hybrid=hybrid, draw=config.draw)
+                                                                hybrid=hybrid, draw=config.draw,
+                                                                window=config.draft_window)
     sized = getattr(guessed, "size", None)  # a proposal sized per step (a static tree has none)
     if not isinstance(sized, DynamicTree):
         return guessed, config.chain()

@@ -16,7 +16,7 @@ class MedusaProposer(HeadsProposer):
     @classmethod
     def for_heads(cls, heads: MedusaHeads, device: torch.device, *, size=None,
                   paths: list[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-                  hybrid: bool = False, draw: int = 1) -> MedusaProposer:
+                  hybrid: bool = False, draw: int = 1, window: int | None = None) -> MedusaProposer:
         """The static tree ``paths`` over the heads (no size: the tree is the size)."""
         return cls(heads, paths or [], device, draw)
 
