@@ -53,7 +53,8 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     """Warm every mode up once, then run the prompts interleaved across modes."""
     for p in prompts:
         p.ids = encode(bench.main, p.text)
-    print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, modes: "
+    sampled = "greedy" if bench.sampling.greedy else f"temperature {bench.sampling.temperature:g}"
+    print(f"{len(prompts)} prompts from {bench.args.prompts}, {bench.max_new_tokens} new tokens, {sampled}, modes: "
           f"{', '.join(modes)}", file=sys.stderr)
     for engine in {id(e): e for e in bench.engines.values()}.values():
         if drafts(engine):
