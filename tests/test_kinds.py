@@ -213,3 +213,10 @@ def test_a_new_kind_is_one_registry_entry_plus_its_own_files(monkeypatch, tmp_pa
     value, counts = named(mock_kind.KIND.loss)(loaded, model, (hidden, labels), cfg, None, None)
     value.backward()
     assert counts["tokens"] == 4 and loaded.fc.weight.grad is not None
+
+
+def test_a_static_tree_has_no_draft_shape_to_size():
+    from medusa.decoding.proposers.medusa import MedusaProposer
+
+    with pytest.raises(MedusaError, match="static tree, which has no draft shape"):
+        MedusaProposer.shape(3, 2)

@@ -206,7 +206,8 @@ class HeadsProposer(Proposer):
     def shape(depth: int, topk: int):
         """The size of its largest proposal of a ``(depth, topk)`` draft shape (the kinds that draft
         per step: medusa/autotune/sizing.py times it)."""
-        raise NotImplementedError("a static tree has no draft shape: it is not sized per step")
+        raise MedusaError("these heads propose a static tree, which has no draft shape to size per step: "
+                          "size heads that draft per step (eagle, eagle3, block)")
 
     @staticmethod
     def deepest(heads) -> int | None:
