@@ -40,6 +40,7 @@ from medusa.runtime.files import atomic_file, cache_root
 log = logging.getLogger("medusa.kernels")
 
 SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = (SOURCE, Path(__file__).with_name("attention.c"))  # one library: the linear kernels and rows' attention
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 PROFILER_NAME = "medusa::gemv"
@@ -75,7 +76,7 @@ def _version(cc: str) -> str:
 
 def library_path(cc: str) -> Path:
     """Where the library built by ``cc`` for this CPU lives in the cache."""
-    key = hashlib.sha256(b"\0".join(x.encode() for x in (SOURCE.read_text(), " ".join(FLAGS), _version(cc),
+    key = hashlib.sha256(b"\0".join(x.encode() for x in (*(s.read_text() for s in SOURCES), " ".join(FLAGS), _version(cc),
                                                          _cpu_flags()))).hexdigest()[:16]
     return cache_root() / "kernels" / f"gemv-{key}.so"
 
@@ -88,7 +89,7 @@ def _build(cc: str, path: Path) -> None:
                               "to a writable folder, or use kernels='onednn'") from None
     with atomic_file(path) as tmp:
         try:
-            out = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+            out = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
                                  timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as err:
             raise GemvUnavailable(f"cannot build the gemv kernels ({cc}: {err}): use kernels='onednn'") from None
@@ -105,6 +106,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_gemv_pack.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
+    lib.medusa_rows_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_int] * 4,
+                                          ctypes.c_float, *[ctypes.c_void_p] * 9, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_rows_attention.restype = ctypes.c_int
     _check(lib)
     return lib
 
@@ -147,7 +151,7 @@ def _library() -> ctypes.CDLL:
     try:
         path = library_path(cc)
     except OSError as err:  # an install without the C source (package data left out)
-        raise GemvUnavailable(f"the gemv kernels' source {SOURCE} cannot be read ({err.strerror}): "
+        raise GemvUnavailable(f"the gemv kernels' source {err.filename} cannot be read ({err.strerror}): "
                               "reinstall medusa, or use kernels='onednn'") from None
     if path.exists():
         try:

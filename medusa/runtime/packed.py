@@ -1,26 +1,27 @@
-"""Several sequences in one target pass: packed rows, attention per sequence.
+"""Several sequences in one target pass: packed rows, each sequence's keys in its own cache.
 
 A batched step puts every sequence's new rows (its tree, chain or lone root) one after the other
 in a single ``[1, R]`` input, so the linear layers - the weights every pass reads, most of a
-step's cost on a CPU - run once for all of them. Attention cannot be packed that way: each
-sequence has its own KV cache and its own mask. So during a packed pass:
+step's cost on a CPU - run once for all of them. Each sequence keeps its own KV cache: during a
+packed pass :class:`PackedCache` stands in for the model's cache, and ``update`` writes each
+sequence's slice of the new keys and values into that sequence's cache. Attention then runs
 
-- :class:`PackedCache` stands in for the model's cache: ``update`` writes each sequence's slice
-  of the new keys and values into that sequence's own cache and remembers what each returned;
-- the model's attention implementation is swapped, for the pass only, for
-  :func:`packed_attention`, which runs the original implementation (SDPA, or the exact
-  attention in half precision) once per sequence, on that sequence's query rows, its cache and
-  the very mask a pass of that sequence alone would have been given, and concatenates the rows.
+- in one call per layer for every row (:mod:`medusa.runtime.rows`: float32 on a CPU), each row
+  over its own sequence's keys in a fixed order; or
+- per sequence (:func:`packed_attention`): the model's original implementation (SDPA, or the exact
+  attention in half precision) on that sequence's query rows, its cache and the very mask a pass
+  of that sequence alone would have been given, the rows concatenated.
 
-Per sequence, attention is therefore the same call on the same tensors as at batch 1; the rows
-of the linear layers are the same rows, so a step's outputs equal each sequence's own pass
-wherever the linear kernels give a row the same bits whatever the row count (the gemv kernels in
-float32, bfloat16 ``F.linear`` on AMX; docs/exactness.md#batches).
+Either way a sequence's attention is what it gets alone; the rows of the linear layers are the
+same rows, so a step's outputs equal each sequence's own pass wherever the linear kernels give a
+row the same bits whatever the row count (the gemv kernels in float32, bfloat16 ``F.linear`` on
+AMX; docs/exactness.md#batches).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from medusa.runtime import hf as kv
+from medusa.runtime import rows
 
 NAME = "medusa_packed"
 
@@ -100,24 +102,31 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # never used: packed passes ha
 
 
 def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: list[Segment],
-            layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            layers: tuple[int, ...] | None = None, layout: rows.Layout | None = None,
+            through: Callable = kv.forward) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the packed rows ``input_ids`` ``[1, R]`` (``position_ids`` ``[1, R]``: each
     row's position in its own sequence); each segment's keys and values are appended to its own
-    cache. Returns ``(logits [R, V], hidden [R, H])`` like :func:`medusa.runtime.hf.forward`."""
+    cache. With ``layout`` (:func:`medusa.runtime.rows.layout`), every layer's attention is one
+    call over all rows (:mod:`medusa.runtime.rows`) and the segments need no masks; without, it
+    runs per segment with each one's mask. ``through``: the pass function called (a
+    :class:`~medusa.decoding.passes.strategies.PassStrategy`'s ``forward`` hook). Returns ``(logits [R, V], hidden [R, H])`` like
+    :func:`medusa.runtime.hf.forward`."""
     config = kv.text_config(model)
     configs = {id(c): c for c in (model.config, config)}.values()
     pack = PackedCache(segments, config.num_hidden_layers)
-    first = segments[0].mask
+    types = getattr(config, "layer_types", None)
     dummy = torch.zeros(1, 1, input_ids.shape[1], input_ids.shape[1], dtype=model.dtype, device=input_ids.device)
-    mask = {k: dummy for k in first} if isinstance(first, dict) else dummy
+    mask = {k: dummy for k in set(types)} if types is not None and getattr(config, "sliding_window", None) else dummy
     saved = [c._attn_implementation_internal for c in configs]
-    _active.pack, _active.original = pack, config._attn_implementation
-    _active.layer_types = getattr(config, "layer_types", None)
+    name = NAME if layout is None else rows.NAME
+    _active.pack, _active.original, _active.layer_types = pack, config._attn_implementation, types
+    rows._active.layout, rows._active.current, rows._active.types = layout, pack.current, types
     for c in configs:
-        c._attn_implementation_internal = NAME
+        c._attn_implementation_internal = name
     try:
-        return kv.forward(model, input_ids, position_ids, pack, mask, layers=layers)
+        return through(model, input_ids, position_ids, pack, mask, layers=layers)
     finally:
         for c, was in zip(configs, saved):
             c._attn_implementation_internal = was
         _active.pack = None
+        rows._active.layout = rows._active.current = None

@@ -31,7 +31,7 @@ from medusa.decoding.passes.saved import SavedPasses, example_pass
 from medusa.decoding.state import Proposal
 from medusa.errors import MedusaError
 from medusa.models.target import context_window
-from medusa.runtime import gemv, packed
+from medusa.runtime import gemv, packed, rows
 from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
@@ -170,6 +170,8 @@ class PassStrategy:
         self.max_positions = context_window(model)
         self.cache_arg = kv.cache_argument(model)  # resolved here, not inside a compiled pass
         self.forward: Callable = kv.forward
+        # every verification row's attention in one call per layer (medusa/runtime/rows.py): eager float32 CPU
+        self.one_call = not self.static and rows.supported(model) is None
 
     def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
         """The strategy one generation runs on (``sizes()``: the pass sizes its proposer uses)."""
@@ -187,6 +189,8 @@ class PassStrategy:
         """The target's outputs for ``proposal``'s ``n`` candidate rows after ``start`` cached
         tokens (``[n, V]``, ``[n, H]``) and its side rows' logits (``[E, V]``, None without side
         rows); their keys and values are left in ``cache`` after ``start``."""
+        if self.one_call:  # the very call a packed pass makes: a row's bits do not depend on the batch
+            return self._packed([(cache, start, proposal)])[0]
         tokens, depth, ancestor = _rows(proposal)
         # an explicit mask for chains too: a packed batch gives each sequence this same mask
         # (verify_many), so a sequence's attention is the same call alone and in a batch
@@ -197,17 +201,31 @@ class PassStrategy:
 
     def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
         """:meth:`verify` of each ``(cache, start, proposal)`` in one packed pass (only where
-        :attr:`packs`): each sequence's rows see its own cache and the mask it gets alone."""
-        segments, tokens, positions, at = [], [], [], 0
-        for cache, start, proposal in items:
+        :attr:`packs`): each sequence's rows see its own cache, as alone (one attention call per
+        layer for all rows where :attr:`one_call`, else per sequence with the mask it gets alone)."""
+        return self._packed(items)
+
+    def _packed(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
+        trees, tokens, positions = [], [], []
+        for _, start, proposal in items:
             toks, depth, ancestor = _rows(proposal)
-            mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
-            segments.append(packed.Segment(cache, slice(at, at + toks.shape[0]), mask))
+            trees.append((start, ancestor, depth))
             tokens.append(toks)
             positions.append(start + depth)
+        layout = None
+        if self.one_call:
+            try:
+                layout = rows.layout_for(self.model, trees)
+            except ValueError:  # a tree deeper than a sliding window: per sequence, masked
+                layout = None
+        segments, at = [], 0
+        for (cache, _, _), (start, ancestor, depth), toks in zip(items, trees, tokens):
+            mask = None if layout is not None else kv.tree_attention_mask(self.model, start, ancestor, depth,
+                                                                          self.model.dtype)
+            segments.append(packed.Segment(cache, slice(at, at + toks.shape[0]), mask))
             at += toks.shape[0]
         logits, hidden = packed.forward(self.model, torch.cat(tokens)[None], torch.cat(positions)[None], segments,
-                                        layers=self.features)
+                                        layers=self.features, layout=layout, through=self.forward)
         return [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items)]
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:

@@ -1,0 +1,105 @@
+"""One attention call per layer for every row of a pass (medusa/runtime/rows.py, attention.c),
+built here with the real C compiler, against torch's masked attention on tiny real models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa.runtime import hf as kv
+from medusa.runtime import packed, rows
+from medusa.runtime.kernels import PackedLinears
+from tests.tiny import tiny_model
+
+# a tree of 6 nodes: 0 -> 1 -> 3, 0 -> 2 -> 4, 2 -> 5 (root first, parents before children)
+PARENT = [-1, 0, 0, 1, 2, 2]
+
+
+def tree(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(parents)
+    ancestor = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            ancestor[i] |= ancestor[p]
+            depth[i] = depth[p] + 1
+    return ancestor, depth
+
+
+def prefilled(model, n: int, seed: int):
+    cache = kv.new_cache()
+    ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    kv.forward(model, ids, torch.arange(n)[None], cache, None)
+    return cache
+
+
+def run(model, items, tokens, one_call: bool):
+    """A packed pass over ``items`` ``(cache, past, ancestor, depth)``: logits ``[R, V]``."""
+    segments, at = [], 0
+    for cache, past, ancestor, depth in items:
+        n = ancestor.shape[0]
+        mask = None if one_call else kv.tree_attention_mask(model, past, ancestor, depth, model.dtype)
+        segments.append(packed.Segment(cache, slice(at, at + n), mask))
+        at += n
+    layout = rows.layout_for(model, [(p, a, d) for _, p, a, d in items]) if one_call else None
+    positions = torch.cat([p + d for _, p, _, d in items])[None]
+    logits, _ = packed.forward(model, tokens[None], positions, segments, layout=layout)
+    return logits
+
+
+def test_layout_names_each_rows_run_and_its_other_ancestors():
+    ancestor, depth = tree(PARENT)
+    plan = rows.layout([(10, ancestor, depth), (4, *tree([-1, 0]))])
+    assert plan.seg.tolist() == [0] * 6 + [1, 1]
+    assert plan.hi.tolist() == [11, 12, 11, 12, 11, 11, 5, 6]  # the root, and node 1 for nodes 1 and 3
+    extras = [plan.extra[plan.start[r]:plan.start[r + 1]].tolist() for r in range(8)]
+    assert extras == [[], [], [12], [13], [12, 14], [12, 15], [], []]
+    assert plan.lo.tolist() == [0] * 8
+    window = rows.layout([(10, ancestor, depth)], window=8)
+    assert window.lo.tolist() == [3, 4, 4, 5, 5, 5]  # position 10 + depth sees the 8 positions up to itself
+    with pytest.raises(ValueError, match="sliding window"):
+        rows.layout([(10, ancestor, depth)], window=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_one_call_matches_masked_attention(arch):
+    """Trees of two sequences in one pass: the kernel's logits are torch's masked ones, to float32 rounding
+    (gemma3: sliding-window and full layers; qwen2: a window on some layers)."""
+    model = tiny_model(arch, sliding_window=24 if arch != "llama" else None)
+    assert rows.supported(model) is None
+    ancestor, depth = tree(PARENT)
+    tokens = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(1))
+    got = {}
+    with torch.inference_mode():
+        for one_call in (False, True):
+            items = [(prefilled(model, 40, 0), 40, ancestor, depth), (prefilled(model, 7, 1), 7, *tree([-1, 0]))]
+            got[one_call] = run(model, items, tokens, one_call)
+    assert torch.allclose(got[True], got[False], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got[True][:6], got[True][6:8].repeat(3, 1))  # the rows are really different
+
+
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_pass():
+    """With row-invariant linear kernels (gemv), a sequence's rows are bitwise the same alone and
+    beside other sequences, and a tree node's row is bitwise the one-token pass of that token once its
+    ancestors are accepted: the promise batched and speculative greedy decoding rest on."""
+    model = tiny_model("llama")
+    ancestor, depth = tree(PARENT)
+    tokens = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode(), PackedLinears(model, kernels="gemv"):
+        alone = run(model, [(prefilled(model, 33, 0), 33, ancestor, depth)], tokens[:6], True)
+        others = [(prefilled(model, 5, 1), 5, *tree([-1, 0])), (prefilled(model, 50, 2), 50, *tree([-1]))]
+        batched = run(model, [others[0], (prefilled(model, 33, 0), 33, ancestor, depth), others[1]],
+                      torch.cat([tokens[6:8], tokens[:6], tokens[8:]]), True)
+        assert torch.equal(batched[2:8], alone)
+        cache = prefilled(model, 33, 0)
+        run(model, [(cache, 33, ancestor, depth)], tokens[:6], True)
+        kv.keep_nodes(cache, 33, torch.tensor([0, 2]), contiguous=False)  # accept 0 -> 2
+        later = run(model, [(cache, 35, *tree([-1]))], tokens[5:6], True)  # node 5, a child of 2
+        assert torch.equal(later[0], alone[5])
+
+
+def test_unsupported_models_say_why():
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert "float32" in rows.supported(model)
+    odd = tiny_model("llama", head_dim=12, hidden_size=48)
+    assert "head size 12" in rows.supported(odd)
