@@ -103,3 +103,27 @@ def test_unsupported_models_say_why():
     assert "float32" in rows.supported(model)
     odd = tiny_model("llama", head_dim=12, hidden_size=48)
     assert "head size 12" in rows.supported(odd)
+
+
+def test_one_write_per_layer_leaves_each_cache_as_its_own_update_would():
+    """The one-call pass writes every segment's new keys and values into its cache's buffer in one
+    C call per layer (packed.PackedCache with starts); the caches then hold what per-segment
+    updates leave, at the right lengths, and a buffer grows where it is full."""
+    model = tiny_model("llama")
+    ancestor, depth = tree(PARENT)
+    tokens = torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(3))
+    caches: dict[bool, list] = {}
+    with torch.inference_mode(), PackedLinears(model, kernels="gemv"):
+        for one_write in (False, True):  # the same one-call attention; the writes differ
+            # 254 + 6 rows outgrow the first 256-position buffer
+            caches[one_write] = [prefilled(model, 254, 0), prefilled(model, 9, 1)]
+            items = [(caches[one_write][0], 254, ancestor, depth), (caches[one_write][1], 9, *tree([-1]))]
+            layout = rows.layout_for(model, [(p, a, d) for _, p, a, d in items])
+            segments = [packed.Segment(c, s, None) for c, s in zip(caches[one_write], (slice(0, 6), slice(6, 7)))]
+            packed.forward(model, tokens[None], torch.cat([254 + depth, torch.tensor([9])])[None], segments,
+                           layout=layout, starts=[254, 9] if one_write else None)
+    for fast, slow in zip(caches[True], caches[False]):
+        assert kv.cache_length(fast) == kv.cache_length(slow)
+        for a, b in zip(fast.layers, slow.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert kv.cache_length(caches[True][0]) == 260

@@ -11,15 +11,17 @@
  * Order of arithmetic, the same for a row whatever else is in the call (other rows, other
  * sequences, the thread count, the blocking):
  *   score_j = (sum over d of q[d] * k_j[d]) * scale, as LANES-wide partial sums over the D/LANES
- *             chunks left to right, then the lanes added pairwise (halves, then quarters, ...);
+ *             chunks left to right, then the lanes added pairwise (halves, then quarters, ...),
+ *             ALANES keys at once (alanes_sums: the same order for each, wherever it sits);
  *   m = max_j score_j (exact);  e_j = exp(score_j - m) by the polynomial below;
  *   s = sum_j e_j as LANES-wide partial sums over chunks of LANES keys (in the row's key order),
  *       the lanes then added pairwise;
  *   out = (sum_j e_j * v_j, accumulated in the row's key order) / s.
  * So a row's output is bitwise the same alone, in a tree, or beside other sequences' rows.
  *
- * Work: tasks of (a block of up to RB consecutive rows of one segment, one KV head); a block's
- * rows share each key and value load; OpenMP spreads the tasks over the caller's threads.
+ * Work: tasks of (a block of up to RB consecutive rows of one segment, one KV head), spread
+ * over the caller's threads (pool.c); each query streams its keys (L2-resident for a few
+ * thousand positions) with its accumulators in registers.
  * Compiled with gemv.c into one library on the machine that runs it (-march=native).
  */
 #include <math.h>
@@ -59,12 +61,39 @@ AI avec afma(avec a, avec b, avec c) { /* a * b + c, rounded once where the CPU 
 #endif
 }
 
-AI float alanes_sum(avec v) { /* pairwise: halves, then quarters, ... (a fixed order) */
-  float a[ALANES];
-  memcpy(a, &v, sizeof a);
-  for (int w = ALANES / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; i++) a[i] += a[i + w];
-  return a[0];
+/* The lane sums of ALANES vectors at once: out[i] = the sum of a[i]'s lanes, added pairwise
+ * (lane l + lane l + ALANES/2, then + ALANES/4, ...), a fixed order whatever the block. */
+AI avec alanes_sums(const avec* a) {
+#if ALANES == 16
+  avec t[8], u[4], w[2];
+  for (int k = 0; k < 8; k++)
+    t[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; m++)
+    u[m] = __builtin_shufflevector(t[2 * m], t[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * m], t[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int p = 0; p < 2; p++)
+    w[p] = __builtin_shufflevector(u[2 * p], u[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  avec t[4], u[2];
+  for (int k = 0; k < 4; k++)
+    t[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int m = 0; m < 2; m++)
+    u[m] = __builtin_shufflevector(t[2 * m], t[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(t[2 * m], t[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+AI float alanes_sum(avec v) { /* one vector's lane sum, in alanes_sums's order */
+  avec a[ALANES] = {v};
+  avec s = alanes_sums(a);
+  return s[0];
 }
 
 /* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction and a degree-6 polynomial,
@@ -93,78 +122,122 @@ typedef struct {
   int row0, rows, seg;
 } Block;
 
+/* scores of one query against ``n`` <= ALANES keys (pointers ``k``) into s[0..n) */
+AI void scores_c(const float* q, const float* const* k, int n, int c, float scale, float* s) {
+  avec qv[8], a[ALANES];
+  for (int d = 0; d < c; d++) qv[d] = aload(q + d * ALANES);
+  for (int j = 0; j < ALANES; j++) {
+    if (j < n) {
+      const float* kk = k[j];
+      avec t = qv[0] * aload(kk);
+      for (int d = 1; d < c; d++) t = afma(qv[d], aload(kk + d * ALANES), t);
+      a[j] = t;
+    } else {
+      a[j] = asplat(0.0f);
+    }
+  }
+  avec sums = alanes_sums(a) * asplat(scale);
+  float tmp[ALANES];
+  astore(tmp, sums);
+  memcpy(s, tmp, sizeof(float) * n);
+}
+
+static void scores(const float* q, const float* const* k, int n, int D, float scale, float* s) {
+  switch (D / ALANES) { /* the common head sizes with their chunk count known to the compiler */
+    case 4: scores_c(q, k, n, 4, scale, s); break;
+    case 8: scores_c(q, k, n, 8, scale, s); break;
+    default: scores_c(q, k, n, D / ALANES, scale, s);
+  }
+}
+
+/* acc[0..c) += p[j] * v_j for j in [a, e), in that order */
+AI void weigh_c(avec* acc, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
+  for (int j = a; j < e; j++) {
+    avec w = asplat(p[j]);
+    const float* v = V + (int64_t)j * pos_stride;
+    for (int d = 0; d < c; d++) acc[d] = afma(w, aload(v + d * ALANES), acc[d]);
+  }
+}
+
+static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
+  avec acc[8];
+  for (int d = 0; d < c; d++) acc[d] = aload(o + d * ALANES);
+  if (c == 4)
+    weigh_c(acc, p, V, pos_stride, a, e, 4);
+  else
+    weigh_c(acc, p, V, pos_stride, a, e, c);
+  for (int d = 0; d < c; d++) astore(o + d * ALANES, acc[d]);
+}
+
 static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, float scale, const float* K,
                  const float* V, int64_t pos_stride, const int32_t* lo, const int32_t* hi, const int32_t* extra_start,
                  const int32_t* extra_pos, Block b, int g, float* out, int heads) {
-  int nq = b.rows * G, width = 0, jmin = 1 << 30, jmax = 0;
-  int count[RB];
+  int width = 0, jmin = 1 << 30, jmax = 0, nq = b.rows * G, c = D / ALANES;
   for (int i = 0; i < b.rows; i++) {
     int r = b.row0 + i;
-    count[i] = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
-    int padded = (count[i] + ALANES - 1) / ALANES * ALANES;
-    if (padded > width) width = padded;
+    int n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
+    if (n > width) width = n;
     if (lo[r] < jmin) jmin = lo[r];
     if (hi[r] > jmax) jmax = hi[r];
   }
-  float* S = malloc(sizeof(float) * (size_t)nq * width);          /* [nq, width] scores, then e */
-  float* acc = calloc((size_t)nq * D, sizeof(float));             /* [nq, D] weighted values */
-  float* Q = malloc(sizeof(float) * (size_t)nq * D);              /* [nq, D] the block's queries */
-  float sums[RB * 64];
-  for (int i = 0; i < b.rows; i++)
-    for (int h = 0; h < G; h++)
-      memcpy(Q + (size_t)(i * G + h) * D, q + (g * G + h) * q_head + (int64_t)(b.row0 + i) * q_row, sizeof(float) * D);
-  for (int x = 0; x < nq; x++)
-    for (int j = 0; j < width; j++) S[(size_t)x * width + j] = -INFINITY;
-  /* scores: the contiguous runs (a key load shared by the block's rows), then each row's extras */
-  for (int j = jmin; j < jmax; j++) {
-    const float* k = K + (int64_t)j * pos_stride;
+  width = (width + ALANES - 1) / ALANES * ALANES;
+  float* S = malloc(sizeof(float) * (size_t)nq * width); /* [nq, width]: scores, then their exps */
+  float* acc = malloc(sizeof(float) * (size_t)nq * D);   /* [nq, D]: weighted values */
+  float sums[64 * RB];
+  const float* kp[ALANES];
+  float tmp[ALANES];
+#define QUERY(i, h) (q + (g * G + (h)) * q_head + (int64_t)(b.row0 + (i)) * q_row)
+  /* scores: blocks of ALANES positions of the contiguous runs, each block read once for the
+   * task's queries (the block sits in L1); then each row's extras */
+  for (int j0 = jmin; j0 < jmax; j0 += ALANES) {
+    int m = jmax - j0 < ALANES ? jmax - j0 : ALANES;
+    for (int j = 0; j < m; j++) kp[j] = K + (int64_t)(j0 + j) * pos_stride;
     for (int i = 0; i < b.rows; i++) {
       int r = b.row0 + i;
-      if (j < lo[r] || j >= hi[r]) continue;
+      int a = j0 > lo[r] ? j0 : lo[r], e = j0 + m < hi[r] ? j0 + m : hi[r];
+      if (a >= e) continue;
       for (int h = 0; h < G; h++) {
-        const float* qq = Q + (size_t)(i * G + h) * D;
-        avec a = aload(qq) * aload(k);
-        for (int d = ALANES; d < D; d += ALANES) a = afma(aload(qq + d), aload(k + d), a);
-        S[(size_t)(i * G + h) * width + (j - lo[r])] = alanes_sum(a) * scale;
+        scores(QUERY(i, h), kp, m, D, scale, tmp);
+        memcpy(S + (size_t)(i * G + h) * width + (a - lo[r]), tmp + (a - j0), sizeof(float) * (e - a));
       }
     }
   }
   for (int i = 0; i < b.rows; i++) {
-    int r = b.row0 + i, base = hi[r] - lo[r];
-    for (int e = extra_start[r]; e < extra_start[r + 1]; e++) {
-      const float* k = K + (int64_t)extra_pos[e] * pos_stride;
+    int r = b.row0 + i, base = hi[r] - lo[r], ne = extra_start[r + 1] - extra_start[r];
+    for (int e0 = 0; e0 < ne; e0 += ALANES) {
+      int m = ne - e0 < ALANES ? ne - e0 : ALANES;
+      for (int j = 0; j < m; j++) kp[j] = K + (int64_t)extra_pos[extra_start[r] + e0 + j] * pos_stride;
       for (int h = 0; h < G; h++) {
-        const float* qq = Q + (size_t)(i * G + h) * D;
-        avec a = aload(qq) * aload(k);
-        for (int d = ALANES; d < D; d += ALANES) a = afma(aload(qq + d), aload(k + d), a);
-        S[(size_t)(i * G + h) * width + base + (e - extra_start[r])] = alanes_sum(a) * scale;
+        scores(QUERY(i, h), kp, m, D, scale, tmp);
+        memcpy(S + (size_t)(i * G + h) * width + base + e0, tmp, sizeof(float) * m);
       }
     }
   }
   /* softmax numerators and their sums, in each row's key order */
   for (int x = 0; x < nq; x++) {
+    int r = b.row0 + x / G, n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
     float* s = S + (size_t)x * width;
-    float m = -INFINITY;
-    for (int j = 0; j < count[x / G]; j++) m = s[j] > m ? s[j] : m;
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int j = n; j < width; j++) s[j] = -INFINITY;
     avec total = asplat(0.0f);
     for (int j = 0; j < width; j += ALANES) {
-      avec e = aexp(aload(s + j) - asplat(m));
+      avec e = aexp(aload(s + j) - asplat(mx));
       astore(s + j, e);
       total += e;
     }
     sums[x] = alanes_sum(total);
+    memset(acc + (size_t)x * D, 0, sizeof(float) * D);
   }
-  /* weighted values: the contiguous runs, then the extras, in each row's key order */
-  for (int j = jmin; j < jmax; j++) {
-    const float* v = V + (int64_t)j * pos_stride;
+  /* weighted values in each row's key order: the contiguous runs block by block, then the extras */
+  for (int j0 = jmin; j0 < jmax; j0 += ALANES) {
+    int m = jmax - j0 < ALANES ? jmax - j0 : ALANES;
     for (int i = 0; i < b.rows; i++) {
       int r = b.row0 + i;
-      if (j < lo[r] || j >= hi[r]) continue;
+      int a = j0 > lo[r] ? j0 : lo[r], e = j0 + m < hi[r] ? j0 + m : hi[r];
+      if (a >= e) continue;
       for (int h = 0; h < G; h++) {
-        int x = i * G + h;
-        avec p = asplat(S[(size_t)x * width + (j - lo[r])]);
-        float* o = acc + (size_t)x * D;
-        for (int d = 0; d < D; d += ALANES) astore(o + d, afma(p, aload(v + d), aload(o + d)));
+        weigh(acc + (size_t)(i * G + h) * D, S + (size_t)(i * G + h) * width - lo[r], V, pos_stride, a, e, c);
       }
     }
   }
@@ -173,26 +246,46 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
     for (int e = extra_start[r]; e < extra_start[r + 1]; e++) {
       const float* v = V + (int64_t)extra_pos[e] * pos_stride;
       for (int h = 0; h < G; h++) {
-        int x = i * G + h;
-        avec p = asplat(S[(size_t)x * width + base + (e - extra_start[r])]);
-        float* o = acc + (size_t)x * D;
-        for (int d = 0; d < D; d += ALANES) astore(o + d, afma(p, aload(v + d), aload(o + d)));
+        avec p = asplat(S[(size_t)(i * G + h) * width + base + (e - extra_start[r])]);
+        float* o = acc + (size_t)(i * G + h) * D;
+        for (int d = 0; d < c; d++) astore(o + d * ALANES, afma(p, aload(v + d * ALANES), aload(o + d * ALANES)));
       }
     }
   }
-  for (int i = 0; i < b.rows; i++)
-    for (int h = 0; h < G; h++) {
-      int x = i * G + h;
-      float* dst = out + ((int64_t)(b.row0 + i) * heads + g * G + h) * D;
-      avec s = asplat(sums[x]);
-      for (int d = 0; d < D; d += ALANES) astore(dst + d, aload(acc + (size_t)x * D + d) / s);
-    }
+  for (int x = 0; x < nq; x++) {
+    float* dst = out + ((int64_t)(b.row0 + x / G) * heads + g * G + x % G) * D;
+    for (int d = 0; d < c; d++) astore(dst + d * ALANES, aload(acc + (size_t)x * D + d * ALANES) / asplat(sums[x]));
+  }
+#undef QUERY
   free(S);
   free(acc);
-  free(Q);
 }
 
 int medusa_attention_lanes(void) { return ALANES; }
+
+typedef void (*medusa_task)(void* ctx, int task);
+void medusa_parallel(int tasks, int threads, medusa_task fn, void* ctx); /* pool.c */
+
+typedef struct {
+  const float* q;
+  int64_t q_head, q_row;
+  int G, D, kv_heads, heads;
+  float scale;
+  const int64_t *seg_k, *seg_v, *head_stride, *pos_stride;
+  const int32_t *lo, *hi, *extra_start, *extra_pos;
+  const Block* blocks;
+  float* out;
+} AttentionJob;
+
+static void attention_task(void* ctx, int t) {
+  const AttentionJob* j = ctx;
+  Block b = j->blocks[t / j->kv_heads];
+  int g = t % j->kv_heads, s = b.seg;
+  const float* K = (const float*)(intptr_t)j->seg_k[s] + g * j->head_stride[s];
+  const float* V = (const float*)(intptr_t)j->seg_v[s] + g * j->head_stride[s];
+  task(j->q, j->q_head, j->q_row, j->G, j->D, j->scale, K, V, j->pos_stride[s], j->lo, j->hi, j->extra_start,
+       j->extra_pos, b, g, j->out, j->heads);
+}
 
 /* q: element (h, r, d) at q + h * q_head + r * q_row + d; out: [rows, heads, D] contiguous.
  * Returns 0, or -1 for a shape the kernel does not take (D not a multiple of the lanes,
@@ -202,7 +295,7 @@ int medusa_rows_attention(const float* q, int64_t q_head, int64_t q_row, int row
                           const int64_t* pos_stride, const int32_t* row_seg, const int32_t* lo, const int32_t* hi,
                           const int32_t* extra_start, const int32_t* extra_pos, float* out, int threads) {
   int G = heads / kv_heads;
-  if (D % ALANES || heads % kv_heads || G > 64) return -1;
+  if (D % ALANES || D > 8 * ALANES || heads % kv_heads || G > 64) return -1;
   Block* blocks = malloc(sizeof(Block) * (rows > 0 ? rows : 1));
   int nb = 0;
   for (int r = 0; r < rows; r++) {
@@ -211,15 +304,29 @@ int medusa_rows_attention(const float* q, int64_t q_head, int64_t q_row, int row
     else
       blocks[nb++] = (Block){r, 1, row_seg[r]};
   }
-  int tasks = nb * kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int t = 0; t < tasks; t++) {
-    Block b = blocks[t / kv_heads];
-    int g = t % kv_heads, s = b.seg;
-    const float* K = (const float*)(intptr_t)seg_k[s] + g * head_stride[s];
-    const float* V = (const float*)(intptr_t)seg_v[s] + g * head_stride[s];
-    task(q, q_head, q_row, G, D, scale, K, V, pos_stride[s], lo, hi, extra_start, extra_pos, b, g, out, heads);
-  }
+  AttentionJob job = {q, q_head, q_row, G, D, kv_heads, heads, scale, seg_k, seg_v, head_stride, pos_stride, lo, hi,
+                      extra_start, extra_pos, blocks, out};
+  medusa_parallel(nb * kv_heads, threads, attention_task, &job);
   free(blocks);
   return 0;
+}
+
+/* Each segment's rows of a pass's new keys and values into its own cache buffer: segment s's
+ * rows row0[s] .. row0[s]+nrows[s]-1 of ``k``/``v`` (element (g, r, d) at base + g * src_head +
+ * r * src_row + d) go to positions start[s] .. of its buffers dst_k[s]/dst_v[s] (element
+ * (g, p, d) at base + g * dst_head[s] + p * dst_pos[s] + d). */
+void medusa_write_rows(const float* k, const float* v, int64_t src_head, int64_t src_row, int kv_heads, int D,
+                       int nseg, const int32_t* row0, const int32_t* nrows, const int32_t* start, const int64_t* dst_k,
+                       const int64_t* dst_v, const int64_t* dst_head, const int64_t* dst_pos) {
+  for (int s = 0; s < nseg; s++) {
+    float* K = (float*)(intptr_t)dst_k[s];
+    float* V = (float*)(intptr_t)dst_v[s];
+    for (int g = 0; g < kv_heads; g++)
+      for (int i = 0; i < nrows[s]; i++) {
+        int64_t from = g * src_head + (int64_t)(row0[s] + i) * src_row;
+        int64_t to = g * dst_head[s] + (int64_t)(start[s] + i) * dst_pos[s];
+        memcpy(K + to, k + from, sizeof(float) * D);
+        memcpy(V + to, v + from, sizeof(float) * D);
+      }
+  }
 }

@@ -14,7 +14,7 @@
  * left to right. So row r of an n-row product is bitwise the one-row product of x[r].
  *
  * Written with GCC vector extensions (one x86 intrinsic: the fused multiply-add), compiled on the machine that runs it (-march=native):
- * 16 lanes where the CPU has AVX-512, else 8. Threads: OpenMP, as many as the caller asks for.
+ * 16 lanes where the CPU has AVX-512, else 8. Threads: the kernels' own pool (pool.c), as many as the caller asks for.
  */
 #include <stdint.h>
 #include <string.h>
@@ -51,15 +51,32 @@ AI vec madd(vec a, vec w, float s) {
 
 int medusa_gemv_lanes(void) { return LANES; }
 
-void medusa_gemv_pack(const float* W, int N, int K, float* P, int threads) {
-  int nb = (N + LANES - 1) / LANES;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int b = 0; b < nb; b++)
-    for (int k = 0; k < K; k++)
+typedef void (*medusa_task)(void* ctx, int task);
+void medusa_parallel(int tasks, int threads, medusa_task fn, void* ctx);       /* pool.c */
+void medusa_parallel_large(int tasks, int threads, medusa_task fn, void* ctx); /* pool.c: OpenMP */
+#define LARGE_ROWS 64 /* products of more rows (a prompt's) run on OpenMP's threads */
+
+typedef struct {
+  const float* W;
+  int N, K, T;
+  float* P;
+} PackJob;
+
+static void pack_task(void* ctx, int t) {
+  const PackJob* j = ctx;
+  int nb = (j->N + LANES - 1) / LANES;
+  for (int b = (int)((int64_t)nb * t / j->T); b < (int)((int64_t)nb * (t + 1) / j->T); b++)
+    for (int k = 0; k < j->K; k++)
       for (int l = 0; l < LANES; l++) {
-        int j = b * LANES + l;
-        P[((int64_t)b * K + k) * LANES + l] = j < N ? W[(int64_t)j * K + k] : 0.f;
+        int r = b * LANES + l;
+        j->P[((int64_t)b * j->K + k) * LANES + l] = r < j->N ? j->W[(int64_t)r * j->K + k] : 0.f;
       }
+}
+
+void medusa_gemv_pack(const float* W, int N, int K, float* P, int threads) {
+  int T = threads < 1 ? 1 : threads;
+  PackJob job = {W, N, K, T, P};
+  medusa_parallel_large(T, T, pack_task, &job);
 }
 
 /* BN blocks of LANES outputs x NR input rows. The accumulators' array sizes are fixed so that
@@ -110,38 +127,42 @@ TILES(4)
 static void (*const TILE[MAXB + 1])(const float*, int, int, const float*, float*, int, int, const float*, int, int,
                                     int) = {0, tiles1, tiles2, tiles3, tiles4};
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+typedef struct {
+  const float* x;
+  const float* P;
+  float* y;
+  int n, K, N, T;
+} GemvJob;
 
-/* y[n, N] = x[n, K] @ W^T with P = medusa_gemv_pack(W). Each thread takes a contiguous range of
+/* y[n, N] = x[n, K] @ W^T with P = medusa_gemv_pack(W). Task t of T takes a contiguous range of
  * output blocks, a tile of them at a time (as many as the accumulators allow), and runs every
  * group of up to MAXR rows on a tile before the next tile. With one group the product streams
  * the weight from memory; with more, the groups after the first find the tile in the caches and
  * are bound by arithmetic, so they prefetch the next tile meanwhile: memory and arithmetic
  * overlap (a 16-row product took 0.8x the time it took without). */
-void medusa_gemv(const float* x, int n, int K, const float* P, int N, float* y, int threads) {
+static void gemv_task(void* ctx, int t) {
+  const GemvJob* j = ctx;
+  const float* x = j->x;
+  int n = j->n, K = j->K, N = j->N, T = j->T;
   int nb = (N + LANES - 1) / LANES;
   int groups = (n + MAXR - 1) / MAXR, widest = (n + groups - 1) / groups;
   int bn = ACC / widest < MAXB ? ACC / widest : MAXB;
-#pragma omp parallel num_threads(threads)
-  {
-    int t = 0, T = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    T = omp_get_num_threads();
-#endif
-    int b = (int)((int64_t)nb * t / T), end = (int)((int64_t)nb * (t + 1) / T);
-    for (int step = bn; b < end; b += step) {
-      if (b + step > end) step = 1; /* the range's last blocks, one at a time */
-      const float* p = P + (int64_t)b * K * LANES;
-      int next = groups < 2 ? 0 : end - b - step < bn ? end - b - step : bn; /* blocks to prefetch */
-      for (int g = 0, r = 0; g < groups; g++) {
-        int nr = n / groups + (g < n % groups);
-        TILE[step](x + (int64_t)r * K, nr, K, p, y + (int64_t)r * N, N, b * LANES, p + (int64_t)step * K * LANES,
-                   g, groups, next);
-        r += nr;
-      }
+  int b = (int)((int64_t)nb * t / T), end = (int)((int64_t)nb * (t + 1) / T);
+  for (int step = bn; b < end; b += step) {
+    if (b + step > end) step = 1; /* the range's last blocks, one at a time */
+    const float* p = j->P + (int64_t)b * K * LANES;
+    int next = groups < 2 ? 0 : end - b - step < bn ? end - b - step : bn; /* blocks to prefetch */
+    for (int g = 0, r = 0; g < groups; g++) {
+      int nr = n / groups + (g < n % groups);
+      TILE[step](x + (int64_t)r * K, nr, K, p, j->y + (int64_t)r * N, N, b * LANES, p + (int64_t)step * K * LANES, g,
+                 groups, next);
+      r += nr;
     }
   }
+}
+
+void medusa_gemv(const float* x, int n, int K, const float* P, int N, float* y, int threads) {
+  int T = threads < 1 ? 1 : threads;
+  GemvJob job = {x, P, y, n, K, N, T};
+  (n > LARGE_ROWS ? medusa_parallel_large : medusa_parallel)(T, T, gemv_task, &job);
 }

@@ -40,8 +40,8 @@ from medusa.runtime.files import atomic_file, cache_root
 log = logging.getLogger("medusa.kernels")
 
 SOURCE = Path(__file__).with_name("gemv.c")
-SOURCES = (SOURCE, Path(__file__).with_name("attention.c"))  # one library: the linear kernels and rows' attention
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.c", "pool.c")))  # one library, its own threads
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 PROFILER_NAME = "medusa::gemv"
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
@@ -106,9 +106,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_gemv_pack.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
+    lib.medusa_attention_lanes.restype = ctypes.c_int
     lib.medusa_rows_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_int] * 4,
                                           ctypes.c_float, *[ctypes.c_void_p] * 9, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_rows_attention.restype = ctypes.c_int
+    lib.medusa_write_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7]
+    lib.medusa_write_rows.restype = None
     _check(lib)
     return lib
 

@@ -20,6 +20,7 @@ AMX; docs/exactness.md#batches).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from medusa.runtime import gemv, rows
 from medusa.runtime import hf as kv
-from medusa.runtime import rows
 
 NAME = "medusa_packed"
 
@@ -48,22 +49,72 @@ class Segment:
     mask: torch.Tensor | dict[str, torch.Tensor]
 
 
+def buffers(cache: Cache, layers: int, needed: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each layer's key and value buffers (``[1, H_kv, capacity, D]``), grown to hold ``needed``
+    positions, for a writer that fills them in place and then calls :func:`extend`; None unless
+    every one of the ``layers`` is an initialised :class:`~medusa.runtime.hf.BufferedLayer`."""
+    if len(cache.layers) != layers or not all(isinstance(x, kv.BufferedLayer) and x.is_initialized and
+                                              x._kbuf is not None for x in cache.layers):
+        return None
+    for layer in cache.layers:
+        layer._reserve(layer.keys, layer.values, needed)
+    return [(layer._kbuf, layer._vbuf) for layer in cache.layers]
+
+
+def extend(cache: Cache, length: int) -> None:
+    """After writing into :func:`buffers`: the cache holds ``length`` positions."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer._kbuf[..., :length, :], layer._vbuf[..., :length, :]
+
+
 class PackedCache(Cache):
     """The cache a packed pass hands the model: each layer's ``update`` goes to the segments'
     own caches; ``current[layer]`` keeps what each returned (``[1, Hkv, L_i, D]``) for
-    :func:`packed_attention`."""
+    :func:`packed_attention`. With ``starts`` (each segment's cached length) and buffered caches
+    (:func:`medusa.runtime.hf.buffers`), a layer's rows are written with one C call for all
+    segments and ``current`` holds the whole buffers (the one-call attention reads positions
+    from its layout); :meth:`finish` then sets each cache's length."""
 
-    def __init__(self, segments: list[Segment], layers: int) -> None:
+    def __init__(self, segments: list[Segment], layers: int, starts: list[int] | None = None) -> None:
         super().__init__(layers=[])
-        self.segments = segments
+        self.segments, self.starts = segments, starts
         self.current: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * layers
+        self.buffers = None
+        if starts is not None and gemv.unavailable_reason() is None:
+            found = [buffers(s.cache, layers, start + s.rows.stop - s.rows.start)
+                     for s, start in zip(segments, starts)]
+            if all(b is not None for b in found):
+                self.buffers = found  # [segment][layer] -> (keys, values)
+                self._row0 = (ctypes.c_int32 * len(segments))(*(s.rows.start for s in segments))
+                self._rows = (ctypes.c_int32 * len(segments))(*(s.rows.stop - s.rows.start for s in segments))
+                self._start = (ctypes.c_int32 * len(segments))(*starts)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states [1, Hkv, R, D]: row slices are views; each cache copies them into its buffer
-        self.current[layer_idx] = [s.cache.update(key_states[..., s.rows, :], value_states[..., s.rows, :], layer_idx)
-                                   for s in self.segments]
-        return key_states, value_states  # unread: packed_attention reads ``current``
+        if self.buffers is None:
+            # key_states [1, Hkv, R, D]: row slices are views; each cache copies them into its buffer
+            self.current[layer_idx] = [s.cache.update(key_states[..., s.rows, :], value_states[..., s.rows, :],
+                                                      layer_idx) for s in self.segments]
+            return key_states, value_states  # unread: the attention reads ``current``
+        pairs = [b[layer_idx] for b in self.buffers]
+        n = len(pairs)
+        k, v = key_states.float(), value_states.float()
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        dst = (ctypes.c_int64 * (4 * n))(*(b.data_ptr() for b, _ in pairs), *(c.data_ptr() for _, c in pairs),
+                                         *(b.stride(1) for b, _ in pairs), *(b.stride(2) for b, _ in pairs))
+        at = ctypes.addressof(dst)
+        gemv.library().medusa_write_rows(k.data_ptr(), v.data_ptr(), k.stride(1), k.stride(2), k.shape[1], k.shape[3],
+                                         n, self._row0, self._rows, self._start, at, at + 8 * n, at + 16 * n,
+                                         at + 24 * n)
+        self.current[layer_idx] = pairs
+        return key_states, value_states
+
+    def finish(self) -> None:
+        """After a pass written through the buffers: each cache holds its new rows."""
+        if self.buffers is not None:
+            for s, start in zip(self.segments, self.starts):
+                extend(s.cache, start + s.rows.stop - s.rows.start)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -103,17 +154,18 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # never used: packed passes ha
 
 def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: list[Segment],
             layers: tuple[int, ...] | None = None, layout: rows.Layout | None = None,
-            through: Callable = kv.forward) -> tuple[torch.Tensor, torch.Tensor]:
+            through: Callable = kv.forward, starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the packed rows ``input_ids`` ``[1, R]`` (``position_ids`` ``[1, R]``: each
     row's position in its own sequence); each segment's keys and values are appended to its own
     cache. With ``layout`` (:func:`medusa.runtime.rows.layout`), every layer's attention is one
     call over all rows (:mod:`medusa.runtime.rows`) and the segments need no masks; without, it
-    runs per segment with each one's mask. ``through``: the pass function called (a
+    runs per segment with each one's mask. ``starts``: each segment's cached length (with ``layout``: the rows are
+    then written into the caches' buffers in one call per layer). ``through``: the pass function called (a
     :class:`~medusa.decoding.passes.strategies.PassStrategy`'s ``forward`` hook). Returns ``(logits [R, V], hidden [R, H])`` like
     :func:`medusa.runtime.hf.forward`."""
     config = kv.text_config(model)
     configs = {id(c): c for c in (model.config, config)}.values()
-    pack = PackedCache(segments, config.num_hidden_layers)
+    pack = PackedCache(segments, config.num_hidden_layers, starts if layout is not None else None)
     types = getattr(config, "layer_types", None)
     dummy = torch.zeros(1, 1, input_ids.shape[1], input_ids.shape[1], dtype=model.dtype, device=input_ids.device)
     mask = {k: dummy for k in set(types)} if types is not None and getattr(config, "sliding_window", None) else dummy
@@ -124,7 +176,9 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch
     for c in configs:
         c._attn_implementation_internal = name
     try:
-        return through(model, input_ids, position_ids, pack, mask, layers=layers)
+        out = through(model, input_ids, position_ids, pack, mask, layers=layers)
+        pack.finish()
+        return out
     finally:
         for c, was in zip(configs, saved):
             c._attn_implementation_internal = was

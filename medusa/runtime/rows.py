@@ -19,6 +19,7 @@ still prefilled through the model's own attention (one sequence, many rows: a ma
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 
@@ -94,7 +95,8 @@ def supported(model: PreTrainedModel) -> str | None:
     reason = gemv.unavailable_reason()
     if reason is not None:
         return reason
-    if dim % gemv.library().medusa_attention_lanes() or heads % kv_heads or heads // kv_heads > 64:
+    lanes = gemv.library().medusa_attention_lanes()
+    if dim % lanes or dim > 8 * lanes or heads % kv_heads or heads // kv_heads > 64:
         return f"head size {dim} with {heads} heads over {kv_heads} KV heads: not a shape the kernel takes"
     return None
 
@@ -116,19 +118,19 @@ def rows_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     if query.dtype != torch.float32 or query.stride(-1) != 1:
         raise ValueError(f"one-call attention takes float32 queries with contiguous heads, not {query.dtype}")
     pairs = _active.current[layer]
+    n = len(pairs)
     lo = plan.lo if not isinstance(plan.lo, dict) else plan.lo[_active.types[layer]]
-    keys = torch.tensor([k.data_ptr() for k, _ in pairs], dtype=torch.int64)
-    values = torch.tensor([v.data_ptr() for _, v in pairs], dtype=torch.int64)
-    heads_stride = torch.tensor([k.stride(1) for k, _ in pairs], dtype=torch.int64)
-    pos_stride = torch.tensor([k.stride(2) for k, _ in pairs], dtype=torch.int64)
+    keys = (ctypes.c_int64 * n)(*(k.data_ptr() for k, _ in pairs))
+    values = (ctypes.c_int64 * n)(*(v.data_ptr() for _, v in pairs))
+    strides = (ctypes.c_int64 * (2 * n))(*(k.stride(1) for k, _ in pairs), *(k.stride(2) for k, _ in pairs))
     _, heads, rows, dim = query.shape
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     scale = scaling if scaling is not None else dim ** -0.5
     done = gemv.library().medusa_rows_attention(
         query.data_ptr(), query.stride(1), query.stride(2), rows, heads, key.shape[1], dim, scale,
-        keys.data_ptr(), values.data_ptr(), heads_stride.data_ptr(), pos_stride.data_ptr(), plan.seg.data_ptr(),
-        lo.data_ptr(), plan.hi.data_ptr(), plan.start.data_ptr(), plan.extra.data_ptr(), out.data_ptr(),
-        torch.get_num_threads())
+        ctypes.addressof(keys), ctypes.addressof(values), ctypes.addressof(strides),
+        ctypes.addressof(strides) + 8 * n, plan.seg.data_ptr(), lo.data_ptr(), plan.hi.data_ptr(),
+        plan.start.data_ptr(), plan.extra.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if done != 0:
         raise ValueError(f"one-call attention does not take head size {dim} with {heads} heads")
     return out[None], None

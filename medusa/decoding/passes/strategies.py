@@ -225,7 +225,8 @@ class PassStrategy:
             segments.append(packed.Segment(cache, slice(at, at + toks.shape[0]), mask))
             at += toks.shape[0]
         logits, hidden = packed.forward(self.model, torch.cat(tokens)[None], torch.cat(positions)[None], segments,
-                                        layers=self.features, layout=layout, through=self.forward)
+                                        layers=self.features, layout=layout, through=self.forward,
+                                        starts=[start for start, _, _ in trees])
         return [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items)]
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
