@@ -46,9 +46,10 @@ from pathlib import Path
 
 from medusa.bench.engines import AUTOTUNE, load_bench, prepare
 from medusa.bench.modes import COMPILED, HEAD_KINDS, MODES, UNSHIPPED, parse_modes
-from medusa.bench.prompts import DEFAULT_PROMPTS, read_prompts
+from medusa.bench.prompts import DEFAULT_PROMPTS, encode, read_prompts
 from medusa.bench.report import run_meta, write_results, write_temperatures
 from medusa.bench.runners import close_peers
+from medusa.bench.split import split_lines, step_split
 from medusa.bench.summary import against_fastest_peer, length_table, profile_lines, summarise, table, temperature_table
 from medusa.bench.timing import timed_runs
 from medusa.config import HelpFormatter, count, writable_folder
@@ -119,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or a JSON file of paths (default: calibrated per device)")
     machine_flags(ap)
     ap.add_argument("--json", default=None, help="write aggregate and per-prompt results to this JSON file (default: none)")
+    ap.add_argument("--split", action="store_true", help="also time plain decoding's step at 1 and 8 sequences, split "
+                    "into linear layers, attention and the rest (medusa/bench/split.py)")
     ap.add_argument("--output", default=None, help="folder for results.json, table.md and plots, e.g. bench_out/NAME "
                     "(default: none)")
     ap.add_argument("--out", dest="output", help=argparse.SUPPRESS)  # the old spelling
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     fastest = against_fastest_peer(summary)
     if fastest:
         print(fastest)
+    if args.split:
+        print("\n".join(split_lines(step_split(bench.main, [encode(bench.main, p.text) for p in prompts[:8]]))))
     folder = write_results(args, run_meta(bench, prompts, modes, fastest), summary, reference, bench.main.heads)
     if folder is not None:
         print(f"report written to {folder}", file=sys.stderr)

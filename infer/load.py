@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the concurrency levels, N mixed requests from 16 clients (greedy, sampled, stop, "
                         "logprobs, cancelled, malformed, oversized, bursts past a queue of 8): every answer checked "
                         "against the request alone, the server idle afterwards (medusa/bench/soak.py; 0: off)")
+    p.add_argument("--split", action="store_true", help="first time this project's plain decoding step in process at 1 "
+                   "and 8 sequences, split into linear layers, attention and the rest (the server's default engine)")
     p.add_argument("--json", help="write every row (and the answers' agreement) here")
     p.add_argument("--plot", help="write a PNG of total tokens/s against concurrency here")
     return p
@@ -62,6 +64,23 @@ def read_prompts(path: str, limit: int | None) -> list[str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError) as exc:
         raise MedusaError(f"cannot read prompts from {path} ({exc}): give a jsonl with a `turns` list per line") from None
     return prompts[:limit] if limit else prompts
+
+
+def step_split_rows(prompts: list[str]) -> list[dict]:
+    """The default engine's plain step at 1 and 8 sequences (medusa/bench/split.py), printed; the
+    engine is let go before any server starts."""
+    import gc
+
+    import medusa
+    from medusa.bench.prompts import encode
+    from medusa.bench.split import split_lines, step_split
+
+    engine = medusa.load()
+    splits = step_split(engine, [encode(engine, p) for p in prompts[:8]])
+    print("\n".join(split_lines(splits)), flush=True)
+    del engine
+    gc.collect()
+    return [s.as_dict() for s in splits]
 
 
 def long_text(words: int) -> str:
@@ -86,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts, args.limit)
         levels = [int(c) for c in args.concurrency.split(",")]
         rows, texts = [], {}
+        if args.split:
+            rows.append({"split": step_split_rows(prompts)})
         for server in args.servers.split(","):
             url, model, proc = start(server, args.port, args.max_batch, args.model_name, 8 if args.soak else 256)
             try:
@@ -116,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.soak:
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "prompts": args.prompts}, indent=1))
-        return 0 if all(not row["soak"]["failures"] and row["soak"]["idle_after"] for row in rows) else 1
+        return 0 if all(not row["soak"]["failures"] and row["soak"]["idle_after"] for row in rows if "soak" in row) else 1
     first = {s: texts[(s, levels[0])] for s, _ in texts}
     for row in rows:  # the same answers at every concurrency, and as the first server's
         if "concurrency" not in row:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/ routes (default: ${KEY_VARIABLE} "
                    "if set, else no key)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded side by side (default: 8)")
+    p.add_argument("--kv-memory", type=float, metavar="GIB", help="memory the running requests' KV caches may take, "
+                   "in GiB; a request waits while its prompt and max_tokens would not fit beside theirs "
+                   "(default: half the memory available at start)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none, lowered to "
                    "what the context has left after its prompt (default: 256)")
@@ -69,13 +72,15 @@ def main(argv: list[str] | None = None) -> int:
             engine.proposer(args.mode)  # the engine's one-line error for a mode it cannot run
         server = Server(engine, args.served_model_name or served_name(args.model), api_key=key,
                         max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
-                        mode=args.mode, max_body=args.max_body, hosts=loopback_hosts(args.host, args.port))
+                        mode=args.mode, max_body=args.max_body, hosts=loopback_hosts(args.host, args.port),
+                        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30))
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"medusa: serving {server.model_name} (mode {args.mode or engine.default_mode}, batches of up to "
-          f"{args.max_batch}, {server.scheduler.row_budget} rows a pass) on http://{args.host}:{args.port}"
+          f"{args.max_batch}, {server.scheduler.row_budget} rows a pass, {server.scheduler.kv_memory / 2**30:.1f} GiB "
+          f"of KV cache) on http://{args.host}:{args.port}"
           + (" (API key required)" if key else ""), flush=True)
     if key is None and server.hosts is None:
         print(f"medusa: warning: no API key on {args.host}: anyone who can reach it can use it (set --api-key)",

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medusa.runtime import gemv
+from medusa.runtime import clock, gemv
 
 KERNELS = ("default", "onednn", "gemv")
 PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
@@ -241,7 +241,7 @@ def _packed_forward(layer: nn.Linear, bias: torch.Tensor | None, stock_above: in
     if torch.compiler.is_compiling():
         return torch.ops.medusa.packed_linear(x, layer.weight, bias)
     kind, packed = packed_copy(layer.weight)
-    return run_packed(kind, x, packed, layer.weight, bias)
+    return clock.charged("linears", run_packed, kind, x, packed, layer.weight, bias)
 
 
 def linear_layers(modules: list[nn.Module], kernels: str = "onednn") -> list[nn.Linear]:
@@ -299,7 +299,7 @@ class _Siblings:
         version = None if x.is_inference() else x._version  # inference tensors keep no version
         if self._input is not x or self._version != version or self._parts[index] is None:
             self._input, self._version = x, version
-            self._parts = list(self.product(x).split(self.sizes, -1))
+            self._parts = list(clock.charged("linears", self.product, x).split(self.sizes, -1))
         part, self._parts[index] = self._parts[index], None
         if all(p is None for p in self._parts):
             self._input = None

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from medusa.runtime import gemv, rows
+from medusa.runtime import clock, gemv, rows
 from medusa.runtime import hf as kv
 
 NAME = "medusa_packed"
@@ -143,7 +143,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     outs = []
     for segment, (k, v) in zip(pack.segments, pack.current[layer]):
         mask = segment.mask[kind] if isinstance(segment.mask, dict) else segment.mask
-        out, _ = function(module, query[:, :, segment.rows], k, v, mask, **kwargs)  # [1, n_i, H, D]
+        out, _ = clock.charged("attention", function, module, query[:, :, segment.rows], k, v, mask, **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=1), None
 

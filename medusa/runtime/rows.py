@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from medusa.runtime import gemv
+from medusa.runtime import clock, gemv
 from medusa.runtime import hf as kv
 
 NAME = "medusa_rows"
@@ -126,7 +126,7 @@ def rows_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     _, heads, rows, dim = query.shape
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     scale = scaling if scaling is not None else dim ** -0.5
-    done = gemv.library().medusa_rows_attention(
+    done = clock.charged("attention", gemv.library().medusa_rows_attention,
         query.data_ptr(), query.stride(1), query.stride(2), rows, heads, key.shape[1], dim, scale,
         ctypes.addressof(keys), ctypes.addressof(values), ctypes.addressof(strides),
         ctypes.addressof(strides) + 8 * n, plan.seg.data_ptr(), lo.data_ptr(), plan.hi.data_ptr(),

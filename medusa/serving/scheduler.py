@@ -4,7 +4,8 @@ Callers :meth:`Scheduler.submit` a request and read its :class:`Stream` (token c
 accepted, then the :class:`~medusa.decoding.generation.GenerationResult`); the scheduler thread
 alone touches the engine. Each turn of its loop
 
-1. admits waiting requests while fewer than ``max_batch`` run, and prefills one of them (a long
+1. admits waiting requests while fewer than ``max_batch`` run and their KV caches fit the KV
+   memory budget (each request counted at its prompt plus ``max_new_tokens``), and prefills one of them (a long
    prompt in the engine's chunks, ``Engine.prefill_chunk`` tokens, one a turn, so running streams
    keep going);
 2. runs one step of every running sequence, the engine's only step (:class:`~medusa.decoding.batch.Batch`:
@@ -34,6 +35,7 @@ from medusa.decoding.engine import Decoding, Engine
 from medusa.decoding.generation import Done, Event, Failed, GenerationResult, read
 from medusa.decoding.request import Request, Status, make_request
 from medusa.errors import MedusaError
+from medusa.runtime import hf as kv
 from medusa.serving.budget import knee, share_rows
 
 if TYPE_CHECKING:
@@ -108,13 +110,20 @@ class Scheduler:
 
     ``max_batch``: sequences decoding at once; ``max_queue``: requests waiting beyond those
     (more: :class:`Overloaded`); ``row_budget``: rows a batched pass verifies at most (None: from
-    the machine plan's pass costs, :func:`~medusa.serving.budget.knee`). Prompts are prefilled
+    the machine plan's pass costs, :func:`~medusa.serving.budget.knee`); ``kv_memory``: bytes the
+    running requests' KV caches may take (None: :func:`default_kv_memory`): a request waits
+    while the ones running would leave too little for its prompt and ``max_new_tokens`` (a
+    request alone always runs; its length was checked against the context window). Prompts are prefilled
     :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, kv_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        if kv_memory is not None and kv_memory < 1:
+            raise MedusaError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
+        self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
+        self.kv_per_token = kv_bytes_per_token(engine.model)
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.row_budget = row_budget or knee(engine.plan.pass_ms, engine.device.type)
@@ -179,6 +188,15 @@ class Scheduler:
     def _active(self) -> int:
         return len(self._batch)
 
+    def kv_need(self, run: Decoding) -> int:
+        """Bytes ``run``'s KV cache may reach: its prompt and ``max_new_tokens`` (and a step's draft)."""
+        return self.kv_per_token * (len(run.request.prompt) + run.request.max_new_tokens + 64)
+
+    def _fits(self, stream: Stream) -> bool:
+        """Whether ``stream`` may start now: alone always; beside others if every one's KV fits."""
+        running = [r for r, _ in self._batch.prefilling] + self._batch.running
+        return not running or sum(map(self.kv_need, running)) + self.kv_need(stream.run) <= self.kv_memory
+
     # -- the scheduler thread -------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -187,7 +205,7 @@ class Scheduler:
                     self._wake.wait()
                 if self._closing and not (self._waiting or self._batch):
                     return
-                while self._waiting and self._active() < self.max_batch:
+                while self._waiting and self._active() < self.max_batch and self._fits(self._waiting[0]):
                     stream = self._waiting.popleft()
                     if not self._finish_if_cancelled(stream):
                         self._streams[stream.run] = stream
@@ -290,6 +308,25 @@ class Scheduler:
         fixed = [not r.sampling.greedy for r in running]
         shares = share_rows(wanted, fixed, budget, offset=self.steps)
         return [None if f else n for n, f in zip(shares, fixed)]
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one position of ``model``'s KV cache takes: keys and values of every layer."""
+    config = kv.text_config(model)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * dim * model.dtype.itemsize
+
+
+def default_kv_memory(fraction: float = 0.5) -> int:
+    """Half the memory available now (``MemAvailable``), or 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return int(fraction * kib * 1024)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 4 << 30
 
 
 def _no_drafts(running: list[Decoding]) -> list[int | None]:
