@@ -2,6 +2,7 @@
 
     python scripts/profile_pass.py [--model M] [--rows 1,16] [--prefix 200] [--reps 30] [--json OUT]
     python scripts/profile_pass.py --prefix 256,1024,2048,4096,8192 --rows 1,8,16 --no-engine   # by context
+    python scripts/profile_pass.py ... --attention model   # the model's own masked attention instead
 
 For each pass size (a one-token pass is plain decoding's whole step; 16 rows a tree), the pass
 runs the way the engine runs it eagerly (the machine plan's dtype and linear kernels, its KV
@@ -39,6 +40,8 @@ import medusa
 from medusa.config import HelpFormatter, count
 from medusa.decoding.passes.strategies import kernel_scope
 from medusa.runtime import hf as kv
+from medusa.runtime import packed
+from medusa.runtime import rows as rows_kernel
 from medusa.runtime.kernels import kernels_arg
 
 CLASSES = ("vocabulary projection", "linear layers", "attention", "KV cache writes", "norms, rotary, elementwise",
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=count(8), default=64, help="tokens per generation for the engine rows")
     ap.add_argument("--compiled", action="store_true", help="also time plain decoding with compiled passes")
     ap.add_argument("--no-engine", action="store_true", help="skip timing the engine's plain decoding")
+    ap.add_argument("--attention", choices=("engine", "model"), default="engine",
+                    help="engine: the passes' attention as the engine runs it (one call per layer for every row in "
+                         "float32 on a CPU, medusa/runtime/rows.py); model: the model's own masked attention")
     ap.add_argument("--json", default=None, help="also write the results as JSON here (default: printed only)")
     return ap
 
@@ -113,11 +119,21 @@ def classify(name: str, shapes: list, vocab: int) -> str:
     return "norms, rotary, elementwise"
 
 
-def one_pass(model, cache, prefix: int, rows: int):
+def one_pass(model, cache, prefix: int, rows: int, one_call: bool = False):
     """A pass of ``rows`` new tokens after ``prefix`` cached ones (a chain: causal mask), then
-    the cache cut back, as the engine does after verification."""
+    the cache cut back, as the engine does after verification. ``one_call``: attention as the
+    engine runs it in float32 on a CPU (one call per layer, medusa/runtime/rows.py)."""
     ids = torch.randint(100, 10000, (1, rows))
     positions = torch.arange(prefix, prefix + rows)[None]
+    if one_call:
+        chain = torch.ones(rows, rows, dtype=torch.bool).tril_()
+        layout = rows_kernel.layout_for(model, [(prefix, chain, torch.arange(rows))])
+
+        def run_one_call():
+            segment = packed.Segment(cache, slice(0, rows), None)
+            packed.forward(model, ids, positions, [segment], layout=layout, starts=[prefix])
+            kv.crop(cache, prefix)
+        return run_one_call
     mask = None if rows == 1 else kv.causal_mask(model, prefix, rows, model.dtype, ids.device)
 
     def run():
@@ -126,9 +142,10 @@ def one_pass(model, cache, prefix: int, rows: int):
     return run
 
 
-def profile_size(model, cache, prefix: int, rows: int, reps: int) -> dict:
-    """Wall time and the profiler's self time per class for passes of ``rows`` rows."""
-    run = one_pass(model, cache, prefix, rows)
+def profile_size(model, cache, prefix: int, rows: int, reps: int, one_call: bool = False) -> dict:
+    """Wall time and the profiler's self time per class for passes of ``rows`` rows (the one-call
+    attention is a C call, not a torch op: the profiler counts it as Python and dispatch)."""
+    run = one_pass(model, cache, prefix, rows, one_call)
     for _ in range(3):
         run()
     wall = statistics.median(_seconds(run) for _ in range(reps))
@@ -213,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.prefix) + max(int(r) for r in args.rows.split(",")) > longest:
         raise SystemExit(f"--prefix {max(args.prefix)} plus the rows is past the model's {longest} positions: "
                          "give shorter prefixes")
+    one_call = args.attention == "engine" and engine.passes.one_call
+    result["machine"]["attention"] = "one call per layer" if one_call else "the model's"
     with torch.inference_mode(), kernel_scope(model, engine.plan.kernels):
         for prefix in args.prefix:
             cache = kv.new_cache()
             kv.forward(model, torch.randint(100, 10000, (1, prefix)), torch.arange(prefix)[None], cache, None,
                        logits_rows=slice(-1, None))
-            passes = [profile_size(model, cache, prefix, int(r), args.reps) for r in args.rows.split(",")]
+            passes = [profile_size(model, cache, prefix, int(r), args.reps, one_call) for r in args.rows.split(",")]
             result["by_prefix"].append({"prefix": prefix, "passes": passes,
                                         "bytes": {**weight_bytes(model), "attention": kv_bytes(model, prefix)}})
             del cache
