@@ -43,6 +43,7 @@ from medusa.runtime import hf as kv
 from medusa.runtime import packed
 from medusa.runtime import rows as rows_kernel
 from medusa.runtime.kernels import kernels_arg
+from medusa.serving.scheduler import kv_bytes_per_token
 
 CLASSES = ("vocabulary projection", "linear layers", "attention", "KV cache writes", "norms, rotary, elementwise",
            "Python and dispatch")
@@ -163,10 +164,7 @@ def profile_size(model, cache, prefix: int, rows: int, reps: int, one_call: bool
 
 def kv_bytes(model, prefix: int) -> int:
     """Bytes of keys and values attention reads over ``prefix`` cached tokens."""
-    cfg = kv.text_config(model)
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * prefix * dim * model.dtype.itemsize
+    return prefix * kv_bytes_per_token(model)
 
 
 def engine_ms_per_token(engine, new_tokens: int, reps: int = 3) -> float:

@@ -71,7 +71,7 @@ class PackedCache(Cache):
     """The cache a packed pass hands the model: each layer's ``update`` goes to the segments'
     own caches; ``current[layer]`` keeps what each returned (``[1, Hkv, L_i, D]``) for
     :func:`packed_attention`. With ``starts`` (each segment's cached length) and buffered caches
-    (:func:`medusa.runtime.hf.buffers`), a layer's rows are written with one C call for all
+    (:func:`buffers`), a layer's rows are written with one C call for all
     segments and ``current`` holds the whole buffers (the one-call attention reads positions
     from its layout); :meth:`finish` then sets each cache's length."""
 
@@ -98,7 +98,7 @@ class PackedCache(Cache):
             return key_states, value_states  # unread: the attention reads ``current``
         pairs = [b[layer_idx] for b in self.buffers]
         n = len(pairs)
-        k, v = key_states.float(), value_states.float()
+        k, v = key_states, value_states  # float32: the one-call path runs float32 passes only
         if k.stride() != v.stride() or k.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
         dst = (ctypes.c_int64 * (4 * n))(*(b.data_ptr() for b, _ in pairs), *(c.data_ptr() for _, c in pairs),

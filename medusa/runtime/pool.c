@@ -51,7 +51,6 @@ static medusa_task job_fn;
 static void* job_ctx;
 static int started;             /* workers running */
 static int forked;              /* in a fork's child: OpenMP's threads are gone, its regions hang */
-static int use_openmp;          /* medusa_pool_openmp(1): every job on OpenMP (for measuring the pool) */
 
 static inline uint32_t gen_of(uint64_t w) { return (uint32_t)(w >> 32); }
 
@@ -103,8 +102,6 @@ static void forked_child(void) { /* the child has none of the parent's threads *
 
 __attribute__((constructor)) static void watch_forks(void) { pthread_atfork(0, 0, forked_child); }
 
-void medusa_pool_openmp(int on) { use_openmp = on; }
-
 void medusa_parallel_large(int tasks, int threads, medusa_task fn, void* ctx);
 
 static int initial_thread(void) { /* the process's first thread, where OpenMP costs least */
@@ -115,7 +112,7 @@ static int initial_thread(void) { /* the process's first thread, where OpenMP co
 
 void medusa_parallel(int tasks, int threads, medusa_task fn, void* ctx) {
   if (tasks <= 0) return;
-  if ((use_openmp || initial_thread()) && !forked) { /* torch's own team: no second pool spinning beside it */
+  if (initial_thread() && !forked) { /* torch's own team: no second pool spinning beside it */
     medusa_parallel_large(tasks, threads, fn, ctx);
     return;
   }

@@ -80,6 +80,14 @@ def layout_for(model: PreTrainedModel, items: list[tuple[int, torch.Tensor, torc
     return layout(items, getattr(config, "sliding_window", None), getattr(config, "layer_types", None))
 
 
+def attention_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """``model``'s query heads, KV heads and head size."""
+    config = kv.text_config(model)
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, (getattr(config, "head_dim", None)
+                                                                           or config.hidden_size // heads)
+
+
 def supported(model: PreTrainedModel) -> str | None:
     """None where this module runs ``model``'s passes, else why not (one line)."""
     config = kv.text_config(model)
@@ -90,8 +98,7 @@ def supported(model: PreTrainedModel) -> str | None:
         return "the model softcaps or chunks its attention scores"
     if any("sinks" in name for name, _ in model.named_parameters()):
         return "the model's attention has sink logits"
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, dim = attention_shape(model)
     reason = gemv.unavailable_reason()
     if reason is not None:
         return reason

@@ -36,6 +36,7 @@ from medusa.decoding.generation import Done, Event, Failed, GenerationResult, re
 from medusa.decoding.request import Request, Status, make_request
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
+from medusa.runtime.rows import attention_shape
 from medusa.serving.budget import knee, share_rows
 
 if TYPE_CHECKING:
@@ -312,11 +313,8 @@ class Scheduler:
 
 def kv_bytes_per_token(model) -> int:
     """Bytes one position of ``model``'s KV cache takes: keys and values of every layer."""
-    config = kv.text_config(model)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * dim * model.dtype.itemsize
+    _, kv_heads, dim = attention_shape(model)
+    return 2 * kv.text_config(model).num_hidden_layers * kv_heads * dim * model.dtype.itemsize
 
 
 def default_kv_memory(fraction: float = 0.5) -> int:
