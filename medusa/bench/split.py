@@ -1,6 +1,7 @@
 """Where a decoding step's time goes, at one sequence and at several: the linear layers (the
-engine's packed kernels), attention, and everything else (norms, rotary, residuals, sampling,
-acceptance, bookkeeping: what fusing or compiling would remove). Plain decoding, so every
+engine's packed kernels), attention, whole one-call passes (medusa/runtime/native.py: the
+decoder's products, attention and small operations in one C call), and everything else (the
+module path's norms, rotary, residuals; sampling, acceptance, bookkeeping). Plain decoding, so every
 sequence has one row and the split is the step's own, not the drafter's."""
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class Split:
     step_ms: float
     linears_ms: float
     attention_ms: float
+    native_ms: float = 0.0
 
     @property
     def other_ms(self) -> float:
-        return max(0.0, self.step_ms - self.linears_ms - self.attention_ms)
+        return max(0.0, self.step_ms - self.linears_ms - self.attention_ms - self.native_ms)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "other_ms": self.other_ms}
@@ -55,16 +57,16 @@ def step_split(engine, prompts: list[list[int]], batches: tuple[int, ...] = (1, 
                     batch.step()
                 seconds = time.perf_counter() - t0
         out.append(Split(size, steps, 1e3 * seconds / steps, 1e3 * totals["linears"] / steps,
-                         1e3 * totals["attention"] / steps))
+                         1e3 * totals["attention"] / steps, 1e3 * totals["native"] / steps))
     return out
 
 
 def split_lines(splits: list[Split]) -> list[str]:
     """The split as lines of text: per batch size the step and its parts, and each size against one."""
-    lines = ["step split (plain decoding, ms per step): sequences | step | linears | attention | other"]
+    lines = ["step split (plain decoding, ms per step): sequences | step | linears | attention | one-call pass | other"]
     for s in splits:
         lines.append(f"  {s.batch:>2} | {s.step_ms:6.1f} | {s.linears_ms:6.1f} | {s.attention_ms:5.1f} | "
-                     f"{s.other_ms:5.1f}")
+                     f"{s.native_ms:6.1f} | {s.other_ms:5.1f}")
     if len(splits) > 1 and splits[0].batch == 1:
         lines += [f"  {s.batch} sequences' step = {s.step_ms / splits[0].step_ms:.2f}x one sequence's"
                   for s in splits[1:]]

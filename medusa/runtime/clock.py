@@ -2,7 +2,9 @@
 
 ``with counting() as totals:`` adds to ``totals["linears"]`` the seconds spent in the engine's
 packed linear kernels (gemv or oneDNN; torch's own ``F.linear`` is not counted) and to
-``totals["attention"]`` those in attention (the one-call kernel, or the per-sequence fallback);
+``totals["attention"]`` those in attention (the one-call kernel, or the per-sequence fallback) and
+to ``totals["native"]`` those in whole one-call passes (medusa/runtime/native.py: products,
+attention and the small operations together);
 everything else in a step (norms, rotary, residuals, sampling, acceptance, bookkeeping) is the
 rest (:mod:`medusa.bench.split` reports the three). Outside ``counting`` a kernel call pays one
 attribute check.
@@ -19,9 +21,9 @@ _totals: dict[str, float] | None = None
 
 @contextlib.contextmanager
 def counting() -> Iterator[dict[str, float]]:
-    """Count kernel time into the yielded dict (``linears``, ``attention``: seconds) until exit."""
+    """Count kernel time into the yielded dict (``linears``, ``attention``, ``native``: seconds) until exit."""
     global _totals
-    outer, _totals = _totals, {"linears": 0.0, "attention": 0.0}
+    outer, _totals = _totals, {"linears": 0.0, "attention": 0.0, "native": 0.0}
     try:
         yield _totals
     finally:

@@ -40,7 +40,9 @@ from medusa.runtime.files import atomic_file, cache_root
 log = logging.getLogger("medusa.kernels")
 
 SOURCE = Path(__file__).with_name("gemv.c")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.c", "pool.c")))  # one library, its own threads
+# one library, its own threads; HEADERS are part of the build's key
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.c", "decoder.c", "pool.c")))
+HEADERS = (Path(__file__).with_name("vec.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 PROFILER_NAME = "medusa::gemv"
@@ -76,7 +78,7 @@ def _version(cc: str) -> str:
 
 def library_path(cc: str) -> Path:
     """Where the library built by ``cc`` for this CPU lives in the cache."""
-    key = hashlib.sha256(b"\0".join(x.encode() for x in (*(s.read_text() for s in SOURCES), " ".join(FLAGS), _version(cc),
+    key = hashlib.sha256(b"\0".join(x.encode() for x in (*(s.read_text() for s in (*SOURCES, *HEADERS)), " ".join(FLAGS), _version(cc),
                                                          _cpu_flags()))).hexdigest()[:16]
     return cache_root() / "kernels" / f"gemv-{key}.so"
 
@@ -113,6 +115,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_write_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                       ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7]
     lib.medusa_write_rows.restype = None
+    lib.medusa_decoder.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 3, *[ctypes.c_void_p] * 3, ctypes.c_float,
+                                   ctypes.c_float, *[ctypes.c_void_p] * 10, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_decoder.restype = ctypes.c_int
+    lib.medusa_decoder_fields.restype = ctypes.c_int
     _check(lib)
     return lib
 

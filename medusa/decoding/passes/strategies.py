@@ -31,7 +31,7 @@ from medusa.decoding.passes.saved import SavedPasses, example_pass
 from medusa.decoding.state import Proposal
 from medusa.errors import MedusaError
 from medusa.models.target import context_window
-from medusa.runtime import gemv, packed, rows
+from medusa.runtime import gemv, native, packed, rows
 from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
@@ -172,6 +172,8 @@ class PassStrategy:
         self.forward: Callable = kv.forward
         # every verification row's attention in one call per layer (medusa/runtime/rows.py): eager float32 CPU
         self.one_call = not self.static and rows.supported(model) is None
+        if self.one_call and native.supported(model) is None:  # whole passes in one C call (gemv kernels)
+            self.forward = native.forward
 
     def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
         """The strategy one generation runs on (``sizes()``: the pass sizes its proposer uses)."""

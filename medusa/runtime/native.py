@@ -1,0 +1,182 @@
+"""A decoding pass of a Llama-style target in one C call (``decoder.c``), on the model's own weights.
+
+Why: with the products on the gemv kernels and attention in one call per layer, a one-token pass
+of the embedded model still spent ~11 ms of its ~26 in the decoder's small operations - the
+norms, the rotary embedding, the residual adds, the activation - and in the Python module calls
+around them (docs/performance.md#one-call-passes). Here every layer of a pass runs inside one
+call: the same weights (the packed copies :class:`~medusa.runtime.kernels.PackedLinears` holds
+while entered), the same caches and the same attention kernel (:mod:`medusa.runtime.rows`); the
+cos/sin of the rotary embedding come from the model's own module, and the vocabulary projection
+stays the model's (:func:`medusa.runtime.hf.lm_logits`).
+
+Where: verification passes (packed or alone) of float32 Llama, Qwen2 and Mistral decoders on a
+CPU whose linear layers run the gemv kernels for every row count (``kernels="gemv"``), with the
+one-call attention's layout (:func:`supported`; :class:`~medusa.decoding.passes.strategies.PassStrategy`
+decides). Anything else - prompts, other architectures, half precision, other kernels - runs
+:func:`medusa.runtime.hf.forward`.
+
+Exactness: each row is computed from its own values in a fixed order (decoder.c), so a row's bits
+are the same alone, in a tree or beside other sequences, as with the module path; the two paths
+round the small operations differently (within float32 rounding), so a generation runs one of
+them for all its decoding passes (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa.runtime import clock, gemv, rows
+from medusa.runtime import hf as kv
+from medusa.runtime.kernels import packed_copy
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+LO, FEATURE, FIELDS = 10, 11, 12  # decoder.c's table: the layout's lo and the feature slot of each layer
+_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def supported(model: PreTrainedModel) -> str | None:
+    """None where :func:`forward` runs ``model``'s decoding passes in one call, else why not (one line).
+    ``MEDUSA_ONE_CALL_PASSES=0`` in the environment turns them off (to compare with the module path)."""
+    if os.environ.get("MEDUSA_ONE_CALL_PASSES", "1") == "0":
+        return "MEDUSA_ONE_CALL_PASSES=0: the model's modules run every pass"
+    config = kv.text_config(model)
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"a {getattr(config, 'model_type', '?')} decoder: one-call passes run {', '.join(ARCHITECTURES)}"
+    reason = rows.supported(model)
+    if reason is not None:
+        return reason
+    if getattr(config, "hidden_act", None) != "silu" or config.hidden_size % gemv.library().medusa_attention_lanes():
+        return f"a {config.hidden_act} MLP over {config.hidden_size} features: not a shape the one-call pass takes"
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, decoder.norm)
+        if any(type(n).__name__ not in _NORMS for n in norms) or hasattr(attn, "q_norm"):
+            return "the decoder's norms are not the Llama-style RMSNorm"
+        if not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "the attention's projections are not linear layers"
+        if not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+            return "the MLP's projections are not linear layers"
+    return None
+
+
+def _stacked(layer: nn.Linear):
+    """The stacked product (q/k/v or gate/up) a live PackedLinears runs ``layer`` in, if gemv for every row count."""
+    forward = layer.__dict__.get("forward")
+    siblings = getattr(getattr(forward, "func", None), "__self__", None)
+    if siblings is None or getattr(siblings, "kind", None) != "gemv" or siblings.max_rows or siblings.stock_rows:
+        return None
+    return siblings
+
+
+def _single(layer: nn.Linear) -> torch.Tensor | None:
+    """``layer``'s packed gemv weight, if a live PackedLinears runs it by gemv for every row count."""
+    forward = layer.__dict__.get("forward")
+    args = getattr(forward, "args", ())
+    if len(args) != 4 or args[0] is not layer or args[2] is not None or args[3] is not None:
+        return None
+    kind, packed = packed_copy(layer.weight)
+    return packed if kind == "gemv" else None
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _Table:
+    """Each layer's weight addresses (decoder.c's table) for the packed copies live now."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        decoder = model.get_decoder()
+        if gemv.library().medusa_decoder_fields() != FIELDS:
+            raise LookupError("the kernel library's decoder table is not this module's")
+        self.keep, self.key, values = [], [], []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = _stacked(attn.q_proj), _stacked(mlp.gate_proj)
+            o, down = _single(attn.o_proj), _single(mlp.down_proj)
+            if qkv is None or gate_up is None or o is None or down is None or qkv.layers[0] is not attn.q_proj \
+                    or gate_up.layers[0] is not mlp.gate_proj:
+                raise LookupError("the decoder's layers are not all on live gemv packed copies")
+            self.keep += [qkv, gate_up, o, down]
+            self.key += [id(qkv), id(gate_up), o.data_ptr(), down.data_ptr()]
+            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   qkv.packed.data_ptr(), _address(qkv.bias), o.data_ptr(), _address(attn.o_proj.bias),
+                   gate_up.packed.data_ptr(), _address(gate_up.bias), down.data_ptr(), _address(mlp.down_proj.bias),
+                   0, -1]
+            values.append(row)
+        self.rows = torch.tensor(values, dtype=torch.int64)  # [layers, fields]
+
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _table(model: PreTrainedModel) -> _Table | None:
+    decoder = model.get_decoder()
+    first, last = decoder.layers[0], decoder.layers[-1]
+    # the live PackedLinears' own forwards (held, so never confused with a later one's)
+    probe = (first.self_attn.q_proj.__dict__.get("forward"), last.mlp.down_proj.__dict__.get("forward"))
+    held = _tables.get(model)
+    if held is not None and held[0][0] is probe[0] and held[0][1] is probe[1]:
+        return held[1]
+    try:
+        table = _Table(model)
+    except (LookupError, RuntimeError):  # not entered, or another kernel: the module path
+        return None
+    _tables[model] = (probe, table)
+    return table
+
+
+def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+            attention_mask, logits_rows: torch.Tensor | slice | None = None, cache_arg: str | None = None,
+            layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`medusa.runtime.hf.forward`'s signature and results. A packed pass with the one-call
+    attention's layout (:func:`medusa.runtime.packed.forward`) on gemv packed copies runs in one
+    C call; any other pass goes to :func:`medusa.runtime.hf.forward`."""
+    layout = rows._active.layout
+    buffers = getattr(cache, "buffers", None)
+    table = _table(model) if layout is not None and buffers is not None else None
+    config = kv.text_config(model)
+    if table is None or (layers is not None and max(layers) >= config.num_hidden_layers):
+        return kv.forward(model, input_ids, position_ids, cache, attention_mask, logits_rows, cache_arg, layers)
+    return _run(model, table, input_ids, position_ids, cache, layout, buffers, config, logits_rows, layers)
+
+
+def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, config, logits_rows, layers):
+    decoder = model.get_decoder()
+    x = decoder.embed_tokens(input_ids)[0].contiguous()  # [R, H], written in place
+    cos, sin = decoder.rotary_emb(x[None], position_ids)
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    R, H = x.shape
+    heads, kv_heads, dim = rows.attention_shape(model)
+    n, count = len(buffers), config.num_hidden_layers
+    entries = table.rows.clone()
+    types = getattr(config, "layer_types", None)
+    los = [layout.lo if not isinstance(layout.lo, dict) else layout.lo[types[i]] for i in range(count)]
+    entries[:, LO] = torch.tensor([lo.data_ptr() for lo in los])
+    feats = None
+    if layers is not None:
+        feats = torch.empty(R, len(layers) * H, dtype=torch.float32)
+        entries[list(layers), FEATURE] = torch.arange(len(layers))
+    caches = torch.tensor([[*(b[i][0].data_ptr() for b in buffers), *(b[i][1].data_ptr() for b in buffers),
+                            *(b[i][0].stride(1) for b in buffers), *(b[i][0].stride(2) for b in buffers)]
+                           for i in range(count)], dtype=torch.int64)
+    dims = torch.tensor([heads, kv_heads, dim, config.intermediate_size, n], dtype=torch.int32)
+    out = torch.empty(R, H, dtype=torch.float32)
+    attn = decoder.layers[0].self_attn
+    done = clock.charged(
+        "native", gemv.library().medusa_decoder, x.data_ptr(), R, H, count, entries.data_ptr(), caches.data_ptr(), dims.data_ptr(),
+        decoder.norm.variance_epsilon, getattr(attn, "scaling", dim ** -0.5), cos.data_ptr(), sin.data_ptr(),
+        pack._row0, pack._rows, pack._start, layout.seg.data_ptr(), layout.hi.data_ptr(), layout.start.data_ptr(),
+        layout.extra.data_ptr(), _address(feats), 0 if layers is None else len(layers), decoder.norm.weight.data_ptr(),
+        out.data_ptr(), torch.get_num_threads())
+    if done != 0:
+        raise ValueError(f"the one-call pass does not take head size {dim} with {heads} heads")
+    rows_out = out if logits_rows is None else out[logits_rows]
+    logits = kv.lm_logits(model, rows_out).float()
+    return logits, (out if feats is None else feats)
