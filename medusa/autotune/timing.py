@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.tree import compile_tree
 from medusa.runtime import hf as kv
+from medusa.runtime import native, packed, rows
 
 
 @torch.inference_mode()
@@ -60,6 +61,8 @@ def _pass_timer(model: PreTrainedModel, scope: contextlib.AbstractContextManager
     mask = kv.causal_mask(model, 0, prefix, model.dtype, device, width) if static else None
     with scope:
         kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, mask, logits_rows=slice(-1, None))
+    one_call = not static and rows.supported(model) is None
+    through = native.forward if one_call and native.supported(model) is None else kv.forward
     setups = {}
     for n in sizes:
         tree = compile_tree([(i,) for i in range(n - 1)]).to(device)
@@ -71,11 +74,14 @@ def _pass_timer(model: PreTrainedModel, scope: contextlib.AbstractContextManager
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            if static or n > 1:
-                mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype, width)
+            if one_call:  # as the engine's dynamic-cache passes run (PassStrategy._packed)
+                layout = rows.layout_for(model, [(prefix, tree.ancestor, tree.depth)])
+                logits, _ = packed.forward(model, tokens, positions, [packed.Segment(cache, slice(0, n), None)],
+                                           layout=layout, through=through, starts=[prefix])
             else:
-                mask = None
-            logits, _ = forward(model, tokens, positions, cache, mask)
+                mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype, width) \
+                    if static or n > 1 else None
+                logits, _ = forward(model, tokens, positions, cache, mask)
             logits.argmax(-1).tolist()  # the step's host sync
             seconds = time.perf_counter() - t0
             kv.crop(cache, prefix)
