@@ -143,7 +143,7 @@ def crop(cache: Cache, length: int) -> None:
         if isinstance(layer, StaticLayer):
             with torch.inference_mode():  # the counter may be an inference tensor
                 layer.cumulative_length.fill_(length)
-        else:
+        elif layer.keys.shape[-2] != length:  # most steps keep every row they verified: nothing to cut
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
 

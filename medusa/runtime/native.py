@@ -111,6 +111,14 @@ class _Table:
                    0, -1]
             values.append(row)
         self.rows = torch.tensor(values, dtype=torch.int64)  # [layers, fields]
+        # what every pass reads, looked up once (a transformers config attribute costs microseconds)
+        config = kv.text_config(model)
+        self.decoder, self.count = decoder, len(decoder.layers)
+        self.types = getattr(config, "layer_types", None)
+        heads, kv_heads, self.dim = rows.attention_shape(model)
+        self.shape = (heads, kv_heads, self.dim, config.intermediate_size)
+        self.eps = decoder.norm.variance_epsilon
+        self.scale = getattr(decoder.layers[0].self_attn, "scaling", self.dim ** -0.5)
 
 
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -132,6 +140,18 @@ def _table(model: PreTrainedModel) -> _Table | None:
     return table
 
 
+def _addresses(cache, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``[layers, 4]``: each layer's key and value buffer addresses, head and position strides;
+    kept on ``cache`` until a buffer moves (they grow by doubling: rarely)."""
+    key = (buffers[0][0].shape, *(k.data_ptr() for k, _ in buffers))  # a regrown buffer moves
+    held = getattr(cache, "_medusa_addresses", None)
+    if held is not None and held[0] == key:
+        return held[1]
+    table = torch.tensor([[k.data_ptr(), v.data_ptr(), k.stride(1), k.stride(2)] for k, v in buffers], dtype=torch.int64)
+    cache._medusa_addresses = (key, table)
+    return table
+
+
 def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
             attention_mask, logits_rows: torch.Tensor | slice | None = None, cache_arg: str | None = None,
             layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,42 +161,38 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch
     layout = rows._active.layout
     buffers = getattr(cache, "buffers", None)
     table = _table(model) if layout is not None and buffers is not None else None
-    config = kv.text_config(model)
-    if table is None or (layers is not None and max(layers) >= config.num_hidden_layers):
+    if table is None or (layers is not None and max(layers) >= table.count):
         return kv.forward(model, input_ids, position_ids, cache, attention_mask, logits_rows, cache_arg, layers)
-    return _run(model, table, input_ids, position_ids, cache, layout, buffers, config, logits_rows, layers)
+    return _run(model, table, input_ids, position_ids, cache, layout, buffers, logits_rows, layers)
 
 
-def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, config, logits_rows, layers):
-    decoder = model.get_decoder()
+def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, logits_rows, layers):
+    decoder = table.decoder
     x = decoder.embed_tokens(input_ids)[0].contiguous()  # [R, H], written in place
     cos, sin = decoder.rotary_emb(x[None], position_ids)
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     R, H = x.shape
-    heads, kv_heads, dim = rows.attention_shape(model)
-    n, count = len(buffers), config.num_hidden_layers
     entries = table.rows.clone()
-    types = getattr(config, "layer_types", None)
-    los = [layout.lo if not isinstance(layout.lo, dict) else layout.lo[types[i]] for i in range(count)]
-    entries[:, LO] = torch.tensor([lo.data_ptr() for lo in los])
+    if isinstance(layout.lo, dict):  # sliding-window layers see less than full ones
+        entries[:, LO] = torch.tensor([layout.lo[t].data_ptr() for t in table.types])
+    else:
+        entries[:, LO] = layout.lo.data_ptr()
     feats = None
     if layers is not None:
         feats = torch.empty(R, len(layers) * H, dtype=torch.float32)
         entries[list(layers), FEATURE] = torch.arange(len(layers))
-    caches = torch.tensor([[*(b[i][0].data_ptr() for b in buffers), *(b[i][1].data_ptr() for b in buffers),
-                            *(b[i][0].stride(1) for b in buffers), *(b[i][0].stride(2) for b in buffers)]
-                           for i in range(count)], dtype=torch.int64)
-    dims = torch.tensor([heads, kv_heads, dim, config.intermediate_size, n], dtype=torch.int32)
+    # [layers, 4, sequences]: each sequence's key and value buffers and their strides, layer by layer
+    caches = torch.stack([_addresses(s.cache, b) for s, b in zip(pack.segments, buffers)], dim=-1)
+    dims = torch.tensor([*table.shape, len(buffers)], dtype=torch.int32)
     out = torch.empty(R, H, dtype=torch.float32)
-    attn = decoder.layers[0].self_attn
     done = clock.charged(
-        "native", gemv.library().medusa_decoder, x.data_ptr(), R, H, count, entries.data_ptr(), caches.data_ptr(), dims.data_ptr(),
-        decoder.norm.variance_epsilon, getattr(attn, "scaling", dim ** -0.5), cos.data_ptr(), sin.data_ptr(),
-        pack._row0, pack._rows, pack._start, layout.seg.data_ptr(), layout.hi.data_ptr(), layout.start.data_ptr(),
+        "native", gemv.library().medusa_decoder, x.data_ptr(), R, H, table.count, entries.data_ptr(),
+        caches.data_ptr(), dims.data_ptr(), table.eps, table.scale, cos.data_ptr(), sin.data_ptr(), pack._row0,
+        pack._rows, pack._start, layout.seg.data_ptr(), layout.hi.data_ptr(), layout.start.data_ptr(),
         layout.extra.data_ptr(), _address(feats), 0 if layers is None else len(layers), decoder.norm.weight.data_ptr(),
         out.data_ptr(), torch.get_num_threads())
     if done != 0:
-        raise ValueError(f"the one-call pass does not take head size {dim} with {heads} heads")
+        raise ValueError(f"the one-call pass does not take head size {table.dim} with {table.shape[0]} heads")
     rows_out = out if logits_rows is None else out[logits_rows]
     logits = kv.lm_logits(model, rows_out).float()
     return logits, (out if feats is None else feats)
