@@ -117,6 +117,8 @@ def test_decoding_on_one_call_passes_is_the_targets_greedy_alone_and_batched(mod
              "hybrid@eagle3": lambda: init_eagle3_for(model, 3)}.get(mode, lambda: None)()
     eng = Engine(model, heads=heads, plan=Plan(kernels="gemv"))
     assert eng.passes.forward is native.forward
+    assert any("one C call" in line for line in eng.describe())
+    assert any("modules" in line for line in Engine(model).describe())  # torch's kernels: the modules run
     run = mode.split("@")[0]
     prompts = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7, list(range(10, 40))]
     with clock.counting() as totals:

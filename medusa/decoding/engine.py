@@ -133,7 +133,7 @@ class Engine:
     def describe(self) -> list[str]:
         """What this engine runs with and why: one line per decision of its plan (what was
         picked, why, and what measuring it cost here), its passes and its default mode."""
-        return [*self.plan.describe(), f"passes      {self.passes.name}: {self.passes.reason}",
+        return [*self.plan.describe(), f"passes      {self.passes.name}: {self.passes.reason}; {self.passes.runs}",
                 f"mode        {self.default_mode} when none is named"]
 
     def kernel_scope(self):

@@ -175,6 +175,15 @@ class PassStrategy:
         if self.one_call and native.supported(model) is None:  # whole passes in one C call (gemv kernels)
             self.forward = native.forward
 
+    @property
+    def runs(self) -> str:
+        """How its decoding passes run, in words (``Engine.describe``)."""
+        if self.forward is native.forward and self.kernels == "gemv":
+            return "each decoding pass one C call (medusa/runtime/native.py)"
+        if self.one_call:
+            return "the model's modules, attention in one call per layer"
+        return "the model's modules"
+
     def for_generation(self, sizes: Callable[[], list[int]]) -> PassStrategy:
         """The strategy one generation runs on (``sizes()``: the pass sizes its proposer uses)."""
         return self
