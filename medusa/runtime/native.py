@@ -95,7 +95,7 @@ class _Table:
         decoder = model.get_decoder()
         if gemv.library().medusa_decoder_fields() != FIELDS:
             raise LookupError("the kernel library's decoder table is not this module's")
-        self.keep, self.key, values = [], [], []
+        self.keep, values = [], []  # keep: the packed copies this table points into
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = _stacked(attn.q_proj), _stacked(mlp.gate_proj)
@@ -104,7 +104,6 @@ class _Table:
                     or gate_up.layers[0] is not mlp.gate_proj:
                 raise LookupError("the decoder's layers are not all on live gemv packed copies")
             self.keep += [qkv, gate_up, o, down]
-            self.key += [id(qkv), id(gate_up), o.data_ptr(), down.data_ptr()]
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                    qkv.packed.data_ptr(), _address(qkv.bias), o.data_ptr(), _address(attn.o_proj.bias),
                    gate_up.packed.data_ptr(), _address(gate_up.bias), down.data_ptr(), _address(mlp.down_proj.bias),
