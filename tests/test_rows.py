@@ -129,3 +129,27 @@ def test_one_write_per_layer_leaves_each_cache_as_its_own_update_would():
         for a, b in zip(fast.layers, slow.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert kv.cache_length(caches[True][0]) == 260
+
+
+def test_rows_over_several_key_chunks_match_and_keep_their_bits():
+    """A long context splits each row's key list into chunks of 512 keys merged in order
+    (attention.c): past 1,022 cached tokens the tree's rows straddle two chunk boundaries, some
+    inside their extra ancestors. They equal torch's masked attention to float32 rounding, and a
+    row's bits are the same alone, beside a short sequence, and as the later one-token pass."""
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ancestor, depth = tree(PARENT)
+    tokens = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        masked = run(model, [(prefilled(model, 1022, 0), 1022, ancestor, depth)], tokens[:6], False)
+        with PackedLinears(model, kernels="gemv"):
+            alone = run(model, [(prefilled(model, 1022, 0), 1022, ancestor, depth)], tokens[:6], True)
+            short = (prefilled(model, 5, 1), 5, *tree([-1, 0]))
+            batched = run(model, [short, (prefilled(model, 1022, 0), 1022, ancestor, depth)],
+                          torch.cat([tokens[6:8], tokens[:6]]), True)
+            cache = prefilled(model, 1022, 0)
+            run(model, [(cache, 1022, ancestor, depth)], tokens[:6], True)
+            kv.keep_nodes(cache, 1022, torch.tensor([0, 2]), contiguous=False)  # accept 0 -> 2
+            later = run(model, [(cache, 1024, *tree([-1]))], tokens[4:5], True)  # node 4, a child of 2
+    assert torch.allclose(alone, masked, atol=1e-5, rtol=1e-5)
+    assert torch.equal(batched[2:], alone)
+    assert torch.equal(later[0], alone[4])

@@ -9,19 +9,23 @@
  * token sees in a one-token pass once its ancestors are accepted and compacted.
  *
  * Order of arithmetic, the same for a row whatever else is in the call (other rows, other
- * sequences, the thread count, the blocking):
+ * sequences, the thread count, the blocking). The row's key list is cut into chunks of CHUNK
+ * keys (list indices 0..CHUNK-1, CHUNK..2*CHUNK-1, ...: a property of the row alone); per chunk c:
  *   score_j = (sum over d of q[d] * k_j[d]) * scale, as LANES-wide partial sums over the D/LANES
  *             chunks left to right, then the lanes added pairwise (halves, then quarters, ...),
  *             ALANES keys at once (alanes_sums: the same order for each, wherever it sits);
- *   m = max_j score_j (exact);  e_j = exp(score_j - m) by the polynomial below;
- *   s = sum_j e_j as LANES-wide partial sums over chunks of LANES keys (in the row's key order),
- *       the lanes then added pairwise;
- *   out = (sum_j e_j * v_j, accumulated in the row's key order) / s.
+ *   m_c = max_j score_j (exact);  e_j = exp(score_j - m_c) by the polynomial in vec.h;
+ *   s_c = sum_j e_j as LANES-wide partial sums over groups of LANES keys (in the row's key order),
+ *         the lanes then added pairwise;
+ *   a_c = sum_j e_j * v_j, accumulated in the row's key order;
+ * then out = a_0 / s_0 for a row of one chunk, else with w_c = exp(m_c - max m) and sums taken in
+ * chunk order (one rounding per fused multiply-add): out = (sum_c w_c * a_c) / (sum_c w_c * s_c).
  * So a row's output is bitwise the same alone, in a tree, or beside other sequences' rows.
  *
- * Work: tasks of (a block of up to RB consecutive rows of one segment, one KV head), spread
- * over the caller's threads (pool.c); each query streams its keys (L2-resident for a few
- * thousand positions) with its accumulators in registers.
+ * Work: tasks of (a block of up to RB consecutive rows of one segment, one KV head, one chunk),
+ * spread over the caller's threads (pool.c): a long context makes many tasks, so two threads
+ * share three KV heads evenly. Each query streams its chunk's keys (each block of ALANES keys
+ * read once for the task's queries) with its accumulators in registers.
  * Compiled with gemv.c into one library on the machine that runs it (-march=native).
  */
 #include <math.h>
@@ -34,11 +38,19 @@
 
 #include "vec.h"
 
-#define RB 8 /* rows per task at most */
+#define RB 8       /* rows per task at most */
+#define CHUNK 512  /* keys of a row's list per task at most (a multiple of ALANES) */
 
 typedef struct {
   int row0, rows, seg;
 } Block;
+
+/* Each (chunk, row, head)'s partial result: D exp-weighted value sums, then the chunk's max
+ * score and its sum of exps, at acc + ((chunk * rows + row) * heads + head) * (D + 2). */
+typedef struct {
+  float* acc;
+  int rows;
+} Partial;
 
 /* scores of one query against ``n`` <= ALANES keys (pointers ``k``) into s[0..n) */
 AI void scores_c(const float* q, const float* const* k, int n, int c, float scale, float* s) {
@@ -87,21 +99,27 @@ static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, 
   for (int d = 0; d < c; d++) astore(o + d * ALANES, acc[d]);
 }
 
+/* The keys of a row's list with index in [ka, kb) (its chunk), for every query of block ``b`` on
+ * KV head ``g``: each query's max score, sum of exps and exp-weighted values over those keys,
+ * written to P at the chunk's place (see Partial). */
 static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, float scale, const float* K,
                  const float* V, int64_t pos_stride, const int32_t* lo, const int32_t* hi, const int32_t* extra_start,
-                 const int32_t* extra_pos, Block b, int g, float* out, int heads) {
-  int width = 0, jmin = 1 << 30, jmax = 0, nq = b.rows * G, c = D / ALANES;
+                 const int32_t* extra_pos, Block b, int g, int ka, int kb, int heads, Partial P, int chunk) {
+  int jmin = 1 << 30, jmax = 0, nq = b.rows * G, c = D / ALANES, width = 0;
   for (int i = 0; i < b.rows; i++) {
-    int r = b.row0 + i;
-    int n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
-    if (n > width) width = n;
-    if (lo[r] < jmin) jmin = lo[r];
-    if (hi[r] > jmax) jmax = hi[r];
+    int r = b.row0 + i, run = hi[r] - lo[r];
+    int n = run + extra_start[r + 1] - extra_start[r];
+    int e = n < kb ? n : kb, re = run < e ? run : e;
+    if (e - ka > width) width = e - ka;
+    if (ka < re) { /* the chunk holds some of the row's contiguous run */
+      if (lo[r] + ka < jmin) jmin = lo[r] + ka;
+      if (lo[r] + re > jmax) jmax = lo[r] + re;
+    }
   }
+  if (width <= 0) return; /* no row of the block has keys this far: every chunk entry stays empty */
   width = (width + ALANES - 1) / ALANES * ALANES;
   float* S = malloc(sizeof(float) * (size_t)nq * width); /* [nq, width]: scores, then their exps */
   float* acc = malloc(sizeof(float) * (size_t)nq * D);   /* [nq, D]: weighted values */
-  float sums[64 * RB];
   const float* kp[ALANES];
   float tmp[ALANES];
 #define QUERY(i, h) (q + (g * G + (h)) * q_head + (int64_t)(b.row0 + (i)) * q_row)
@@ -111,68 +129,78 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
     int m = jmax - j0 < ALANES ? jmax - j0 : ALANES;
     for (int j = 0; j < m; j++) kp[j] = K + (int64_t)(j0 + j) * pos_stride;
     for (int i = 0; i < b.rows; i++) {
-      int r = b.row0 + i;
-      int a = j0 > lo[r] ? j0 : lo[r], e = j0 + m < hi[r] ? j0 + m : hi[r];
+      int r = b.row0 + i, run = hi[r] - lo[r];
+      int ra = lo[r] + ka, re = lo[r] + (run < kb ? run : kb); /* the row's run within the chunk */
+      int a = j0 > ra ? j0 : ra, e = j0 + m < re ? j0 + m : re;
       if (a >= e) continue;
       for (int h = 0; h < G; h++) {
         scores(QUERY(i, h), kp, m, D, scale, tmp);
-        memcpy(S + (size_t)(i * G + h) * width + (a - lo[r]), tmp + (a - j0), sizeof(float) * (e - a));
+        memcpy(S + (size_t)(i * G + h) * width + (a - ra), tmp + (a - j0), sizeof(float) * (e - a));
       }
     }
   }
   for (int i = 0; i < b.rows; i++) {
-    int r = b.row0 + i, base = hi[r] - lo[r], ne = extra_start[r + 1] - extra_start[r];
-    for (int e0 = 0; e0 < ne; e0 += ALANES) {
-      int m = ne - e0 < ALANES ? ne - e0 : ALANES;
+    int r = b.row0 + i, run = hi[r] - lo[r], ne = extra_start[r + 1] - extra_start[r];
+    int x0 = ka > run ? ka - run : 0, x1 = (kb < run + ne ? kb : run + ne) - run; /* extras in the chunk */
+    for (int e0 = x0; e0 < x1; e0 += ALANES) {
+      int m = x1 - e0 < ALANES ? x1 - e0 : ALANES;
       for (int j = 0; j < m; j++) kp[j] = K + (int64_t)extra_pos[extra_start[r] + e0 + j] * pos_stride;
       for (int h = 0; h < G; h++) {
         scores(QUERY(i, h), kp, m, D, scale, tmp);
-        memcpy(S + (size_t)(i * G + h) * width + base + e0, tmp, sizeof(float) * m);
+        memcpy(S + (size_t)(i * G + h) * width + (run + e0 - ka), tmp, sizeof(float) * m);
       }
     }
   }
   /* softmax numerators and their sums, in each row's key order */
   for (int x = 0; x < nq; x++) {
     int r = b.row0 + x / G, n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
+    int cnt = (n < kb ? n : kb) - ka;
     float* s = S + (size_t)x * width;
+    float* slot = P.acc + (((size_t)chunk * P.rows + r) * heads + g * G + x % G) * (D + 2);
+    if (cnt <= 0) continue; /* an empty chunk for this row: its entry is never read */
     float mx = -INFINITY;
-    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    for (int j = n; j < width; j++) s[j] = -INFINITY;
+    for (int j = 0; j < cnt; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int j = cnt; j < width; j++) s[j] = -INFINITY;
     avec total = asplat(0.0f);
     for (int j = 0; j < width; j += ALANES) {
       avec e = aexp(aload(s + j) - asplat(mx));
       astore(s + j, e);
       total += e;
     }
-    sums[x] = alanes_sum(total);
+    slot[D] = mx;
+    slot[D + 1] = alanes_sum(total);
     memset(acc + (size_t)x * D, 0, sizeof(float) * D);
   }
   /* weighted values in each row's key order: the contiguous runs block by block, then the extras */
   for (int j0 = jmin; j0 < jmax; j0 += ALANES) {
     int m = jmax - j0 < ALANES ? jmax - j0 : ALANES;
     for (int i = 0; i < b.rows; i++) {
-      int r = b.row0 + i;
-      int a = j0 > lo[r] ? j0 : lo[r], e = j0 + m < hi[r] ? j0 + m : hi[r];
+      int r = b.row0 + i, run = hi[r] - lo[r];
+      int ra = lo[r] + ka, re = lo[r] + (run < kb ? run : kb);
+      int a = j0 > ra ? j0 : ra, e = j0 + m < re ? j0 + m : re;
       if (a >= e) continue;
       for (int h = 0; h < G; h++) {
-        weigh(acc + (size_t)(i * G + h) * D, S + (size_t)(i * G + h) * width - lo[r], V, pos_stride, a, e, c);
+        weigh(acc + (size_t)(i * G + h) * D, S + (size_t)(i * G + h) * width - ra, V, pos_stride, a, e, c);
       }
     }
   }
   for (int i = 0; i < b.rows; i++) {
-    int r = b.row0 + i, base = hi[r] - lo[r];
-    for (int e = extra_start[r]; e < extra_start[r + 1]; e++) {
-      const float* v = V + (int64_t)extra_pos[e] * pos_stride;
+    int r = b.row0 + i, run = hi[r] - lo[r], ne = extra_start[r + 1] - extra_start[r];
+    int x0 = ka > run ? ka - run : 0, x1 = (kb < run + ne ? kb : run + ne) - run;
+    for (int e = x0; e < x1; e++) {
+      const float* v = V + (int64_t)extra_pos[extra_start[r] + e] * pos_stride;
       for (int h = 0; h < G; h++) {
-        avec p = asplat(S[(size_t)(i * G + h) * width + base + (e - extra_start[r])]);
+        avec p = asplat(S[(size_t)(i * G + h) * width + run + e - ka]);
         float* o = acc + (size_t)(i * G + h) * D;
         for (int d = 0; d < c; d++) astore(o + d * ALANES, afma(p, aload(v + d * ALANES), aload(o + d * ALANES)));
       }
     }
   }
   for (int x = 0; x < nq; x++) {
-    float* dst = out + ((int64_t)(b.row0 + x / G) * heads + g * G + x % G) * D;
-    for (int d = 0; d < c; d++) astore(dst + d * ALANES, aload(acc + (size_t)x * D + d * ALANES) / asplat(sums[x]));
+    int r = b.row0 + x / G, n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
+    if ((n < kb ? n : kb) - ka <= 0) continue;
+    float* slot = P.acc + (((size_t)chunk * P.rows + r) * heads + g * G + x % G) * (D + 2);
+    memcpy(slot, acc + (size_t)x * D, sizeof(float) * D);
   }
 #undef QUERY
   free(S);
@@ -192,17 +220,48 @@ typedef struct {
   const int64_t *seg_k, *seg_v, *head_stride, *pos_stride;
   const int32_t *lo, *hi, *extra_start, *extra_pos;
   const Block* blocks;
-  float* out;
+  const int32_t* work; /* per task / kv_heads: its block, then its chunk */
+  Partial P;
 } AttentionJob;
 
 static void attention_task(void* ctx, int t) {
   const AttentionJob* j = ctx;
-  Block b = j->blocks[t / j->kv_heads];
-  int g = t % j->kv_heads, s = b.seg;
+  int w = t / j->kv_heads, g = t % j->kv_heads, chunk = j->work[2 * w + 1];
+  Block b = j->blocks[j->work[2 * w]];
+  int s = b.seg;
   const float* K = (const float*)(intptr_t)j->seg_k[s] + g * j->head_stride[s];
   const float* V = (const float*)(intptr_t)j->seg_v[s] + g * j->head_stride[s];
   task(j->q, j->q_head, j->q_row, j->G, j->D, j->scale, K, V, j->pos_stride[s], j->lo, j->hi, j->extra_start,
-       j->extra_pos, b, g, j->out, j->heads);
+       j->extra_pos, b, g, chunk * CHUNK, (chunk + 1) * CHUNK, j->heads, j->P, chunk);
+}
+
+/* A row's chunks merged in chunk order: out = (sum_c acc_c * w_c) / (sum_c s_c * w_c), w_c =
+ * exp(m_c - max_c m_c); a row of one chunk is acc_0 / s_0. */
+static void merge(const Partial P, int r, int heads, int D, int chunks, float* out) {
+  int c = D / ALANES;
+  for (int h = 0; h < heads; h++) {
+    const float* first = P.acc + ((size_t)r * heads + h) * (D + 2);
+    float* dst = out + ((int64_t)r * heads + h) * D;
+    avec o[8], total;
+    if (chunks == 1) {
+      for (int d = 0; d < c; d++) astore(dst + d * ALANES, aload(first + d * ALANES) / asplat(first[D + 1]));
+      continue;
+    }
+    float mx = -INFINITY;
+    for (int k = 0; k < chunks; k++) {
+      float m = P.acc[(((size_t)k * P.rows + r) * heads + h) * (D + 2) + D];
+      mx = m > mx ? m : mx;
+    }
+    total = asplat(0.0f);
+    for (int d = 0; d < c; d++) o[d] = asplat(0.0f);
+    for (int k = 0; k < chunks; k++) {
+      const float* slot = P.acc + (((size_t)k * P.rows + r) * heads + h) * (D + 2);
+      avec w = aexp(asplat(slot[D] - mx));
+      total = afma(w, asplat(slot[D + 1]), total);
+      for (int d = 0; d < c; d++) o[d] = afma(w, aload(slot + d * ALANES), o[d]);
+    }
+    for (int d = 0; d < c; d++) astore(dst + d * ALANES, o[d] / total);
+  }
 }
 
 /* q: element (h, r, d) at q + h * q_head + r * q_row + d; out: [rows, heads, D] contiguous.
@@ -214,17 +273,45 @@ int medusa_rows_attention(const float* q, int64_t q_head, int64_t q_row, int row
                           const int32_t* extra_start, const int32_t* extra_pos, float* out, int threads) {
   int G = heads / kv_heads;
   if (D % ALANES || D > 8 * ALANES || heads % kv_heads || G > 64) return -1;
-  Block* blocks = malloc(sizeof(Block) * (rows > 0 ? rows : 1));
-  int nb = 0;
+  if (rows < 1) return 0;
+  Block* blocks = malloc(sizeof(Block) * rows);
+  int32_t* chunks = malloc(sizeof(int32_t) * rows); /* each row's chunk count */
+  int nb = 0, most = 1, nwork = 0;
   for (int r = 0; r < rows; r++) {
+    int n = hi[r] - lo[r] + extra_start[r + 1] - extra_start[r];
+    chunks[r] = n > CHUNK ? (n + CHUNK - 1) / CHUNK : 1;
+    if (chunks[r] > most) most = chunks[r];
     if (nb && blocks[nb - 1].seg == row_seg[r] && blocks[nb - 1].rows < RB && blocks[nb - 1].row0 + blocks[nb - 1].rows == r)
       blocks[nb - 1].rows++;
     else
       blocks[nb++] = (Block){r, 1, row_seg[r]};
   }
+  int32_t* work = malloc(sizeof(int32_t) * 2 * (size_t)nb * most);
+  for (int b = 0; b < nb; b++) {
+    int k = 1;
+    for (int i = 0; i < blocks[b].rows; i++) k = chunks[blocks[b].row0 + i] > k ? chunks[blocks[b].row0 + i] : k;
+    for (int c = 0; c < k; c++) {
+      work[2 * nwork] = b;
+      work[2 * nwork + 1] = c;
+      nwork++;
+    }
+  }
+  /* the partial results, in a buffer kept by the calling thread (a call's size rarely changes) */
+  static __thread float* kept = NULL;
+  static __thread size_t room = 0;
+  size_t need = (size_t)most * rows * heads * (D + 2);
+  if (need > room) {
+    free(kept);
+    kept = malloc(sizeof(float) * need);
+    room = need;
+  }
+  Partial P = {kept, rows};
   AttentionJob job = {q, q_head, q_row, G, D, kv_heads, heads, scale, seg_k, seg_v, head_stride, pos_stride, lo, hi,
-                      extra_start, extra_pos, blocks, out};
-  medusa_parallel(nb * kv_heads, threads, attention_task, &job);
+                      extra_start, extra_pos, blocks, work, P};
+  medusa_parallel(nwork * kv_heads, threads, attention_task, &job);
+  for (int r = 0; r < rows; r++) merge(P, r, heads, D, chunks[r], out);
+  free(work);
+  free(chunks);
   free(blocks);
   return 0;
 }
