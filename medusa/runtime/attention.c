@@ -67,9 +67,13 @@ AI void scores_c(const float* q, const float* const* k, int n, int c, float scal
     }
   }
   avec sums = alanes_sums(a) * asplat(scale);
-  float tmp[ALANES];
-  astore(tmp, sums);
-  memcpy(s, tmp, sizeof(float) * n);
+  if (n == ALANES) {
+    astore(s, sums);
+  } else {
+    float tmp[ALANES];
+    astore(tmp, sums);
+    memcpy(s, tmp, sizeof(float) * n);
+  }
 }
 
 static void scores(const float* q, const float* const* k, int n, int D, float scale, float* s) {
@@ -78,6 +82,24 @@ static void scores(const float* q, const float* const* k, int n, int D, float sc
     case 8: scores_c(q, k, n, 8, scale, s); break;
     default: scores_c(q, k, n, D / ALANES, scale, s);
   }
+}
+
+/* the largest of s[0..n), n a multiple of ALANES (a max is exact: any order gives it) */
+static float amax(const float* s, int n) {
+  avec m = aload(s);
+  for (int j = ALANES; j < n; j += ALANES) {
+    avec v = aload(s + j);
+#if defined(__AVX512F__)
+    m = (avec)_mm512_max_ps((__m512)m, (__m512)v);
+#elif defined(__AVX__)
+    m = (avec)_mm256_max_ps((__m256)m, (__m256)v);
+#else
+    for (int l = 0; l < ALANES; l++) m[l] = v[l] > m[l] ? v[l] : m[l];
+#endif
+  }
+  float out = m[0];
+  for (int l = 1; l < ALANES; l++) out = m[l] > out ? m[l] : out;
+  return out;
 }
 
 /* acc[0..c) += p[j] * v_j for j in [a, e), in that order */
@@ -134,8 +156,13 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
       int a = j0 > ra ? j0 : ra, e = j0 + m < re ? j0 + m : re;
       if (a >= e) continue;
       for (int h = 0; h < G; h++) {
-        scores(QUERY(i, h), kp, m, D, scale, tmp);
-        memcpy(S + (size_t)(i * G + h) * width + (a - ra), tmp + (a - j0), sizeof(float) * (e - a));
+        float* dst = S + (size_t)(i * G + h) * width + (a - ra);
+        if (a == j0 && e - a == m) { /* the row sees the whole block: scores straight to their place */
+          scores(QUERY(i, h), kp, m, D, scale, dst);
+        } else {
+          scores(QUERY(i, h), kp, m, D, scale, tmp);
+          memcpy(dst, tmp + (a - j0), sizeof(float) * (e - a));
+        }
       }
     }
   }
@@ -158,9 +185,8 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
     float* s = S + (size_t)x * width;
     float* slot = P.acc + (((size_t)chunk * P.rows + r) * heads + g * G + x % G) * (D + 2);
     if (cnt <= 0) continue; /* an empty chunk for this row: its entry is never read */
-    float mx = -INFINITY;
-    for (int j = 0; j < cnt; j++) mx = s[j] > mx ? s[j] : mx;
     for (int j = cnt; j < width; j++) s[j] = -INFINITY;
+    float mx = amax(s, width); /* exact: the same whatever the order */
     avec total = asplat(0.0f);
     for (int j = 0; j < width; j += ALANES) {
       avec e = aexp(aload(s + j) - asplat(mx));
@@ -286,16 +312,23 @@ int medusa_rows_attention(const float* q, int64_t q_head, int64_t q_row, int row
     else
       blocks[nb++] = (Block){r, 1, row_seg[r]};
   }
+  /* chunk by chunk, each chunk's blocks one after another: the blocks of one sequence read the
+   * same keys while they are in cache */
   int32_t* work = malloc(sizeof(int32_t) * 2 * (size_t)nb * most);
+  int32_t* span = malloc(sizeof(int32_t) * nb); /* each block's chunk count */
   for (int b = 0; b < nb; b++) {
-    int k = 1;
-    for (int i = 0; i < blocks[b].rows; i++) k = chunks[blocks[b].row0 + i] > k ? chunks[blocks[b].row0 + i] : k;
-    for (int c = 0; c < k; c++) {
-      work[2 * nwork] = b;
-      work[2 * nwork + 1] = c;
-      nwork++;
-    }
+    span[b] = 1;
+    for (int i = 0; i < blocks[b].rows; i++)
+      span[b] = chunks[blocks[b].row0 + i] > span[b] ? chunks[blocks[b].row0 + i] : span[b];
   }
+  for (int c = 0; c < most; c++)
+    for (int b = 0; b < nb; b++)
+      if (c < span[b]) {
+        work[2 * nwork] = b;
+        work[2 * nwork + 1] = c;
+        nwork++;
+      }
+  free(span);
   /* the partial results, in a buffer kept by the calling thread (a call's size rarely changes) */
   static __thread float* kept = NULL;
   static __thread size_t room = 0;
