@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary, reference))
     if by_length := length_table(summary):  # prompts of named lengths (long-context.jsonl): a table by length
         print("\n" + "\n".join(by_length))
+        print("\n" + "\n".join(length_table(summary, decode=True)))
     for line in profile_lines(summary):
         print(line)
     fastest = against_fastest_peer(summary)

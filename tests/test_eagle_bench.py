@@ -132,3 +132,24 @@ def test_the_length_table_groups_prompts_by_their_length():
     assert lines[2] == "| baseline | 10.0 (1.00x, 1.00) | 5.0 (1.00x, 1.00) |"
     assert lines[3] == "| hybrid | 20.0 (2.00x, 2.00) | 10.0 (2.00x, 2.00) |"
     assert length_table(summarise([Prompt("0", "writing", "x")], {"baseline": [run(4, 1.0, 4)]}, None)) == []
+
+
+def test_the_decode_rate_leaves_each_prompts_first_token_out():
+    """After the first token: a long prompt's pass is most of a short answer's time, so the length
+    table also gives tokens/s of the decoding alone, from when each answer's first token came;
+    modes that do not say show "-", and the summary keeps the rate per mode."""
+    from medusa.bench.prompts import Prompt
+    from medusa.bench.records import Run
+    from medusa.bench.summary import length_table, summarise
+
+    prompts = [Prompt("0", "rag-8k", "x"), Prompt("1", "rag-8k", "x")]
+    runs = {"baseline": [Run(tokens=[1] * 11, seconds=12.0, steps=11, first_seconds=10.0)] * 2,
+            "hybrid": [Run(tokens=[1] * 11, seconds=11.0, steps=5, first_seconds=10.0)] * 2,
+            "hf": [Run(tokens=[1] * 11, seconds=13.0)] * 2}
+    summary = summarise(prompts, runs, None)
+    assert summary["baseline"]["decode_tokens_per_second"] == 5.0  # 20 tokens after the first in 4 s
+    assert summary["hybrid"]["decode_tokens_per_second"] == 10.0 and summary["hf"]["decode_tokens_per_second"] is None
+    whole, decode = length_table(summary), length_table(summary, decode=True)
+    assert whole[3] == "| hybrid | 1.0 (1.09x, 2.20) |"  # 22 tokens in 22 s against 22 in 24 s
+    assert decode[0] == "| mode | 8k tokens: after the first token: tok/s (x baseline, tau) |"
+    assert decode[2:] == ["| baseline | 5.0 (1.00x, 1.00) |", "| hybrid | 10.0 (2.00x, 2.20) |", "| hf | - |"]

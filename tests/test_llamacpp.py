@@ -43,6 +43,8 @@ def test_bench_runs_llama_cpp_plain_and_lookup_beside_hf_and_compares_tokens(tmp
             # 32 tokens, or fewer ending with SmolLM2's end-of-turn token (kept, as generate keeps it)
             assert len(run["tokens"]) == 32 or (len(run["tokens"]) < 32 and run["tokens"][-1] == 2)
             assert run["steps"] is not None and 1 <= run["steps"] <= len(run["tokens"])
+            assert 0 < run["first_seconds"] < run["seconds"]  # the first token came before the last
+        assert row["decode_tokens_per_second"] > 0
     # Plain decoding: one target pass per token; the lookup drafts were accepted some of the time.
     assert modes["llamacpp"]["tau"] == 1.0
     assert modes["llamacpp-lookup"]["tau"] > 1.0

@@ -68,7 +68,8 @@ def register(mode: Callable, run_type: type) -> None:
             llm = worker(name, bench.args, bench.max_new_tokens, len(ids))
             out = llm.generate(ids, bench.max_new_tokens, sorted(engine.eos))
             # Plain decoding makes one pass per token: as for vllm, its tau reads 1.0.
-            return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=out["passes"])
+            return run_type(tokens=out["tokens"], seconds=out["seconds"], steps=out["passes"],
+                            first_seconds=out.get("first_seconds"))
         return run
 
     for name in MODES:

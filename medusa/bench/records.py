@@ -21,6 +21,7 @@ class Run:
     steps: int | None = None  # target passes after prefill (None when the mode does not say)
     accepted: list[int] | None = None  # tokens emitted per decode step, when the mode says
     phases: dict[str, float] | None = None  # engine modes: seconds in prefill, draft, verify, update
+    first_seconds: float | None = None  # seconds to the first token (the prompt's pass), where the mode says
 
 
 @dataclass

@@ -18,6 +18,7 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
         seconds = sum(r.seconds for r in rs)
         steps = [r.steps for r in rs if r.steps is not None]
         tps = tokens / seconds if seconds else 0.0
+        decode = after_first(rs)
         same = same_base = None
         if reference in runs and name != reference and not sampled:
             same = sum(r.tokens == ref.tokens for r, ref in zip(rs, runs[reference]))
@@ -31,16 +32,29 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             c["seconds"] += r.seconds
         out[name] = {
             "tokens": tokens, "seconds": seconds, "tokens_per_second": tps,
-            "speedup": tps / ref_tps if ref_tps else None,
+            "speedup": tps / ref_tps if ref_tps else None, "decode_tokens_per_second": decode,
             "tau": tokens / sum(steps) if len(steps) == len(rs) and sum(steps) else None,
             "identical": same, "identical_baseline": same_base, "sampled": sampled, "prompts": len(rs),
             "step_ms": step_profile(rs),
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
-                            "accepted": r.accepted} for p, r in zip(prompts, rs)],
+                            "accepted": r.accepted, "first_seconds": r.first_seconds} for p, r in zip(prompts, rs)],
         }
     return out
+
+
+def after_first(rs: list) -> float | None:
+    """Tokens/s after each answer's first token (the decoding alone, its prompt's pass left out),
+    over runs or per-prompt records that all say when their first token came; else None."""
+    def get(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
+
+    if not rs or any(get(r, "first_seconds") is None for r in rs):
+        return None
+    tokens = sum(max(len(get(r, "tokens")) - 1, 0) for r in rs)
+    seconds = sum(get(r, "seconds") - get(r, "first_seconds") for r in rs)
+    return tokens / seconds if seconds > 0 else None
 
 
 def step_profile(rs: list[Run]) -> dict[str, float] | None:
@@ -118,10 +132,12 @@ def temperature_table(summaries: dict[float, dict]) -> list[str]:
     return lines
 
 
-def length_table(summary: dict) -> list[str]:
+def length_table(summary: dict, decode: bool = False) -> list[str]:
     """Mode by prompt length, where every prompt's category ends in one (``rag-2k``, as
     docs/benchmarks/prompts/long-context.jsonl names them): tokens/s, the speedup over ``baseline``
-    where it ran, and tau, per length. Empty for prompts without lengths."""
+    where it ran, and tau, per length. ``decode``: tokens/s after each answer's first token (the
+    decoding alone: a long prompt's pass is most of a short answer's time; "-" for modes that do
+    not say when their first token came). Empty for prompts without lengths."""
     first = next(iter(summary.values()), None)
     if first is None:
         return []
@@ -137,14 +153,19 @@ def length_table(summary: dict) -> list[str]:
             tokens, seconds = sum(len(p["tokens"]) for p in runs), sum(p["seconds"] for p in runs)
             steps = [p["steps"] for p in runs if p["steps"] is not None]
             tau = tokens / sum(steps) if len(steps) == len(runs) and sum(steps) else None
-            rows[mode][n] = (tokens / seconds if seconds else 0.0, tau)
-    lines = ["| mode | " + " | ".join(f"{n} tokens: tok/s (x baseline, tau)" for n in order) + " |",
+            tps = after_first(runs) if decode else (tokens / seconds if seconds else 0.0)
+            rows[mode][n] = (tps, tau)
+    what = "after the first token: tok/s (x baseline, tau)" if decode else "tok/s (x baseline, tau)"
+    lines = ["| mode | " + " | ".join(f"{n} tokens: {what}" for n in order) + " |",
              "|---" * (len(order) + 1) + "|"]
     for mode, cells in rows.items():
         text = []
         for n in order:
             tps, tau = cells[n]
-            base = rows.get("baseline", {}).get(n, (0.0, None))[0]
+            if tps is None:
+                text.append("-")
+                continue
+            base = rows.get("baseline", {}).get(n, (None, None))[0]
             ratio = f"{tps / base:.2f}x" if base else "-"
             text.append(f"{tps:.1f} ({ratio}, {tau:.2f})" if tau is not None else f"{tps:.1f} ({ratio})")
         lines.append(f"| {mode} | " + " | ".join(text) + " |")

@@ -7,8 +7,9 @@ venv, not this project's. ``medusa.peers.llamacpp_client`` starts it and speaks 
 
     worker -> {"ready": true, "llama_cpp": VERSION}                    once the model is loaded
     client -> {"prompt_ids": [...], "max_tokens": N, "eos": [...]}      one greedy decode, batch 1
-    worker -> {"tokens": [...], "seconds": S, "passes": P}              passes: Llama.eval calls,
-                                                                        the prompt's included
+    worker -> {"tokens": [...], "seconds": S, "passes": P,            passes: Llama.eval calls,
+               "first_seconds": F}                                     the prompt's included; F: to
+                                                                        the first token
     worker -> {"error": "..."}                                          instead, when a request fails
 
 ``lookup`` (``{"tokens": K, "ngram": N}``) decodes with llama-cpp-python's
@@ -91,16 +92,19 @@ def decode(llm, prompt_ids: list[int], max_tokens: int, eos: set[int], drafts: i
     llm.eval = counted  # instance attribute: generate() calls self.eval once per target pass
     llm.reset()
     tokens: list[int] = []
+    first = None
     t0 = time.perf_counter()
     try:
         for token in llm.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter() - t0
             tokens.append(int(token))
             if len(tokens) >= max_tokens or token in eos:
                 break
         seconds = time.perf_counter() - t0
     finally:
         del llm.eval
-    return {"tokens": tokens, "seconds": seconds, "passes": passes}
+    return {"tokens": tokens, "seconds": seconds, "passes": passes, "first_seconds": first}
 
 
 def main() -> int:
