@@ -56,8 +56,50 @@ def test_products_match_torch_and_each_row_is_its_one_row_product():
     packed = gemv.pack(weight)
     assert gemv.product(x[:6].reshape(2, 3, -1), packed, 100).shape == (2, 3, 100)
     assert gemv.product(x[:0], packed, 100).shape == (0, 100)
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        gemv.pack(weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
+        gemv.pack(weight.to(torch.float16))
+
+
+def test_bfloat16_weights_multiply_in_float32_at_half_the_bytes():
+    """Draft heads in bfloat16 beside a float32 target: their packed copy keeps the bfloat16
+    values (half the bytes to read), each widened exactly, the products summed in float32 as for
+    a float32 weight: the product of the widened weight bitwise, rounded to the input's dtype."""
+    g = torch.Generator().manual_seed(1)
+    for out_features, in_features in ((7, 5), (1003, 577), (8192, 576)):
+        weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+        packed = gemv.pack(weight)
+        assert packed.dtype == torch.bfloat16 and packed.numel() * 2 < gemv.pack(weight.float()).numel() * 4
+        wide = gemv.pack(weight.float())
+        x = torch.randn(9, in_features, generator=g).to(torch.bfloat16)
+        for n in (1, 4, 9):
+            exact = gemv.product(x[:n].float(), wide, out_features)  # the same sums on the widened weight
+            assert torch.equal(gemv.product(x[:n].float(), packed, out_features), exact)
+            got = gemv.product(x[:n], packed, out_features, bias)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, (exact + bias.float()).to(torch.bfloat16))
+            torch.testing.assert_close(got.float(), torch.nn.functional.linear(x[:n], weight, bias).float(),
+                                       atol=0.05 * in_features ** 0.5, rtol=0.02)
+
+
+def test_bfloat16_heads_run_on_the_gemv_kernels_beside_a_float32_target():
+    """Under kernels='gemv' a bfloat16 layer (q/k/v stacked, and alone) is packed for the gemv
+    kernels, and its outputs are the float32 product of its own weights, rounded to bfloat16."""
+    model = tiny_model("llama")
+    heads = tiny_model("llama", seed=1).model.layers[0].to(torch.bfloat16)
+    attn, mlp = heads.self_attn, heads.mlp
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 3, attn.q_proj.in_features, generator=g).to(torch.bfloat16)
+    h = torch.randn(1, 3, mlp.down_proj.in_features, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        want = [torch.nn.functional.linear(i.float(), layer.weight.float()).to(torch.bfloat16)
+                for i, layer in ((x, attn.q_proj), (x, attn.k_proj), (h, mlp.down_proj))]
+        with PackedLinears(model, heads, kernels="gemv"):
+            got, calls = gemv_calls(lambda: [attn.q_proj(x), attn.k_proj(x), mlp.down_proj(h)])
+    assert calls == 2  # q/k/v stacked in one product, down alone
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
 LOAD = ("import torch; from medusa.runtime import gemv; w, x = torch.randn(20, 30), torch.randn(2, 30); "

@@ -9,6 +9,10 @@
  * P[b][k][l] = W[b * LANES + l][k] (rows past N are zero). One vector load then holds one k
  * for LANES outputs, and each output accumulates in one vector lane: no horizontal sums.
  *
+ * A bfloat16 weight (draft heads beside a float32 target) is packed the same way with its 16-bit
+ * values (medusa_gemv_pack_bf16, medusa_gemv_bf16): half the bytes to stream, each value widened
+ * to float32 exactly as it is loaded, the products and sums in float32 as below.
+ *
  * Order of summation, the same for every output whatever n, the tile shape or the thread
  * count: the K products are summed left to right in chunks of KC, and the chunk sums are added
  * left to right. So row r of an n-row product is bitwise the one-row product of x[r].
@@ -35,6 +39,19 @@
 #define AI static inline __attribute__((always_inline))
 
 typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t hvec __attribute__((vector_size(LANES * 2), aligned(2))); /* LANES bfloat16 weights */
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4), aligned(4)));
+
+/* LANES weights at element ``i`` of a packed weight: float32 (H 0), or bfloat16 widened to
+ * float32 exactly (H 1: a bfloat16 is a float32's upper half) */
+AI vec loadw(const int H, const void* p, int64_t i) {
+  if (H) {
+    hvec h;
+    memcpy(&h, (const uint16_t*)p + i, sizeof h);
+    return (vec)(__builtin_convertvector(h, uvec) << 16);
+  }
+  return *(const vec*)((const float*)p + i);
+}
 
 /* a + w * s, rounded once where the CPU fuses (FMA) and twice where it does not - the same in
  * every tile shape: the build turns the compiler's own contraction off (-ffp-contract=off),
@@ -57,9 +74,9 @@ void medusa_parallel_large(int tasks, int threads, medusa_task fn, void* ctx); /
 #define LARGE_ROWS 64 /* products of more rows (a prompt's) run on OpenMP's threads */
 
 typedef struct {
-  const float* W;
-  int N, K, T;
-  float* P;
+  const void* W;
+  int N, K, T, H;
+  void* P;
 } PackJob;
 
 static void pack_task(void* ctx, int t) {
@@ -69,13 +86,24 @@ static void pack_task(void* ctx, int t) {
     for (int k = 0; k < j->K; k++)
       for (int l = 0; l < LANES; l++) {
         int r = b * LANES + l;
-        j->P[((int64_t)b * j->K + k) * LANES + l] = r < j->N ? j->W[(int64_t)r * j->K + k] : 0.f;
+        int64_t to = ((int64_t)b * j->K + k) * LANES + l, from = (int64_t)r * j->K + k;
+        if (j->H)
+          ((uint16_t*)j->P)[to] = r < j->N ? ((const uint16_t*)j->W)[from] : 0;
+        else
+          ((float*)j->P)[to] = r < j->N ? ((const float*)j->W)[from] : 0.f;
       }
 }
 
 void medusa_gemv_pack(const float* W, int N, int K, float* P, int threads) {
   int T = threads < 1 ? 1 : threads;
-  PackJob job = {W, N, K, T, P};
+  PackJob job = {W, N, K, T, 0, P};
+  medusa_parallel_large(T, T, pack_task, &job);
+}
+
+/* the same layout for a bfloat16 weight (its raw 16-bit values) */
+void medusa_gemv_pack_bf16(const uint16_t* W, int N, int K, uint16_t* P, int threads) {
+  int T = threads < 1 ? 1 : threads;
+  PackJob job = {W, N, K, T, 1, P};
   medusa_parallel_large(T, T, pack_task, &job);
 }
 
@@ -83,8 +111,8 @@ void medusa_gemv_pack(const float* W, int N, int K, float* P, int threads) {
  * the compiler keeps them in registers once BN and NR are constants; the chunk sums so far (t)
  * stay in memory (L1), touched once per chunk, so they take no registers from the inner loop.
  * Meanwhile it prefetches blocks pg, pg + pG, ... below pn of the tile at pf (the next one). */
-AI void tile(const int BN, const int NR, const float* x, int K, const float* p, float* y, int N, int j0,
-             const float* pf, int pg, int pG, int pn) {
+AI void tile(const int BN, const int NR, const int H, const float* x, int K, const void* p, float* y, int N, int j0,
+             const void* pf, int pg, int pG, int pn) {
   vec t[MAXR][MAXB];
   for (int k0 = 0; k0 < K; k0 += KC) {
     int k1 = k0 + KC < K ? k0 + KC : K;
@@ -93,8 +121,9 @@ AI void tile(const int BN, const int NR, const float* x, int K, const float* p, 
       for (int r = 0; r < NR; r++) a[i][r] = (vec){0};
     for (int k = k0; k < k1; k++) {
       vec w[MAXB];
-      for (int i = 0; i < BN; i++) w[i] = *(const vec*)(p + ((int64_t)i * K + k) * LANES);
-      for (int i = pg; i < pn; i += pG) __builtin_prefetch(pf + ((int64_t)i * K + k) * LANES, 0, 2);
+      for (int i = 0; i < BN; i++) w[i] = loadw(H, p, ((int64_t)i * K + k) * LANES);
+      for (int i = pg; i < pn; i += pG)
+        __builtin_prefetch((const char*)pf + ((int64_t)i * K + k) * LANES * (H ? 2 : 4), 0, 2);
       for (int r = 0; r < NR; r++) {
         float xs = x[(int64_t)r * K + k];
         for (int i = 0; i < BN; i++) a[i][r] = madd(a[i][r], w[i], xs);
@@ -114,24 +143,28 @@ AI void tile(const int BN, const int NR, const float* x, int K, const float* p, 
 }
 
 /* Each tile shape the dispatch below can ask for, its sizes constants. */
-#define C(BN, NR) case NR: tile(BN, NR, x, K, p, y, N, j0, pf, pg, pG, pn); break;
-#define TILES(BN)                                                                                   \
-  static void tiles##BN(const float* x, int nr, int K, const float* p, float* y, int N, int j0,     \
-                        const float* pf, int pg, int pG, int pn) {                                  \
-    switch (nr) { C(BN, 1) C(BN, 2) C(BN, 3) C(BN, 4) C(BN, 5) C(BN, 6) }                           \
+#define C(BN, NR, H) case NR: tile(BN, NR, H, x, K, p, y, N, j0, pf, pg, pG, pn); break;
+#define TILES(BN, H, name)                                                                          \
+  static void name(const float* x, int nr, int K, const void* p, float* y, int N, int j0,           \
+                   const void* pf, int pg, int pG, int pn) {                                        \
+    switch (nr) { C(BN, 1, H) C(BN, 2, H) C(BN, 3, H) C(BN, 4, H) C(BN, 5, H) C(BN, 6, H) }         \
   }
-TILES(1)
-TILES(2)
-TILES(3)
-TILES(4)
-static void (*const TILE[MAXB + 1])(const float*, int, int, const float*, float*, int, int, const float*, int, int,
-                                    int) = {0, tiles1, tiles2, tiles3, tiles4};
+TILES(1, 0, tiles1)
+TILES(2, 0, tiles2)
+TILES(3, 0, tiles3)
+TILES(4, 0, tiles4)
+TILES(1, 1, htiles1)
+TILES(2, 1, htiles2)
+TILES(3, 1, htiles3)
+TILES(4, 1, htiles4)
+typedef void (*Tile)(const float*, int, int, const void*, float*, int, int, const void*, int, int, int);
+static const Tile TILE[2][MAXB + 1] = {{0, tiles1, tiles2, tiles3, tiles4}, {0, htiles1, htiles2, htiles3, htiles4}};
 
 typedef struct {
   const float* x;
-  const float* P;
+  const void* P;
   float* y;
-  int n, K, N, T;
+  int n, K, N, T, H;
 } GemvJob;
 
 /* y[n, N] = x[n, K] @ W^T with P = medusa_gemv_pack(W). Task t of T takes a contiguous range of
@@ -150,12 +183,12 @@ static void gemv_task(void* ctx, int t) {
   int b = (int)((int64_t)nb * t / T), end = (int)((int64_t)nb * (t + 1) / T);
   for (int step = bn; b < end; b += step) {
     if (b + step > end) step = 1; /* the range's last blocks, one at a time */
-    const float* p = j->P + (int64_t)b * K * LANES;
+    const char* p = (const char*)j->P + (int64_t)b * K * LANES * (j->H ? 2 : 4);
     int next = groups < 2 ? 0 : end - b - step < bn ? end - b - step : bn; /* blocks to prefetch */
     for (int g = 0, r = 0; g < groups; g++) {
       int nr = n / groups + (g < n % groups);
-      TILE[step](x + (int64_t)r * K, nr, K, p, j->y + (int64_t)r * N, N, b * LANES, p + (int64_t)step * K * LANES, g,
-                 groups, next);
+      TILE[j->H][step](x + (int64_t)r * K, nr, K, p, j->y + (int64_t)r * N, N, b * LANES,
+                       p + (int64_t)step * K * LANES * (j->H ? 2 : 4), g, groups, next);
       r += nr;
     }
   }
@@ -163,6 +196,14 @@ static void gemv_task(void* ctx, int t) {
 
 void medusa_gemv(const float* x, int n, int K, const float* P, int N, float* y, int threads) {
   int T = threads < 1 ? 1 : threads;
-  GemvJob job = {x, P, y, n, K, N, T};
+  GemvJob job = {x, P, y, n, K, N, T, 0};
+  (n > LARGE_ROWS ? medusa_parallel_large : medusa_parallel)(T, T, gemv_task, &job);
+}
+
+/* medusa_gemv with P = medusa_gemv_pack_bf16(W): a bfloat16 weight (draft heads), read at half
+ * the bytes, each product in float32 as above (x and y float32) */
+void medusa_gemv_bf16(const float* x, int n, int K, const uint16_t* P, int N, float* y, int threads) {
+  int T = threads < 1 ? 1 : threads;
+  GemvJob job = {x, P, y, n, K, N, T, 1};
   (n > LARGE_ROWS ? medusa_parallel_large : medusa_parallel)(T, T, gemv_task, &job);
 }

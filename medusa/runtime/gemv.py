@@ -107,6 +107,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv.restype = None
     lib.medusa_gemv_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_gemv_pack.restype = None
+    lib.medusa_gemv_bf16.argtypes = lib.medusa_gemv.argtypes
+    lib.medusa_gemv_bf16.restype = None
+    lib.medusa_gemv_pack_bf16.argtypes = lib.medusa_gemv_pack.argtypes
+    lib.medusa_gemv_pack_bf16.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
     lib.medusa_attention_lanes.restype = ctypes.c_int
     lib.medusa_rows_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_int] * 4,
@@ -198,35 +202,42 @@ def _pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     lanes = lib.medusa_gemv_lanes()
     weight = weight.detach().contiguous()
-    packed = torch.empty(-(-out_features // lanes) * lanes * in_features, dtype=torch.float32)
-    lib.medusa_gemv_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
+    packed = torch.empty(-(-out_features // lanes) * lanes * in_features, dtype=weight.dtype)
+    pack_fn = lib.medusa_gemv_pack_bf16 if weight.dtype == torch.bfloat16 else lib.medusa_gemv_pack
+    pack_fn(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
 def _product(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x`` times the packed weight, in float32 (a bfloat16 weight, ``packed.dtype``, is read as such)."""
     in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features).contiguous()
+    rows = x.reshape(-1, in_features).to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     if rows.shape[0]:
+        fn = lib.medusa_gemv_bf16 if packed.dtype == torch.bfloat16 else lib.medusa_gemv
         args = (rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(), out_features, out.data_ptr(),
                 torch.get_num_threads())
         if _profiling():  # a named op in torch.profiler's tables (scripts/profile_pass.py)
             with torch.profiler.record_function(f"{PROFILER_NAME} {rows.shape[0]}x{in_features}->{out_features}"):
-                lib.medusa_gemv(*args)
+                fn(*args)
         else:
-            lib.medusa_gemv(*args)
+            fn(*args)
     return out
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([out, in], float32, CPU) in the kernel's blocked layout, once."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"the gemv kernels take a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
-                         f"on {weight.device}")
+    """``weight`` ([out, in], float32 or bfloat16, CPU) in the kernel's blocked layout, once."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"the gemv kernels take a 2-D float32 or bfloat16 CPU weight, not {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
     return _pack(library(), weight)
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)`` (float32 ``x`` on the CPU)."""
+    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)``: float32 ``x`` on the CPU; a
+    bfloat16 weight takes bfloat16 (or float32) ``x``, multiplies in float32 and returns ``x``'s
+    dtype (the bias added in float32 first)."""
     out = _product(library(), x, packed, out_features)
-    return out if bias is None else out.add_(bias)
+    if bias is not None:
+        out.add_(bias)
+    return out if packed.dtype == torch.float32 else out.to(x.dtype)

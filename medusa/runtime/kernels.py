@@ -141,9 +141,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def kind_of(kernels: str, weight: torch.Tensor) -> str:
-    """Which kernel runs ``weight``'s layer under ``kernels``: "gemv" takes float32 layers
-    (medusa/runtime/gemv.py) and leaves the others (bfloat16 heads) to oneDNN."""
-    return "gemv" if kernels == "gemv" and weight.dtype == torch.float32 else "onednn"
+    """Which kernel runs ``weight``'s layer under ``kernels``: "gemv" takes float32 layers and
+    bfloat16 ones (heads drafting in bfloat16 beside a float32 target: the weight read at half
+    the bytes, each product in float32; medusa/runtime/gemv.py), else oneDNN."""
+    return "gemv" if kernels == "gemv" and weight.dtype in (torch.float32, torch.bfloat16) else "onednn"
 
 
 def pack_as(kind: str, weight: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ def run_packed(kind: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.T
                bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by the kernel ``kind`` with ``packed = pack_as(kind, weight)``."""
     if kind == "gemv":
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if x.dtype != weight.dtype or x.device.type != "cpu":
             return nn.functional.linear(x, weight, bias)
         return gemv.product(x, packed, weight.shape[0], bias)
     return packed_product(x, packed, weight, bias)
@@ -310,7 +311,7 @@ class _Siblings:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times every sibling's weight: ``[..., sum of out_features]``."""
         if self.kind == "gemv":
-            if x.dtype == torch.float32 and x.device.type == "cpu":
+            if x.dtype == self.layers[0].weight.dtype and x.device.type == "cpu":
                 return gemv.product(x, self.packed, sum(self.sizes), self.bias)
         else:
             try:
@@ -344,8 +345,8 @@ def sibling_groups(modules: list[nn.Module], layers: list[nn.Linear]) -> list[li
 
 class PackedLinears:
     """Inside ``with packed:``, the linear layers of ``modules`` run packed kernels: oneDNN's
-    (``kernels="onednn"``), or this package's gemv kernels for float32 layers with oneDNN for
-    the others (``kernels="gemv"``, medusa/runtime/gemv.py).
+    (``kernels="onednn"``), or this package's gemv kernels for float32 and bfloat16 layers with
+    oneDNN for the others (``kernels="gemv"``, medusa/runtime/gemv.py).
 
     ``stock_above``: inputs of more rows than this run the stock ``F.linear`` (a prompt's
     prefill). In bfloat16 the packed kernels matched torch's bit for bit up to a few hundred rows

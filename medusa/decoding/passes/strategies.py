@@ -103,7 +103,7 @@ def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -
 def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | None = None, heads=None):
     """The context in which the engine's passes run its linear kernels: ``"default"`` (torch's),
     ``"onednn"`` (packed oneDNN linears for the target, draft model and heads), ``"gemv"``
-    (this package's float32 kernels, oneDNN for bfloat16 heads), or a packed one above some rows
+    (this package's kernels: float32 layers, and bfloat16 heads read at half the bytes), or a packed one above some rows
     with torch's below (``"gemv>3"``; medusa/runtime/kernels.py). Compiled passes trace inside it."""
     try:
         base, stock_rows = split_kernels(kernels)
