@@ -58,6 +58,8 @@ def test_products_match_torch_and_each_row_is_its_one_row_product():
     assert gemv.product(x[:0], packed, 100).shape == (0, 100)
     with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
         gemv.pack(weight.to(torch.float16))
+    with pytest.raises(ValueError, match="does not fit a packed weight"):  # never a read past the weight
+        gemv.product(torch.randn(2, 1537), packed, 100)
 
 
 def test_bfloat16_weights_multiply_in_float32_at_half_the_bytes():

@@ -124,6 +124,10 @@ def _load(path: Path) -> ctypes.CDLL:
                                    ctypes.c_void_p, ctypes.c_int]
     lib.medusa_decoder.restype = ctypes.c_int
     lib.medusa_decoder_fields.restype = ctypes.c_int
+    lib.medusa_eagle3_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                        ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                        *[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int]
+    lib.medusa_eagle3_layer.restype = ctypes.c_int
     _check(lib)
     return lib
 
@@ -237,6 +241,10 @@ def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
     """``F.linear(x, weight, bias)`` with ``packed = pack(weight)``: float32 ``x`` on the CPU; a
     bfloat16 weight takes bfloat16 (or float32) ``x``, multiplies in float32 and returns ``x``'s
     dtype (the bias added in float32 first)."""
+    blocks, left = divmod(packed.numel(), max(x.shape[-1], 1))
+    if left or not out_features <= blocks < out_features + 16:  # the kernel would read past the weight
+        raise ValueError(f"an input of {x.shape[-1]} features does not fit a packed weight of {packed.numel()} "
+                         f"values for {out_features} outputs")
     out = _product(library(), x, packed, out_features)
     if bias is not None:
         out.add_(bias)

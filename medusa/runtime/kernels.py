@@ -65,8 +65,9 @@ PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # medusa/runtime/gemv.py) join the pick; 5: gemv prefetches under products of 7+ rows; 6: the
 # pick times 1-16 rows and may split kernels by pass size ("gemv>3"); 7: passes are timed as
 # the engine runs them (one-call attention, whole one-call passes on gemv); 8: the one-call
-# attention splits long key lists into chunks (cheaper rows at long context). Cache keys.
-PACKING_VERSION = 8
+# attention splits long key lists into chunks (cheaper rows at long context); 9: bfloat16 heads on
+# gemv and the EAGLE-3 drafter layer in one call (cheaper drafting, so other sizes). Cache keys.
+PACKING_VERSION = 9
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)

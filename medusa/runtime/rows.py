@@ -98,10 +98,14 @@ def supported(model: PreTrainedModel) -> str | None:
         return "the model softcaps or chunks its attention scores"
     if any("sinks" in name for name, _ in model.named_parameters()):
         return "the model's attention has sink logits"
-    heads, kv_heads, dim = attention_shape(model)
     reason = gemv.unavailable_reason()
     if reason is not None:
         return reason
+    return supported_shape(*attention_shape(model))
+
+
+def supported_shape(heads: int, kv_heads: int, dim: int) -> str | None:
+    """None where the kernel takes ``heads`` query heads over ``kv_heads`` of size ``dim``, else why not."""
     lanes = gemv.library().medusa_attention_lanes()
     if dim % lanes or dim > 8 * lanes or heads % kv_heads or heads // kv_heads > 64:
         return f"head size {dim} with {heads} heads over {kv_heads} KV heads: not a shape the kernel takes"

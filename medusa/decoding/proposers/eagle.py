@@ -25,6 +25,7 @@ from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
 from medusa.models.eagle_heads import EagleHeads, additive_mask
+from medusa.runtime import drafter
 from medusa.runtime import hf as kv
 
 Path_ = tuple[int, ...]
@@ -167,15 +168,38 @@ class EagleProposer(HeadsProposer):
         return f"dynamic tree ({size.nodes} nodes, depth {size.depth}, top-{size.topk}{size.describe_longer()})"
 
     # -- the head's cache of accepted pairs ---------------------------------------------
+    def _new_cache(self):
+        """The head's cache: the one-call drafter's (medusa/runtime/drafter.py) where it runs the
+        head's layer now, else the modules' dynamic cache."""
+        table = drafter.table(self.heads)
+        return kv.new_cache() if table is None else drafter.DraftCache(table.kv_heads, table.dim)
+
+    def _layer(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """The head's layer on new pairs that see the cache positions ``visible`` ``[T, past + T]``
+        (their own included), appended to the head's cache: the one-call drafter, or the modules."""
+        if isinstance(self.cache, drafter.DraftCache):
+            table = drafter.table(self.heads)
+            if table is not None:
+                return drafter.step(self.heads, table, features, tokens, positions, self.cache, visible)
+            self.cache = self.cache.module_cache(self.heads.fc.weight.dtype)  # its packed copies are gone
+        return self.heads(features, tokens, positions, self.cache, additive_mask(visible, self.heads.fc.weight.dtype))
+
+    def _crop(self) -> None:
+        """Drafted pairs leave the head's cache."""
+        if isinstance(self.cache, drafter.DraftCache):
+            self.cache.crop(self.length - self.start)
+        else:
+            kv.crop(self.cache, self.length - self.start)
+
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
         """Append pairs ``(features[i], tokens[i])`` at positions ``first + i``."""
         n = len(tokens)
         past = self.length - self.start
         visible = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
         visible[:, past:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-        out = self.heads(features, torch.tensor(tokens, device=self.device),
-                         torch.arange(first, first + n, device=self.device), self.cache,
-                         additive_mask(visible, self.heads.fc.weight.dtype))
+        out = self._layer(features, torch.tensor(tokens, device=self.device),
+                          torch.arange(first, first + n, device=self.device), visible)
         self.length = first + n
         self.last = out[-1]
 
@@ -189,7 +213,7 @@ class EagleProposer(HeadsProposer):
         if self.window is not None:
             hidden = hidden[-self.window:]  # a window: only the prompt's last pairs
         first = state.length - hidden.shape[0]
-        self.cache = kv.new_cache()
+        self.cache = self._new_cache()
         self.start = self.length = first
         self._feed(hidden, state.tokens[first + 1: state.length + 1], first)
 
@@ -204,7 +228,7 @@ class EagleProposer(HeadsProposer):
         if draws(state.sampling, self.draw):  # a chain as deep as the tree, within its nodes
             return self._drawn(state, min(depth, max(1, size.nodes // self.draw)))
         parents, tokens, scores = self._draft(state.length, depth)
-        kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
+        self._crop()
         # the drafting's host sync: what was drafted, once every level is queued
         token_list, score_list = torch.cat(tokens).tolist(), torch.cat(scores).tolist()
         parent_lists = [[0]] + [p.tolist() for p in parents]
@@ -232,9 +256,9 @@ class EagleProposer(HeadsProposer):
                                self.heads.config.vocab_size))
             if d + 1 < depth:  # the chain's node sees the accepted context and the chain above it
                 visible = torch.ones(1, past + d + 1, dtype=torch.bool, device=self.device)
-                feature = self.heads(feature[None], levels[-1][0][:1], torch.full((1,), root + d, device=self.device),
-                                     self.cache, additive_mask(visible, self.heads.fc.weight.dtype))[0]
-        kv.crop(self.cache, self.length - self.start)  # drafted pairs leave the head's cache
+                feature = self._layer(feature[None], levels[-1][0][:1], torch.full((1,), root + d, device=self.device),
+                                      visible)[0]
+        self._crop()
         proposal = drawn_proposal(state.root, levels)
         self.ranked, self.scores = list(proposal.tree.paths), []
         return proposal
@@ -261,8 +285,8 @@ class EagleProposer(HeadsProposer):
             visible[:, :past] = True  # the accepted context
             visible.scatter_(1, past + ancestors[best], True)  # the node's ancestors' pairs
             visible[rows, past + drafted + rows] = True  # and its own
-            out = self.heads(features[best], tokens[-1][best], torch.full((k,), root + d - 1, device=self.device),
-                             self.cache, additive_mask(visible, self.heads.fc.weight.dtype))  # [k, H]
+            out = self._layer(features[best], tokens[-1][best], torch.full((k,), root + d - 1, device=self.device),
+                              visible)  # [k, H]
             top = torch.log_softmax(self.heads.logits(out, vocab).float(), dim=-1).topk(k, dim=-1)  # [k, k]
             tokens.append((top.indices if vocab is None else vocab[top.indices]).flatten())  # parent-major
             scores.append((top.values + scores[-1][best][:, None]).flatten())
@@ -280,5 +304,8 @@ class EagleProposer(HeadsProposer):
         self._feed(outcome.hidden[nodes], outcome.tokens, outcome.start)
         excess = self.length - self.start - (self.window or self.length)
         if excess > 0:  # the window slides: the oldest pairs leave the head's cache
-            kv.drop_front(self.cache, excess)
+            if isinstance(self.cache, drafter.DraftCache):
+                self.cache.drop_front(excess)
+            else:
+                kv.drop_front(self.cache, excess)
             self.start += excess
