@@ -79,6 +79,13 @@ def test_the_cache_crops_slides_and_hands_its_pairs_to_the_modules():
     module = cache.module_cache(torch.bfloat16)
     assert kv.cache_length(module) == 280 and module.layers[0].values.dtype == torch.bfloat16
     assert module.layers[0].values[0, 0, 5, 0] == -15
+    # the modules' buffered cache slides the same way: the next pairs go after the kept ones
+    module = cache.module_cache(torch.float32)
+    kv.drop_front(module, 10)
+    new = torch.full((1, 2, 2, 16), 7.0)
+    module.update(new, -new, 0)
+    keys = module.layers[0].keys[0, 0, :, 0].float()
+    assert kv.cache_length(module) == 272 and keys[0] == 20 and keys[269] == 289 and keys[270:].tolist() == [7, 7]
 
 
 def test_decoding_with_the_one_call_drafter_is_the_targets_greedy(monkeypatch):

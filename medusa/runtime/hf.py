@@ -149,9 +149,13 @@ def crop(cache: Cache, length: int) -> None:
 
 
 def drop_front(cache: Cache, n: int) -> None:
-    """Forget a dynamic cache's first ``n`` positions (a view; the kept ones keep their rotary phases)."""
+    """Forget a dynamic cache's first ``n`` positions: the kept ones move to the front (of a
+    ``BufferedLayer``'s buffer, where its next update appends), keeping their rotary phases."""
     for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
+        kept_k, kept_v = layer.keys[..., n:, :].clone(), layer.values[..., n:, :].clone()
+        layer.keys, layer.values = layer.keys[..., :kept_k.shape[-2], :], layer.values[..., :kept_v.shape[-2], :]
+        layer.keys.copy_(kept_k)
+        layer.values.copy_(kept_v)
 
 
 def copy_prefix(cache: Cache, length: int, model: PreTrainedModel) -> Cache:
