@@ -266,6 +266,38 @@ def test_eagle3_sampling_keeps_the_target_distribution(mode, draw):
     assert drafted_hits > 0  # some drafts were accepted: the check covers the tree path
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_hybrid_sized_without_a_tree_drafts_sampled_requests_with_the_heads():
+    # Sized by greedy acceptance, hybrid may keep only the lookup chain (no heads tree); a
+    # sampled request then drafts with the heads as mode eagle3 is sized, their drawn rows
+    # beside the chain's point masses: still the target's law (chi-square), while a greedy
+    # request never runs the heads and keeps the target's greedy tokens.
+    from test_sampling import ALPHA, V, chi_square_pvalue, engine_samples, target_law
+
+    from medusa.decoding.plan import Plan
+    from medusa.decoding.proposers.eagle import DynamicTree
+
+    model = tiny_model("llama", vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    torch.manual_seed(4)
+    heads = init_eagle3_for(model, 3)
+    plan = Plan(eagle=DynamicTree(nodes=4, depth=3, topk=2), hybrid=DynamicTree(nodes=0, depth=3, topk=2, chain=3))
+    eng = Engine(model, heads=heads, plan=plan)
+    proposer = eng.proposer("hybrid")
+    assert "sampled requests: a drawn chain within 4 nodes" in proposer.describe()
+    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    samples, drafted_hits = engine_samples(eng, "hybrid", sampling, 300)
+    assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA
+    assert drafted_hits > 0
+    ids = [3, 1, 4, 1, 5]
+    calls, step = [], heads.step
+    heads.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    greedy = eng.generate(ids, max_new_tokens=12, mode="hybrid")
+    assert greedy.tokens == hf_greedy(model, ids, 12) and not calls  # the heads never ran
+    eng.generate(ids, max_new_tokens=12, mode="hybrid", sampling=sampling.override(seed=1))
+    assert calls  # a sampled request runs them
+    assert eng.proposer("eagle3").describe() == "dynamic tree (4 nodes, depth 3, top-2)"
+
+
 @pytest.mark.peers
 def test_compiled_passes_return_the_fused_layers(tmp_path, monkeypatch):
     # A saved CPU graph compiled for eagle3 heads returns the layers they read (its file is

@@ -141,6 +141,9 @@ class EagleProposer(HeadsProposer):
         self.draw = draw
         self.window = window
         self.size = size or DynamicTree.for_device(heads.dynamic, device, dtype)
+        # a sampled request's size where it differs (mode hybrid: see sample_with); None: ``size``
+        self.sampled: DynamicTree | None = None
+        self.active = True  # the head runs for this generation (its size drafts)
         self.cache = kv.new_cache()
         self.length = 0  # pairs in the head's cache: positions 0..length-1 (or from `start`)
         self.start = 0  # position of the first pair the head has seen
@@ -148,15 +151,30 @@ class EagleProposer(HeadsProposer):
         self.ranked: list[Path_] = []  # the last proposal's nodes, best first
         self.scores: list[float] = []  # and their cumulative draft log-probabilities
 
+    def sample_with(self, size: DynamicTree | None) -> None:
+        """Draft sampled requests (whose heads draw their candidates) at ``size`` instead of the
+        greedy one: mode hybrid sized its tree by greedy acceptance, where the lookup chain's
+        point masses are accepted about as often as the heads' drafts; at a temperature the chain's
+        acceptance falls with the target's probability of its token while drawn drafts keep theirs
+        (min(1, p/q)), so a sampled request drafts with the heads as mode eagle does."""
+        self.sampled = size
+
+    def _sizes(self) -> list[DynamicTree]:
+        return self.size.sizes + ([] if self.sampled is None else self.sampled.sizes)
+
+    def _size_for(self, state: DecodeState) -> DynamicTree:
+        """The size for this request: the sampled one where its heads draw, else the greedy one."""
+        return self.sampled if self.sampled is not None and draws(state.sampling, self.draw) else self.size
+
     @property
     def max_rows(self) -> int:
         """The largest proposal, root included (Engine.precompile reads it)."""
-        return 1 + max(size.nodes for size in self.size.sizes)
+        return 1 + max(size.nodes for size in self._sizes())
 
     @property
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
-        return 1 + min(size.nodes for size in self.size.sizes)
+        return 1 + min(size.nodes for size in self._sizes())
 
     @property
     def drafts(self) -> bool:
@@ -164,8 +182,11 @@ class EagleProposer(HeadsProposer):
         return self.max_rows > 1
 
     def describe(self) -> str:
-        size = self.size
-        return f"dynamic tree ({size.nodes} nodes, depth {size.depth}, top-{size.topk}{size.describe_longer()})"
+        size, sampled = self.size, self.sampled
+        text = f"dynamic tree ({size.nodes} nodes, depth {size.depth}, top-{size.topk}{size.describe_longer()})"
+        if sampled is None or sampled == size:
+            return text
+        return f"{text}; sampled requests: a drawn chain within {sampled.nodes} nodes, depth {sampled.depth}"
 
     # -- the head's cache of accepted pairs ---------------------------------------------
     def _new_cache(self):
@@ -205,7 +226,8 @@ class EagleProposer(HeadsProposer):
 
     @torch.inference_mode()  # the head's cache buffers are inference tensors (propose may regrow them)
     def begin(self, state: DecodeState) -> None:
-        if not self.drafts:  # sized to draft nothing here: the head never runs
+        self.active = any(size.nodes for size in self._size_for(state).sizes)
+        if not self.active:  # sized to draft nothing for this request: the head never runs
             return
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
@@ -220,7 +242,7 @@ class EagleProposer(HeadsProposer):
     # -- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
-        size = self.size.at(state.length)  # smaller at long contexts (the draft shape's topk is the same)
+        size = self._size_for(state).at(state.length)  # smaller at long contexts (the draft shape's topk is the same)
         depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
         if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
@@ -297,7 +319,7 @@ class EagleProposer(HeadsProposer):
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
-        if not self.drafts:
+        if not self.active:
             return
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)

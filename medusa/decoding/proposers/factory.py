@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.proposers.draft_model import DraftModel
-from medusa.decoding.proposers.eagle import DynamicTree
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.decoding.proposers.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
 from medusa.decoding.proposers.lookup import PromptLookup
@@ -96,6 +96,7 @@ def make_proposer(
     size=None,
     max_rows: int | None = None,
     lookahead: LookaheadSize | None = None,
+    sampled_size: DynamicTree | None = None,
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
@@ -103,7 +104,9 @@ def make_proposer(
     take one too, their chain and siblings, :mod:`medusa.decoding.proposers.block`; mode
     lookahead a :class:`~medusa.decoding.proposers.lookahead.LookaheadSize`, else its default for the
     device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
-    lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's)."""
+    lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's;
+    ``sampled_size``: mode hybrid's EAGLE heads draft sampled requests at this size, mode eagle's
+    (None: the size calibrated for mode eagle), :meth:`EagleProposer.sample_with`)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode == "lookahead":
@@ -116,6 +119,8 @@ def make_proposer(
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
                               f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
         guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
+        if mode == "hybrid" and isinstance(guessed, EagleProposer) and config.draw:
+            guessed.sample_with(sampled_size or DynamicTree.for_device(heads.dynamic, device, dtype))
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
         table = heads.ngrams if config.answer_ngrams else None
