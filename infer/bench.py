@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draw", type=count(0), default=pc.draw,
                     help=f"sampled runs: candidates per depth the heads draw from their own distribution (default "
                          f"{pc.draw}: a chain; 0: their deterministic top-k, verified as point masses)")
-    ap.add_argument("--draft-window", type=count(), default=pc.draft_window,
-                    help="eagle heads: the accepted pairs their own cache keeps and attends to, a sliding window "
-                         "(default: the whole context)")
+    ap.add_argument("--draft-window", type=count(0), default=pc.draft_window,
+                    help=f"eagle heads: the accepted pairs their own cache keeps and attends to, a sliding window "
+                         f"(default {pc.draft_window}; 0: the whole context)")
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
     ap.add_argument("--chat-template", default=None,

@@ -18,6 +18,8 @@ from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
 from medusa.models.kinds import KINDS, REGISTRY, kind
 
+DRAFT_WINDOW = 512  # ProposerConfig.draft_window's default
+
 
 def _lookahead(device: torch.device, config: ProposerConfig, size, max_rows: int | None) -> Proposer:
     """Mode lookahead: ``size`` (sized for the machine) or the device's default, then the config's W, N, G."""
@@ -62,8 +64,10 @@ class ProposerConfig:
     # top-k tree, verified as point masses
     draw: int = 1
     # EAGLE heads: the accepted pairs their own cache keeps and attends to, a sliding window
-    # (None: the whole context)
-    draft_window: int | None = None
+    # (None: the whole context). Bounded by default: the drafting's cost stays flat in the context,
+    # and heads trained on short chats accept more with it on long prompts
+    # (docs/benchmarks/2026-12-05-epyc-zen4-draft-window-fixed.md)
+    draft_window: int | None = DRAFT_WINDOW
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
