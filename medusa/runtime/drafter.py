@@ -29,6 +29,7 @@ from torch import nn
 from medusa.runtime import gemv, rows
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import packed_copy
+from medusa.runtime.native import held_table
 
 
 class DraftCache:
@@ -152,16 +153,7 @@ def table(heads) -> _Table | None:
     if supported(heads) is not None:
         return None
     layer = heads.layers[0]
-    probe = (layer.self_attn.q_proj.__dict__.get("forward"), layer.mlp.down_proj.__dict__.get("forward"))
-    held = _tables.get(heads)
-    if held is not None and held[0][0] is probe[0] and held[0][1] is probe[1]:
-        return held[1]
-    try:
-        made = _Table(heads)
-    except (LookupError, RuntimeError):
-        return None
-    _tables[heads] = (probe, made)
-    return made
+    return held_table(_tables, heads, layer.self_attn.q_proj, layer.mlp.down_proj, _Table)
 
 
 def step(heads, t: _Table, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: DraftCache,

@@ -123,20 +123,25 @@ class _Table:
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _table(model: PreTrainedModel) -> _Table | None:
-    decoder = model.get_decoder()
-    first, last = decoder.layers[0], decoder.layers[-1]
-    # the live PackedLinears' own forwards (held, so never confused with a later one's)
-    probe = (first.self_attn.q_proj.__dict__.get("forward"), last.mlp.down_proj.__dict__.get("forward"))
-    held = _tables.get(model)
+def held_table(tables: weakref.WeakKeyDictionary, owner, first: nn.Linear, last: nn.Linear, build):
+    """``build(owner)``, kept in ``tables`` while the live PackedLinears' forwards of ``first`` and
+    ``last`` are the ones it was built under (held, so never confused with a later one's); None
+    where ``build`` raises LookupError or RuntimeError (not entered, or another kernel)."""
+    probe = (first.__dict__.get("forward"), last.__dict__.get("forward"))
+    held = tables.get(owner)
     if held is not None and held[0][0] is probe[0] and held[0][1] is probe[1]:
         return held[1]
     try:
-        table = _Table(model)
-    except (LookupError, RuntimeError):  # not entered, or another kernel: the module path
+        made = build(owner)
+    except (LookupError, RuntimeError):
         return None
-    _tables[model] = (probe, table)
-    return table
+    tables[owner] = (probe, made)
+    return made
+
+
+def _table(model: PreTrainedModel) -> _Table | None:
+    decoder = model.get_decoder()
+    return held_table(_tables, model, decoder.layers[0].self_attn.q_proj, decoder.layers[-1].mlp.down_proj, _Table)
 
 
 def _addresses(cache, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
