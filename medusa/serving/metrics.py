@@ -4,8 +4,9 @@ Speculation is counted under vLLM's spec-decode names with this server's prefix,
 built for vLLM read it: ``medusa:spec_decode_num_drafts`` (steps that verified a draft),
 ``..._num_draft_tokens`` (drafted tokens verified), ``..._num_accepted_tokens`` (drafted tokens
 kept) and ``..._num_accepted_tokens_per_pos`` (kept at each draft position, label ``position``).
-Beside them: requests by how they ended, the queue, the batch, and histograms of the time to the
-first token, the prefill and the batched step.
+Beside them: requests by how they ended, the queue, the batch, the scheduler's turns by batch
+size and whether it let greedy sequences draft (``medusa:scheduler_turns``, labels ``batch``,
+``drafting``), and histograms of the time to the first token, the prefill and the batched step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Metrics:
         self.generated = counter("generation_tokens", "Tokens generated")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled")
         self.finished = counter("request_success", "Requests finished, by finish reason", ["finished_reason"])
+        self.turns = counter("scheduler_turns", "Batched steps by batch size and whether greedy sequences drafted "
+                             "(the scheduler's choice at that batch size)", ["batch", "drafting"])
         self.failed = counter("request_failure", "Requests that ended with an error")
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued", [*labels], registry=registry)
         self.running = Gauge(PREFIX + "num_requests_running", "Requests prefilling or decoding", [*labels],
@@ -52,10 +55,13 @@ class Metrics:
         self.labels = labels
 
     # -- recorded by the scheduler thread ------------------------------------------------
-    def step_done(self, batch: int, seconds: float, drafted: list[int], kept: list[int], emitted: int) -> None:
-        """One batched step: ``drafted``/``kept`` drafted tokens verified and accepted per sequence."""
+    def step_done(self, batch: int, seconds: float, drafted: list[int], kept: list[int], emitted: int,
+                  drafting: bool = True) -> None:
+        """One batched step: ``drafted``/``kept`` drafted tokens verified and accepted per sequence;
+        ``drafting``: whether the scheduler let its greedy sequences draft."""
         name = self.labels["model_name"]
         self.step.labels(name).observe(seconds)
+        self.turns.labels(name, str(batch), "true" if drafting else "false").inc()
         self.batch.labels(name).observe(batch)
         self.generated.labels(name).inc(emitted)
         for d, k in zip(drafted, kept):

@@ -245,7 +245,8 @@ class Scheduler:
             self.max_seen = max(self.max_seen, report.live)
             self._record(report.batch, drafting, report.emitted / report.seconds)
             if self.metrics is not None:
-                self.metrics.step_done(report.live, report.seconds, report.drafted, report.kept, report.emitted)
+                self.metrics.step_done(report.live, report.seconds, report.drafted, report.kept, report.emitted,
+                                       drafting)
 
     def _emit(self, events) -> None:
         """Hand each ``(sequence, event)`` to its stream; a last event ends the request."""
