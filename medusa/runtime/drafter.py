@@ -149,11 +149,20 @@ def supported(heads) -> str | None:
 
 
 def table(heads) -> _Table | None:
-    """The heads' C table while their linears run on live gemv packed copies, else None (the modules draft)."""
-    if supported(heads) is not None:
+    """The heads' C table while their linears run on live gemv packed copies, else None (the modules
+    draft). Called at every draft level: a table built under the live packing is reused, and the
+    checks of :func:`supported` run only when one is built."""
+    if os.environ.get("MEDUSA_ONE_CALL_DRAFTER", "1") == "0" or getattr(heads, "kind", None) != "eagle3":
         return None
     layer = heads.layers[0]
-    return held_table(_tables, heads, layer.self_attn.q_proj, layer.mlp.down_proj, _Table)
+    return held_table(_tables, heads, layer.self_attn.q_proj, layer.mlp.down_proj, _checked_table)
+
+
+def _checked_table(heads) -> _Table:
+    reason = supported(heads)
+    if reason is not None:
+        raise LookupError(reason)
+    return _Table(heads)
 
 
 def step(heads, t: _Table, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
