@@ -169,20 +169,3 @@ def test_left_over_rows_rotate_between_the_sequences():
     firsts = [share_rows([13] * 8, [False] * 8, 12, offset=k) for k in range(8)]
     assert all(sum(s) == 12 and max(s) == 2 for s in firsts)
     assert {tuple(s) for s in firsts} != {tuple(firsts[0])}  # the extra rows move turn by turn
-
-
-def test_drafting_follows_the_measured_rate_per_batch_size():
-    sched = Scheduler(engine_for("llama", "baseline"))
-    assert sched._drafting(1)  # alone: always as alone
-    assert sched._drafting(4)  # nothing measured: drafts first
-    sched._record(4, True, 20.0)
-    assert not sched._drafting(4)  # then measures without
-    sched._record(4, False, 30.0)
-    sched.steps = 1
-    assert not sched._drafting(4)  # plain decoding measured faster at 4
-    sched.steps = 16
-    assert sched._drafting(4)  # but every EXPLORE-th turn tries drafting again
-    sched._record(2, True, 30.0)
-    sched._record(2, False, 20.0)
-    sched.steps = 3
-    assert sched._drafting(2)

@@ -50,6 +50,7 @@ class StepReport:
     drafted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     emitted: int = 0
+    runs: list[Decoding] = field(default_factory=list)  # the verified sequences, as drafted and kept
 
 
 class Batch:
@@ -133,6 +134,7 @@ class Batch:
                     report.events.append((run, _failed(run, exc)))
                     continue
                 report.emitted += len(chunk)
+                report.runs.append(run)
                 report.drafted.append(proposal.tokens.shape[0] - 1)
                 report.kept.append(drafted)
                 if chunk:

@@ -91,6 +91,8 @@ class Decoding:
         self.emitted: list[int] = []
         self.reason: str | None = None
         self.state: DecodeState | None = None
+        # draft without a costly drafter's levels (a batch's choice: medusa/serving/drafting.py)
+        self.lean = False
         self.least = min(proposer.min_rows, max_rows or PASS_BUCKETS[-1])
         # log-probabilities of the emitted tokens under the target (its raw logits, before
         # temperature or filters: what verification computed, so exact under speculation), one
@@ -155,6 +157,7 @@ class Decoding:
         state.budget = room  # (compiled passes pad a cut tree to its bucket)
         if self.max_positions is not None:
             state.budget = min(state.budget, self.max_positions - state.length)
+        state.lean = self.lean
         if rows_cap == 1:
             return Autoregressive(device).propose(state)  # nothing to verify a draft in: skip drafting
         cap = self.max_rows if rows_cap is None else min(rows_cap, self.max_rows or rows_cap)

@@ -89,6 +89,9 @@ class DecodeState:
     # count the answer: the tokens from ``prompt_length`` on
     penalties: Penalties | None = None
     prompt_length: int = 0
+    # this step drafts without a costly drafter's levels (EAGLE heads; mode hybrid keeps its
+    # lookup chain): a batch's choice where they cost more than their rows (medusa/serving/drafting.py)
+    lean: bool = False
 
     def max_depth(self, depth: int) -> int:
         """``depth`` capped to what the budget can still emit (``budget - 1`` drafted tokens)."""

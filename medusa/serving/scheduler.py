@@ -11,7 +11,9 @@ alone touches the engine. Each turn of its loop
 2. runs one step of every running sequence, the engine's only step (:class:`~medusa.decoding.batch.Batch`:
    proposals, one packed verification pass, acceptance), with this module's policy for the rows
    each may draft: the turn's row budget shared between them (:mod:`medusa.serving.budget`: trees
-   shrink as the batch grows), or no drafting where that measured faster at this batch size;
+   shrink as the batch grows), and within its share each sequence's rows and drafter chosen from
+   the pass's cost and what its drafts kept lately (:mod:`medusa.serving.drafting`: plain
+   decoding where drafting does not pay);
 3. hands each sequence's events to its stream, and drops finished or cancelled ones.
 
 Greedy requests give the tokens they give alone whatever else runs (a budget cut changes only
@@ -38,13 +40,12 @@ from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
 from medusa.runtime.rows import attention_shape
 from medusa.serving.budget import knee, share_rows
+from medusa.serving.drafting import Choice, DraftPolicy
 
 if TYPE_CHECKING:
     from medusa.serving.metrics import Metrics
 
 log = logging.getLogger("medusa.serving")
-
-EXPLORE = 16  # every 16th turn of a batch size tries the choice that measured slower
 
 
 class Overloaded(MedusaError):
@@ -134,7 +135,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._rates: dict[tuple[int, bool], float] = {}  # (batch size, drafting) -> tokens/s (_drafting)
+        self.policy = DraftPolicy(engine.plan.pass_ms, self.row_budget)
+        self._chosen: dict[Decoding, Choice] = {}  # this turn's choice per greedy sequence (_caps)
         self.metrics = metrics  # medusa.serving.metrics: recorded here, rendered by the server
         self.steps = 0  # batched passes run (for tests and the bench)
         self.max_seen = 0  # the largest batch a pass verified
@@ -236,14 +238,15 @@ class Scheduler:
             self._emit(events)
             if not batch.running:
                 return
-            drafting = self._drafting(len(batch.running))
-            report = batch.step(self._caps if drafting else _no_drafts)
+            before = {run: run.stats.draft_seconds for run in batch.running}
+            report = batch.step(self._caps)
+            self._observe(report, before)
             self._emit(report.events)
             if not report.live:
                 return
             self.steps += 1
             self.max_seen = max(self.max_seen, report.live)
-            self._record(report.batch, drafting, report.emitted / report.seconds)
+            drafting = report.batch <= 1 or any(c.rows > 1 for c in self._chosen.values())
             if self.metrics is not None:
                 self.metrics.step_done(report.live, report.seconds, report.drafted, report.kept, report.emitted,
                                        drafting)
@@ -259,6 +262,7 @@ class Scheduler:
     def _end(self, run: Decoding, event: Done | Failed) -> None:
         """A request's last event, counted; a failure is said in one line to its client."""
         stream = self._streams.pop(run)
+        self.policy.forget(run)
         if isinstance(event, Failed):
             log.warning("medusa: a request failed and ends with the error: %s", event.error)
             event = Failed(MedusaError(f"decoding failed: {event.error}"))
@@ -278,38 +282,49 @@ class Scheduler:
         self._close(stream, Done(GenerationResult(tokens=[], stats=run.stats, finish_reason="stopped", state=None)))
         return True
 
-    def _drafting(self, batch: int) -> bool:
-        """Whether this turn's greedy sequences draft at all. Drafting costs each sequence its own
-        drafter passes while the batch's verification rows grow cheaper to fill with roots, so
-        whether it pays depends on the batch size, the drafter and the machine: the scheduler
-        keeps the measured tokens per second of turns with and without drafts for each batch
-        size and takes the faster, trying the other every ``EXPLORE`` turns. A lone sequence
-        always drafts, as it does alone."""
-        if batch <= 1:
-            return True
-        spec, plain = self._rates.get((batch, True)), self._rates.get((batch, False))
-        if spec is None or plain is None:
-            return spec is None  # measure each once
-        explore = self.steps % EXPLORE == 0
-        return (spec >= plain) != explore
-
-    def _record(self, batch: int, drafting: bool, rate: float) -> None:
-        """A turn's tokens per second into its (batch size, drafting) running mean."""
-        key = (batch, drafting)
-        old = self._rates.get(key)
-        self._rates[key] = rate if old is None else old + 0.2 * (rate - old)
-
     def _caps(self, running: list[Decoding]) -> list[int | None]:
         """Each sequence's rows this turn, decided before anything is drafted: the turn's budget
-        shared out by the proposers' largest proposals (a lone sequence drafts as it does alone;
-        a sampled request keeps its whole proposal; a share of 1 row drafts nothing)."""
+        shared out by the proposers' largest proposals, then within its share each greedy
+        sequence's rows and drafter chosen by :attr:`policy` (a lone sequence drafts as it does
+        alone; a sampled request keeps its whole proposal; 1 row drafts nothing). Rows that
+        sequences decoding plainly leave are shared again among the drafting ones."""
+        self._chosen = {}
+        for run in running:
+            run.lean = False
         if len(running) <= 1:
             return [None] * len(running)
         budget = max(self.row_budget, len(running))
         wanted = [within(r.proposer.max_rows or budget, r.request.max_draft) for r in running]
         fixed = [not r.sampling.greedy for r in running]
+        greedy = [i for i, f in enumerate(fixed) if not f]
         shares = share_rows(wanted, fixed, budget, offset=self.steps)
-        return [None if f else n for n, f in zip(shares, fixed)]
+        others = sum(s for s, f in zip(shares, fixed) if f)
+        choices = self.policy.choose([running[i] for i in greedy], [shares[i] for i in greedy], others)
+        plain = [i for i, c in zip(greedy, choices) if c.rows == 1]
+        if plain and len(plain) < len(greedy):
+            for i in plain:
+                wanted[i] = 1
+            shares = share_rows(wanted, fixed, budget, offset=self.steps)
+            choices = self.policy.choose([running[i] for i in greedy], [shares[i] for i in greedy], others, again=True)
+        caps: list[int | None] = [None] * len(running)
+        for i, choice in zip(greedy, choices):
+            # a plain or lean step needs no heads: their update waits until they next draft
+            running[i].lean, caps[i] = choice.lean or choice.rows == 1, choice.rows
+            self._chosen[running[i]] = choice
+        return caps
+
+    def _observe(self, report, before: dict[Decoding, float]) -> None:
+        """What each greedy sequence's choice drafted and kept, and the turn's time, to the policy."""
+        drafting_ms = 0.0
+        for run, drafted, kept in zip(report.runs, report.drafted, report.kept):
+            ms = 1000.0 * (run.stats.draft_seconds - before.get(run, run.stats.draft_seconds))
+            drafting_ms += ms
+            choice = self._chosen.get(run)
+            if choice is not None:
+                self.policy.observe(run, choice, drafted, kept, ms)
+        if self._chosen and report.live:
+            self.policy.turn_took(report.seconds, report.live + sum(report.drafted), drafting_ms,
+                                  sum(d > 0 for d in report.drafted))
 
 
 def kv_bytes_per_token(model) -> int:
@@ -326,9 +341,3 @@ def default_kv_memory(fraction: float = 0.5) -> int:
         return int(fraction * kib * 1024)
     except (OSError, StopIteration, ValueError, IndexError):
         return 4 << 30
-
-
-def _no_drafts(running: list[Decoding]) -> list[int | None]:
-    """A turn without drafting: one row for each greedy sequence (a sampled request keeps its
-    whole proposal, so its seed gives the same sample at any batch composition)."""
-    return [1 if r.sampling.greedy else None for r in running]

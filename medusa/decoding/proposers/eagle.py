@@ -150,6 +150,9 @@ class EagleProposer(HeadsProposer):
         self.last: torch.Tensor | None = None  # [H] the head's prediction of the root's feature
         self.ranked: list[Path_] = []  # the last proposal's nodes, best first
         self.scores: list[float] = []  # and their cumulative draft log-probabilities
+        # accepted pairs not yet in the head's cache: lean steps (a batch that does not draft with
+        # the head) defer them, and the next step that drafts feeds them in one call (_catch_up)
+        self.pending: list[tuple[torch.Tensor, list[int], int]] = []
 
     def sample_with(self, size: DynamicTree | None) -> None:
         """Draft sampled requests (whose heads draw their candidates) at ``size`` instead of the
@@ -234,19 +237,41 @@ class EagleProposer(HeadsProposer):
         hidden = state.prefill_hidden
         if self.window is not None:
             hidden = hidden[-self.window:]  # a window: only the prompt's last pairs
-        first = state.length - hidden.shape[0]
+        self.pending = []
+        self._restart(hidden, state.tokens[state.length + 1 - hidden.shape[0]: state.length + 1],
+                      state.length - hidden.shape[0])
+
+    def _restart(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
+        """A fresh cache of the pairs ``(features[i], tokens[i])`` at positions ``first + i``."""
         self.cache = self._new_cache()
         self.start = self.length = first
-        self._feed(hidden, state.tokens[first + 1: state.length + 1], first)
+        self._feed(features, tokens, first)
+
+    def _catch_up(self) -> None:
+        """Feed the deferred pairs in one call: within a window only its last pairs, into a fresh
+        cache (the older ones would have slid out before this step)."""
+        if not self.pending:
+            return
+        features = torch.cat([f for f, _, _ in self.pending])
+        tokens = [t for _, ts, _ in self.pending for t in ts]
+        first = self.pending[0][2]
+        self.pending = []
+        if self.window is not None and features.shape[0] >= self.window:
+            cut = features.shape[0] - self.window
+            self._restart(features[cut:], tokens[cut:], first + cut)
+            return
+        self._feed(features, tokens, first)
+        self._slide()
 
     # -- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
         size = self._size_for(state).at(state.length)  # smaller at long contexts (the draft shape's topk is the same)
         depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
-        if size.nodes == 0 or depth == 0:  # calibrated: drafting does not pay here; or one token is left
+        if size.nodes == 0 or depth == 0 or state.lean:  # drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
+        self._catch_up()
         if draws(state.sampling, self.draw):  # a chain as deep as the tree, within its nodes
             return self._drawn(state, min(depth, max(1, size.nodes // self.draw)))
         parents, tokens, scores = self._draft(state.length, depth)
@@ -323,7 +348,15 @@ class EagleProposer(HeadsProposer):
             return
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)
-        self._feed(outcome.hidden[nodes], outcome.tokens, outcome.start)
+        self.pending.append((outcome.hidden[nodes], list(outcome.tokens), outcome.start))
+        if state.lean:  # a batch's lean step: fed when the head next drafts
+            if self.window is not None and sum(len(t) for _, t, _ in self.pending) > 2 * self.window:
+                self._catch_up()  # (at most two windows wait)
+            return
+        self._catch_up()
+
+    def _slide(self) -> None:
+        """The oldest pairs leave the head's cache past its window."""
         excess = self.length - self.start - (self.window or self.length)
         if excess > 0:  # the window slides: the oldest pairs leave the head's cache
             if isinstance(self.cache, drafter.DraftCache):
