@@ -36,6 +36,7 @@ from medusa.autotune.calibration import (
     read_calibration,
     write_calibration,
 )
+from medusa.autotune.drawn import calibrate_drawn
 from medusa.autotune.trees import choose_dynamic, choose_tree, path_counts
 from medusa.config import HelpFormatter, count
 from medusa.decoding.tree import tree_key
@@ -78,6 +79,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
           f"tokens/pass -> {tps:.1f} tokens/s (plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
     print(f"best hybrid on {device}: {hybrid.nodes} nodes (depth {hybrid.depth}, top-{hybrid.topk}) and a "
           f"{hybrid.chain}-token lookup chain, expected {hybrid_expected:.2f} tokens/pass -> {hybrid_tps:.1f} tokens/s")
+    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed)
     if args.dry_run:
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
@@ -91,6 +93,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
         "curves": {f"{d}x{k}": acc.as_record() for (d, k), acc in curves.items()},
         "command": command(argv),
     }
+    if drawn:
+        record["measured"][device]["drawn"] = drawn
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
     record["command"] = command(argv)
@@ -140,8 +144,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                     help="the heads' dtype while drafting (default: as medusa.load picks on this device; "
                          "int8: eagle heads on int8 weights, CPU)")
+    ap.add_argument("--temperatures", type=temperatures_arg, default=[0.7, 1.0],
+                    help="eagle heads: temperatures their drawn chains are calibrated at, on answers the target "
+                         "samples at each ('none': skip; default: 0.7,1.0)")
+    ap.add_argument("--drawn-only", action="store_true",
+                    help="eagle heads: add the drawn chains' calibration to this device's existing entry, keeping "
+                         "everything else (the draft vocabulary, the trees)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     return ap
+
+
+def temperatures_arg(text: str) -> list[float]:
+    if text.strip().lower() == "none":
+        return []
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures, e.g. 0.7,1.0") from None
+    if any(not 0 < t <= 2 for t in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be in (0, 2], got {text!r}")
+    return values
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -157,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         engine = medusa.load(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype,
                              kernels=args.kernels, draft_dtype=args.draft_dtype)
         heads = engine.heads
-        heads.set_draft_vocab(None)
         set_chat_template(engine.tokenizer, args.chat_template)
         if not getattr(engine.tokenizer, "chat_template", None):
             raise MedusaError(f"{args.model} has no chat template: pass --chat-template FILE, the template its heads' "
                               "data was generated with (e.g. configs/chat_templates/question_answer.jinja)")
         prompts, reference = held_out_prompts(engine.tokenizer, args.prompts, args.samples, args.exclude, args.seed,
                                               args.max_prompt_tokens, args.reference_answers)
+        if args.drawn_only:
+            return add_drawn(args, argv, engine, prompts)
+        heads.set_draft_vocab(None)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(engine, answers, reference, args.vocab_size)
         if kind(heads.config.kind).drafts_per_step:  # block heads: sized as a DynamicTree too
@@ -190,6 +214,25 @@ def main(argv: list[str] | None = None) -> int:
           f"(plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
     if not args.dry_run:
         write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage)
+    return 0
+
+
+def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
+    """``--drawn-only``: the drawn chains' curves into this device's calibrated entry."""
+    if not kind(engine.heads.config.kind).drafts_per_step or not args.temperatures:
+        raise MedusaError("--drawn-only calibrates eagle heads' drawn chains: pass eagle heads and --temperatures")
+    device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
+    path = Path(args.heads) / CALIBRATION_NAME
+    entry = read_calibration(path).get("measured", {}).get(device)
+    if not isinstance(entry, dict):
+        raise MedusaError(f"{path} has no entry for {device}: calibrate these heads without --drawn-only first")
+    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed)
+    if args.dry_run:
+        return 0
+    record = read_calibration(path)
+    record["measured"][device].update(drawn=drawn, drawn_command=command(argv))
+    write_calibration(path, record)
+    print(f"wrote {path}")
     return 0
 
 

@@ -150,6 +150,13 @@ def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     assert record["measured"]["cpu-bfloat16"]["cost_ms"] == {"1": 10.0, "9": 10.0}
     assert "--dtype float32" in record["measured"]["cpu"]["command"]
     assert "--dtype bfloat16" in record["measured"]["cpu-bfloat16"]["command"]
+    drawn = record["measured"]["cpu"]["drawn"]  # drawn chains calibrated at the default temperatures
+    assert set(drawn) == {"0.7", "1"} and all(len(d["kept"]) == 8 and d["level_ms"] > 0 for d in drawn.values())
+    # --drawn-only adds a temperature's curve to the entry and keeps the rest
+    assert script.main(common + ["--dtype", "float32", "--drawn-only", "--temperatures", "0.5"]) == 0
+    again = json.loads(path.read_text())
+    assert set(again["measured"]["cpu"]["drawn"]) == {"0.5"} and again["dynamic"] == record["dynamic"]
+    assert again["draft_vocab"] == record["draft_vocab"]
     # random heads accept too little for either curve to pick a tree; give the dtypes other sizes
     fp32, bf16 = DynamicTree(nodes=2, depth=2, topk=1), DynamicTree(nodes=6, depth=3, topk=2)
     record["dynamic"] = {"cpu": fp32.as_dict(), "cpu-bfloat16": bf16.as_dict()}

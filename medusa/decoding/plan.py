@@ -47,7 +47,8 @@ class Plan:
     ``draft_dtype``: the heads' dtype (None: as they are); ``eagle``/``hybrid``: EAGLE trees sized
     for this machine, or with block heads the block's proposal (mode block's and mode hybrid's;
     medusa/decoding/proposers/block.py) (None: calibrated for the device type); ``lookahead``: mode lookahead's W, N,
-    G from the same pass costs (None: by device type); ``pass_ms``: the pass costs the sizing timed."""
+    G from the same pass costs (None: by device type); ``pass_ms``: the pass costs the sizing timed;
+    ``drawn``: sampled requests' drawn chains per calibrated temperature."""
 
     dtype: str | None = None
     kernels: str = "default"
@@ -60,6 +61,9 @@ class Plan:
     # this machine's verification pass cost, ((rows, ms), ...), as the tree sizing timed it
     # (None: not measured); a batch's row budget comes from it (medusa/serving/budget.py)
     pass_ms: tuple[tuple[int, float], ...] | None = None
+    # EAGLE heads' drawn chains for sampled requests per calibrated temperature, sized with
+    # pass_ms ((temperature, size), ...; medusa/autotune/drawn.py); (): the sampled size as before
+    drawn: tuple = ()
     decisions: tuple[Decision, ...] = ()
 
     @classmethod

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
+from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
 from medusa.models.eagle_heads import EagleHeads, additive_mask
@@ -153,21 +154,32 @@ class EagleProposer(HeadsProposer):
         # accepted pairs not yet in the head's cache: lean steps (a batch that does not draft with
         # the head) defer them, and the next step that drafts feeds them in one call (_catch_up)
         self.pending: list[tuple[torch.Tensor, list[int], int]] = []
+        # drawn chains sized per calibrated temperature ((temperature, size), ...): a sampled
+        # request drafts the one nearest its temperature (medusa/autotune/drawn.py)
+        self.by_temperature: tuple[tuple[float, DynamicTree], ...] = ()
 
-    def sample_with(self, size: DynamicTree | None) -> None:
+    def sample_with(self, size: DynamicTree | None,
+                    by_temperature: tuple[tuple[float, DynamicTree], ...] = ()) -> None:
         """Draft sampled requests (whose heads draw their candidates) at ``size`` instead of the
         greedy one: mode hybrid sized its tree by greedy acceptance, where the lookup chain's
         point masses are accepted about as often as the heads' drafts; at a temperature the chain's
         acceptance falls with the target's probability of its token while drawn drafts keep theirs
-        (min(1, p/q)), so a sampled request drafts with the heads as mode eagle does."""
-        self.sampled = size
+        (min(1, p/q)), so a sampled request drafts with the heads as mode eagle does.
+        ``by_temperature``: chains sized from the heads' drawn calibration, which come first."""
+        self.sampled, self.by_temperature = size, tuple(by_temperature)
 
     def _sizes(self) -> list[DynamicTree]:
-        return self.size.sizes + ([] if self.sampled is None else self.sampled.sizes)
+        drawn = [s for _, size in self.by_temperature for s in size.sizes]
+        return self.size.sizes + ([] if self.sampled is None else self.sampled.sizes) + drawn
 
     def _size_for(self, state: DecodeState) -> DynamicTree:
-        """The size for this request: the sampled one where its heads draw, else the greedy one."""
-        return self.sampled if self.sampled is not None and draws(state.sampling, self.draw) else self.size
+        """The size for this request: where its heads draw, the chain calibrated at the nearest
+        temperature, else the sampled size; else the greedy one."""
+        if not draws(state.sampling, self.draw):
+            return self.size
+        if self.by_temperature:
+            return min(self.by_temperature, key=lambda item: abs(item[0] - state.sampling.temperature))[1]
+        return self.sampled if self.sampled is not None else self.size
 
     @property
     def max_rows(self) -> int:
@@ -309,6 +321,23 @@ class EagleProposer(HeadsProposer):
         proposal = drawn_proposal(state.root, levels)
         self.ranked, self.scores = list(proposal.tree.paths), []
         return proposal
+
+    @torch.inference_mode()
+    def chain_laws(self, state: DecodeState, tokens: list[int]) -> list[torch.Tensor]:
+        """The head's processed laws (``state.sampling`` applied, over its draft vocabulary) at
+        depths 1..len(tokens) of a chain that drew ``tokens``: what :meth:`_drawn` draws from, with
+        the tokens given (teacher forcing, for the drawn calibration: medusa/autotune/drawn.py)."""
+        self._catch_up()
+        root, past = state.length, state.length - self.start
+        feature, laws = self.last, []
+        for d, token in enumerate(tokens):
+            laws.append(probabilities(self.heads.logits(feature, self.heads.draft_vocab).float(), state.sampling))
+            if d + 1 < len(tokens):
+                visible = torch.ones(1, past + d + 1, dtype=torch.bool, device=self.device)
+                feature = self._layer(feature[None], torch.tensor([token], device=self.device),
+                                      torch.full((1,), root + d, device=self.device), visible)[0]
+        self._crop()
+        return laws
 
     def _draft(self, root: int, depth: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Grow the draft to ``depth`` levels: ``(parents, tokens, scores)``, per level the

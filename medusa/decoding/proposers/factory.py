@@ -89,6 +89,15 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
     return guessed, 0 if hybrid and sized.chain == 0 and not config.lookup_tokens else chain
 
 
+def _sampled(mode: str, size: DynamicTree | None, heads, device: torch.device,
+             dtype: torch.dtype) -> DynamicTree | None:
+    """Mode hybrid's size for sampled requests (``size``, else mode eagle's calibrated one); other
+    modes draft them at their own size."""
+    if mode != "hybrid":
+        return None
+    return size or DynamicTree.for_device(heads.dynamic, device, dtype)
+
+
 def make_proposer(
     mode: str,
     device: torch.device,
@@ -101,6 +110,7 @@ def make_proposer(
     max_rows: int | None = None,
     lookahead: LookaheadSize | None = None,
     sampled_size: DynamicTree | None = None,
+    by_temperature: tuple = (),
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
@@ -110,7 +120,9 @@ def make_proposer(
     device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
     lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's;
     ``sampled_size``: mode hybrid's EAGLE heads draft sampled requests at this size, mode eagle's
-    (None: the size calibrated for mode eagle), :meth:`EagleProposer.sample_with`)."""
+    (None: the size calibrated for mode eagle), :meth:`EagleProposer.sample_with`); ``by_temperature``:
+    EAGLE heads' drawn chains sized per calibrated temperature (medusa/autotune/drawn.py), which
+    come first for sampled requests in modes eagle and hybrid."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode == "lookahead":
@@ -123,8 +135,8 @@ def make_proposer(
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
                               f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
         guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
-        if mode == "hybrid" and isinstance(guessed, EagleProposer) and config.draw:
-            guessed.sample_with(sampled_size or DynamicTree.for_device(heads.dynamic, device, dtype))
+        if isinstance(guessed, EagleProposer) and config.draw:
+            guessed.sample_with(_sampled(mode, sampled_size, heads, device, dtype), by_temperature)
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
         table = heads.ngrams if config.answer_ngrams else None

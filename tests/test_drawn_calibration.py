@@ -1,0 +1,96 @@
+"""Drawn chains calibrated at a temperature (medusa/autotune/drawn.py): the measured curve is the
+chance verification keeps what the heads draw, the depth follows it and the machine's costs, and a
+sampled request drafts the chain sized for the nearest calibrated temperature."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from medusa.autotune.drawn import DrawnCurve, best_depth, drawn_curve, drawn_depths, drawn_records
+from medusa.decoding.engine import Engine
+from medusa.decoding.plan import Plan
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.sampling import SamplingConfig, probabilities
+from medusa.models.eagle3_heads import init_eagle3_for
+from medusa.runtime import hf as kv
+
+COST = {1: 18.0, 2: 18.5, 4: 19.0, 8: 22.0, 16: 30.0}
+
+
+def _pairs(n=3, length=12):
+    return [([(5 * i + 3 * j) % 90 + 4 for j in range(10)], [(7 * i + 11 * j) % 90 + 4 for j in range(length)])
+            for i in range(n)]
+
+
+def test_the_curve_is_the_chance_that_verification_keeps_each_drawn_depth():
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = init_eagle3_for(model, 3)
+    pairs = _pairs(1, 6)
+    curve = drawn_curve(heads, model, pairs, temperature=0.8, depth=3)
+    assert len(curve.kept) == 3 and curve.level_ms > 0
+    assert all(0 < a <= b for a, b in zip(curve.kept, curve.kept[1:]))  # deeper chains keep more, never fewer
+    # depth 1 by hand: sum_v min(p, q) at each position, p the target's law, q the head's
+    prompt, answer = pairs[0]
+    ids = prompt + answer
+    seq = torch.tensor(ids)
+    sampling = SamplingConfig(temperature=0.8)
+    with torch.inference_mode():
+        p_all = probabilities(model(input_ids=seq[None]).logits[0], sampling)
+        hidden = kv.features(model, seq, heads.feature_layers)
+    proposer = EagleProposer.for_heads(heads, torch.device("cpu"))
+    from medusa.decoding.state import DecodeState, StepOutcome
+
+    state = DecodeState(cache=None, tokens=ids[: len(prompt) + 1], length=len(prompt), root=seq[len(prompt)],
+                        hidden=hidden[len(prompt) - 1], logits=None, prefill_hidden=hidden[: len(prompt)],
+                        sampling=sampling)
+    proposer.begin(state)
+    betas = []
+    for t in range(len(prompt), len(ids) - 1):
+        q = proposer.chain_laws(state, [ids[t + 1]])[0]
+        betas.append(torch.minimum(p_all[t], q).sum().item())
+        proposer.update(state, StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t))
+        state.length, state.root = t + 1, seq[t + 1]
+        state.tokens.append(ids[t + 1])
+    assert curve.kept[0] == pytest.approx(sum(betas) / len(betas), rel=1e-5)
+
+
+def test_the_depth_follows_what_is_kept_and_what_a_level_costs():
+    deep = DrawnCurve(0.7, (0.9, 1.7, 2.4, 3.0), level_ms=0.5)
+    assert best_depth(deep, COST) == 4  # cheap levels, kept drafts: the whole chain pays
+    assert best_depth(DrawnCurve(1.0, (0.1, 0.11, 0.111), level_ms=3.0), COST) == 0  # nothing kept: plain
+    shallow = DrawnCurve(1.0, (0.6, 0.8, 0.85, 0.86), level_ms=2.0)
+    assert 1 <= best_depth(shallow, COST) < 4  # later levels keep too little for their 2 ms
+    sizes = drawn_depths({"0.7": deep.as_record(), "1": shallow.as_record()}, COST)
+    assert [t for t, _ in sizes] == [0.7, 1.0]
+    assert sizes[0][1] == DynamicTree(nodes=4, depth=4, topk=1)
+
+
+def test_a_sampled_request_drafts_the_chain_of_the_nearest_temperature():
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = init_eagle3_for(model, 3)
+    heads.measured = {"cpu": {"drawn": {"0.7": {"kept": [0.9, 1.7, 2.4], "level_ms": 0.1},
+                                        "1": {"kept": [0.9, 0.95, 0.96], "level_ms": 2.0}}}}
+    assert drawn_records(heads, torch.device("cpu"), torch.float32)["0.7"]["kept"][0] == 0.9
+    drawn = drawn_depths(drawn_records(heads, torch.device("cpu"), torch.float32), COST)
+    eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items()), drawn=drawn))
+    proposer = eng.proposer("eagle3")
+    at = {t: size.depth for t, size in proposer.by_temperature}
+    assert at[0.7] == 3 and at[1.0] < 3
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(20)]
+    for temperature, depth in ((0.6, 3), (1.2, at[1.0])):
+        run = eng.decoding(_request(prompt, temperature, proposer))
+        for _ in run.prefill_chunks():
+            pass
+        run.first_chunk()
+        run.begin()
+        assert run.propose().tree.max_depth == depth
+    greedy = eng.generate(prompt, max_new_tokens=12, mode="eagle3").tokens
+    assert greedy == eng.generate(prompt, max_new_tokens=12, mode="baseline").tokens
+
+
+def _request(prompt, temperature, proposer):
+    from medusa.decoding.request import make_request
+
+    return make_request(prompt, max_new_tokens=12, mode=proposer, temperature=temperature, seed=3, ignore_eos=True)
