@@ -79,7 +79,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
           f"tokens/pass -> {tps:.1f} tokens/s (plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
     print(f"best hybrid on {device}: {hybrid.nodes} nodes (depth {hybrid.depth}, top-{hybrid.topk}) and a "
           f"{hybrid.chain}-token lookup chain, expected {hybrid_expected:.2f} tokens/pass -> {hybrid_tps:.1f} tokens/s")
-    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed)
+    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
     if args.dry_run:
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
@@ -226,7 +226,7 @@ def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
     entry = read_calibration(path).get("measured", {}).get(device)
     if not isinstance(entry, dict):
         raise MedusaError(f"{path} has no entry for {device}: calibrate these heads without --drawn-only first")
-    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed)
+    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
     if args.dry_run:
         return 0
     record = read_calibration(path)

@@ -152,6 +152,7 @@ def test_eagle_calibration_keeps_a_tree_per_dtype(tmp_path):
     assert "--dtype bfloat16" in record["measured"]["cpu-bfloat16"]["command"]
     drawn = record["measured"]["cpu"]["drawn"]  # drawn chains calibrated at the default temperatures
     assert set(drawn) == {"0.7", "1"} and all(len(d["kept"]) == 8 and d["level_ms"] > 0 for d in drawn.values())
+    assert all(len(d.get("chain", [0] * 16)) == 16 for d in drawn.values())  # hybrid's chains of 1..--max-chain
     # --drawn-only adds a temperature's curve to the entry and keeps the rest
     assert script.main(common + ["--dtype", "float32", "--drawn-only", "--temperatures", "0.5"]) == 0
     again = json.loads(path.read_text())

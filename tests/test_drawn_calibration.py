@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa.autotune.drawn import DrawnCurve, best_depth, drawn_curve, drawn_depths, drawn_records
+from medusa.autotune.drawn import DrawnCurve, best_depth, drawn_curve, drawn_depths, drawn_records, drawn_table
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
 from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
@@ -64,7 +64,7 @@ def test_the_depth_follows_what_is_kept_and_what_a_level_costs():
     assert 1 <= best_depth(shallow, COST) < 4  # later levels keep too little for their 2 ms
     sizes = drawn_depths({"0.7": deep.as_record(), "1": shallow.as_record()}, COST)
     assert [t for t, _ in sizes] == [0.7, 1.0]
-    assert sizes[0][1] == DynamicTree(nodes=4, depth=4, topk=1)
+    assert sizes[0][1] == DynamicTree(nodes=4, depth=4, topk=1, chain=0)  # (no chain measured: none)
 
 
 def test_a_sampled_request_drafts_the_chain_of_the_nearest_temperature():
@@ -73,7 +73,7 @@ def test_a_sampled_request_drafts_the_chain_of_the_nearest_temperature():
     heads.measured = {"cpu": {"drawn": {"0.7": {"kept": [0.9, 1.7, 2.4], "level_ms": 0.1},
                                         "1": {"kept": [0.9, 0.95, 0.96], "level_ms": 2.0}}}}
     assert drawn_records(heads, torch.device("cpu"), torch.float32)["0.7"]["kept"][0] == 0.9
-    drawn = drawn_depths(drawn_records(heads, torch.device("cpu"), torch.float32), COST)
+    drawn = drawn_table(drawn_records(heads, torch.device("cpu"), torch.float32), COST)
     eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items()), drawn=drawn))
     proposer = eng.proposer("eagle3")
     at = {t: size.depth for t, size in proposer.by_temperature}
@@ -94,3 +94,55 @@ def _request(prompt, temperature, proposer):
     from medusa.decoding.request import make_request
 
     return make_request(prompt, max_new_tokens=12, mode=proposer, temperature=temperature, seed=3, ignore_eos=True)
+
+
+def test_a_lookup_chain_gains_where_the_drawn_token_leaves_room_and_the_chain_matches():
+    from medusa.autotune.drawn import chain_gains
+
+    ids = [1, 2, 3, 4, 5, 6]
+    target = torch.zeros(6, 8)
+    target[1, 3] = 0.8  # position 1 (root 2): the next token is 3 with 0.8
+    target[1, 7] = 0.2
+    target[2, 4] = 0.5  # after 3: 4 with 0.5
+    target[2, 6] = 0.5
+    first = torch.zeros(8)
+    first[3] = 0.3  # the drawn first token: 3 with 0.3
+    first[7] = 0.7
+    gains = chain_gains([3, 4, 5], ids, 1, target, first, chain=4)
+    assert gains[0] == pytest.approx(0.5)  # max(0.8 - 0.3, 0): the residual keeps the chain's 3
+    assert gains[1] == pytest.approx(0.5 + 0.5 * 0.5)  # then 4, as the answer goes on with 3
+    assert gains[3] == gains[2]  # a 3-token chain cut to 4 is the same chain
+    assert chain_gains([7, 4], ids, 1, target, first, chain=2) == [0.0, 0.0]  # the drawn law covers 7; 4 unknown
+
+
+def test_the_hybrid_chain_beside_a_drawn_chain_is_sized_with_its_rows():
+    from medusa.autotune.drawn import best_size
+
+    rich = DrawnCurve(1.0, (0.4, 0.5), level_ms=0.5, chain=(0.5, 0.9, 1.2), chain_share=0.5)
+    poor = DrawnCurve(1.0, (0.4, 0.5), level_ms=0.5, chain=(0.001, 0.002, 0.003), chain_share=1.0)
+    assert best_size(rich, COST)[1] == 3  # the chain's tokens pay for its rows
+    assert best_size(poor, COST)[1] == 0  # rows for nothing: no chain
+    assert best_size(rich, COST, hybrid=False)[1] == 0
+
+
+def test_a_sampled_hybrid_request_copies_no_more_than_its_temperature_s_chain():
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = init_eagle3_for(model, 3)
+    chainless = {"kept": [0.9, 1.7], "level_ms": 0.1, "chain": [0.0, 0.0], "chain_share": 1.0}
+    heads.measured = {"cpu": {"drawn": {"1": chainless}}}
+    drawn = drawn_table(drawn_records(heads, torch.device("cpu"), torch.float32), COST)
+    assert drawn[0][2].chain == 0 and drawn[0][2].depth == 2
+    eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items()), drawn=drawn))
+    prompt = [5, 17, 33, 9, 41, 12] * 6  # lookup finds chains to copy
+    proposer = eng.proposer("hybrid")
+    run = eng.decoding(_request(prompt, 1.0, proposer))
+    for _ in run.prefill_chunks():
+        pass
+    run.first_chunk()
+    run.begin()
+    for _ in range(6):
+        proposal = run.propose()
+        if proposal is None:
+            break
+        assert proposal.tokens.shape[0] <= 3  # the root and the drawn chain: no lookup rows
+        run.advance(eng.step(run.state, proposal))

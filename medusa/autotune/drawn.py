@@ -8,7 +8,12 @@ pays: ``beta`` falls as the temperature spreads ``p``. This module measures it: 
 own answers sampled at the temperature (teacher-forced, the answer's tokens standing for the
 drawn ones), at every position it takes the head's laws down a chain and the target's ``p`` at
 the same positions, and averages the expected drafted tokens kept by a chain of each depth,
-``E(D) = sum_{d<=D} prod_{j<=d} beta_j``. ``scripts/calibrate_tree.py --temperatures`` writes
+``E(D) = sum_{d<=D} prod_{j<=d} beta_j``. Mode hybrid puts prompt lookup's chain beside the drawn
+one, its tokens point masses: where the drawn first token is rejected, the chain's first token
+``c`` is kept from the residual law, with chance ``max(p(c) - q(c), 0)``, and each next one with
+the target's ``p`` of it (followed along the answer while the chain matches it: an estimate from
+below). The curve keeps that gain per chain length and the share of steps with a chain, and
+the sizing weighs its rows (:func:`best_size`). ``scripts/calibrate_tree.py --temperatures`` writes
 the curves into the heads' calibration.json (``drawn``, per temperature); the engine sizes a
 sampled request's chain from the curve nearest its temperature and this machine's pass costs
 (:func:`drawn_depths`).
@@ -25,6 +30,7 @@ from tqdm import tqdm
 
 from medusa.autotune.trees import interpolate
 from medusa.decoding.proposers.eagle import DynamicTree
+from medusa.decoding.proposers.lookup import PromptLookup
 from medusa.decoding.sampling import SamplingConfig, probabilities
 from medusa.decoding.state import DecodeState, StepOutcome
 from medusa.decoding.tree import tree_key
@@ -41,25 +47,36 @@ class DrawnCurve:
     temperature: float
     kept: tuple[float, ...]
     level_ms: float
+    # mode hybrid: tokens a lookup chain of length 1..len(chain) adds beside the drawn chain, per
+    # step, and the share of steps that have a chain (rows it adds); () where not measured
+    chain: tuple[float, ...] = ()
+    chain_share: float = 0.0
 
     def as_record(self) -> dict:
-        return {"kept": [round(k, 4) for k in self.kept], "level_ms": round(self.level_ms, 4)}
+        record = {"kept": [round(k, 4) for k in self.kept], "level_ms": round(self.level_ms, 4)}
+        if self.chain:
+            record.update(chain=[round(k, 4) for k in self.chain], chain_share=round(self.chain_share, 4))
+        return record
 
     @classmethod
     def from_record(cls, temperature: float, record: dict) -> DrawnCurve:
-        return cls(float(temperature), tuple(float(k) for k in record["kept"]), float(record["level_ms"]))
+        return cls(float(temperature), tuple(float(k) for k in record["kept"]), float(record["level_ms"]),
+                   tuple(float(k) for k in record.get("chain", ())), float(record.get("chain_share", 0.0)))
 
 
 def drawn_curve(heads, model, sequences: list[tuple[list[int], list[int]]], temperature: float,
-                depth: int = MAX_DEPTH, top_p: float = 1.0) -> DrawnCurve:
+                depth: int = MAX_DEPTH, top_p: float = 1.0, chain: int = 0, lookup_ngram: int = 3) -> DrawnCurve:
     """:class:`DrawnCurve` along ``(prompt, answer)`` token lists (answers the target sampled at
-    ``temperature``), the heads drafting as the engine's proposer does."""
+    ``temperature``), the heads drafting as the engine's proposer does; with ``chain``, prompt
+    lookup's chains of up to that many tokens beside them (mode hybrid)."""
     device = heads.fc.weight.device
     size = DynamicTree(nodes=depth, depth=depth, topk=1)  # (the calibrated size may draft nothing)
     proposer = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     totals, counts, seconds, levels = [0.0] * depth, [0] * depth, 0.0, 0
     ids_of = heads.draft_vocab
+    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
+    gains, found, steps = [0.0] * chain, 0, 0
     for prompt, answer in tqdm(sequences, desc=f"drawn chains at T={temperature}", file=sys.stderr):
         ids = prompt + answer
         seq = torch.tensor(ids, device=device)
@@ -70,10 +87,12 @@ def drawn_curve(heads, model, sequences: list[tuple[list[int], list[int]]], temp
         state = DecodeState(cache=None, tokens=ids[: p + 1], length=p, root=seq[p], hidden=hidden[p - 1],
                             logits=None, prefill_hidden=hidden[:p], sampling=sampling)
         proposer.begin(state)
+        if lookup is not None:
+            lookup.begin(state)
         for t in range(p, len(ids) - 1):
-            chain = ids[t + 1: t + 1 + depth]
+            forced = ids[t + 1: t + 1 + depth]
             t0 = time.perf_counter()
-            laws = proposer.chain_laws(state, chain)  # [S] each, over the draft vocabulary
+            laws = proposer.chain_laws(state, forced)  # [S] each, over the draft vocabulary
             seconds += time.perf_counter() - t0
             levels += len(laws)
             kept = 1.0
@@ -83,13 +102,41 @@ def drawn_curve(heads, model, sequences: list[tuple[list[int], list[int]]], temp
                 kept *= beta
                 totals[d] += kept
                 counts[d] += 1
+            if lookup is not None:
+                copied = lookup.propose(state).tokens[1:].tolist()
+                found += bool(copied)
+                steps += 1
+                first = laws[0] if ids_of is None else laws[0].new_zeros(target.shape[-1]).index_put_((ids_of,), laws[0])
+                for i, gain in enumerate(chain_gains(copied, ids, t, target, first, chain)):
+                    gains[i] += gain
             outcome = StepOutcome(nodes=[0], tokens=[ids[t + 1]], hidden=hidden[t: t + 1], start=t)
             state.length, state.root = t + 1, seq[t + 1]
             state.tokens.append(ids[t + 1])
             proposer.update(state, outcome)
     per_depth = [totals[d] / max(counts[d], 1) for d in range(depth)]
     kept = tuple(sum(per_depth[: d + 1]) for d in range(depth))
-    return DrawnCurve(temperature, kept, seconds / max(levels, 1) * 1e3)
+    return DrawnCurve(temperature, kept, seconds / max(levels, 1) * 1e3, tuple(g / max(steps, 1) for g in gains),
+                      found / max(steps, 1))
+
+
+def chain_gains(copied: list[int], ids: list[int], t: int, target: torch.Tensor, first: torch.Tensor,
+                chain: int) -> list[float]:
+    """Tokens a point-mass chain ``copied`` adds beside a drawn first token of law ``first``
+    ``[V]`` at position ``t`` of ``ids`` (``target[t + j]``: the target's law of token ``t + j + 1``),
+    for chains cut to 1..``chain`` tokens: its first token kept from the residual law, the next
+    ones while the chain matches the answer (where it does not, the target's law of the next
+    token is unknown: counted as rejected)."""
+    out, total, kept = [], 0.0, 0.0
+    for j, token in enumerate(copied[:chain]):
+        if j == 0:
+            kept = max(target[t, token].item() - first[token].item(), 0.0)
+        elif t + j < len(ids) and ids[t + j] == copied[j - 1]:
+            kept *= target[t + j, token].item()
+        else:
+            kept = 0.0
+        total += kept
+        out.append(total)
+    return out + [total] * (chain - len(out))
 
 
 def sampled_answers(engine, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -102,7 +149,7 @@ def sampled_answers(engine, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 def calibrate_drawn(engine, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
-                    seed: int) -> dict[str, dict]:
+                    seed: int, chain: int = 8) -> dict[str, dict]:
     """Per temperature, the drawn chains' curve on answers sampled at it (calibration.json's
     ``drawn``), each printed in one line."""
     out: dict[str, dict] = {}
@@ -113,32 +160,56 @@ def calibrate_drawn(engine, prompts: list[list[int]], temperatures: list[float],
         answers = sampled_answers(engine, prompts, max_new_tokens, temperature, seed)
         pairs = [(p, a) for p, a in zip(prompts, answers) if a]
         with engine.kernel_scope():
-            curve = drawn_curve(engine.heads, engine.model, pairs, temperature)
+            curve = drawn_curve(engine.heads, engine.model, pairs, temperature, chain=chain,
+                                lookup_ngram=engine.proposer_config.lookup_ngram)
         print(f"T={temperature:g}: drafted tokens kept by a drawn chain of depth 1..{len(curve.kept)}: "
-              + ", ".join(f"{k:.2f}" for k in curve.kept) + f"; {curve.level_ms:.2f} ms a level")
+              + ", ".join(f"{k:.2f}" for k in curve.kept) + f"; {curve.level_ms:.2f} ms a level; a lookup chain "
+              f"of 1..{chain} tokens beside it adds " + ", ".join(f"{g:.3f}" for g in curve.chain)
+              + f" ({curve.chain_share:.0%} of steps)")
         out[f"{temperature:g}"] = curve.as_record()
     return out
 
 
 def best_depth(curve: DrawnCurve, cost_ms: dict[int, float]) -> int:
     """The chain depth with the most expected tokens per second (0: plain decoding pays more)."""
-    best, rate = 0, 1.0 / cost_ms[min(cost_ms)]
-    for depth, kept in enumerate(curve.kept, start=1):
-        ms = interpolate(cost_ms, 1 + depth) + depth * curve.level_ms
-        if (1.0 + kept) / ms > rate * (1 + 1e-9):
-            best, rate = depth, (1.0 + kept) / ms
+    return best_size(curve, cost_ms, hybrid=False)[0]
+
+
+def best_size(curve: DrawnCurve, cost_ms: dict[int, float], hybrid: bool = True) -> tuple[int, int]:
+    """``(depth, chain)``: the drawn chain's depth and, for mode hybrid (where the curve measured
+    it), the lookup chain's length, with the most expected tokens per second (0, 0: plain decoding)."""
+    best, rate = (0, 0), 1.0 / cost_ms[min(cost_ms)]
+    chains = (0.0,) + (curve.chain if hybrid else ())
+    share = curve.chain_share
+    for depth, kept in enumerate((0.0,) + curve.kept):
+        for length, gain in enumerate(chains):
+            if depth == 0 and length:
+                continue  # (a chain alone is mode lookup)
+            ms = ((1 - share) * interpolate(cost_ms, 1 + depth) + share * interpolate(cost_ms, 1 + depth + length)
+                  + depth * curve.level_ms)
+            if (1.0 + kept + gain) / ms > rate * (1 + 1e-9):
+                best, rate = (depth, length), (1.0 + kept + gain) / ms
     return best
 
 
-def drawn_depths(records: dict | None, cost_ms: dict[int, float], draw: int = 1) -> tuple[tuple[float, DynamicTree], ...]:
-    """Per calibrated temperature, the drawn chain a sampled request drafts (a ``DynamicTree`` of
-    ``depth * draw`` nodes, ``depth`` deep; 0 nodes: plain decoding), from ``records`` (the heads'
-    calibration ``drawn``: temperature -> record) and this machine's pass costs ``cost_ms``."""
+def drawn_depths(records: dict | None, cost_ms: dict[int, float],
+                 hybrid: bool = False) -> tuple[tuple[float, DynamicTree], ...]:
+    """Per calibrated temperature, the drawn chain a sampled request drafts (a ``DynamicTree``
+    ``depth`` deep, one candidate a depth; 0 nodes: none) and in mode hybrid (``hybrid``) the
+    lookup chain beside it (``chain``), from ``records`` (the heads' calibration ``drawn``:
+    temperature -> record) and this machine's pass costs ``cost_ms``."""
     sizes = []
     for temperature, record in sorted((records or {}).items(), key=lambda item: float(item[0])):
-        depth = best_depth(DrawnCurve.from_record(float(temperature), record), cost_ms)
-        sizes.append((float(temperature), DynamicTree(nodes=depth * max(draw, 1), depth=max(depth, 1), topk=1)))
+        depth, chain = best_size(DrawnCurve.from_record(float(temperature), record), cost_ms, hybrid)
+        sizes.append((float(temperature), DynamicTree(nodes=depth, depth=max(depth, 1), topk=1, chain=chain)))
     return tuple(sizes)
+
+
+def drawn_table(records: dict | None, cost_ms: dict[int, float]) -> tuple:
+    """``Plan.drawn``: per calibrated temperature, mode eagle's drawn chain and mode hybrid's with
+    its lookup chain, ``((temperature, eagle, hybrid), ...)``."""
+    return tuple((t, eagle, hybrid) for (t, eagle), (_, hybrid)
+                 in zip(drawn_depths(records, cost_ms), drawn_depths(records, cost_ms, hybrid=True)))
 
 
 def drawn_records(heads, device: torch.device, dtype: torch.dtype) -> dict | None:

@@ -23,7 +23,7 @@ import torch
 
 from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
-from medusa.autotune.drawn import drawn_depths, drawn_records
+from medusa.autotune.drawn import drawn_records, drawn_table
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
 from medusa.autotune.sizing import CONTEXTS, heads_fingerprint, measure_sizes, sizable, sizes_from
 from medusa.decoding.passes.strategies import kernel_scope, pass_rows
@@ -191,9 +191,10 @@ class Planner:
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))
         sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type)
-        drawn = drawn_depths(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)
+        drawn = drawn_table(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)
         value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes" + "".join(
-            f", sampled at T={t:g} a {size.depth if size.nodes else 0}-deep drawn chain" for t, size in drawn)
+            f"; sampled at T={t:g}: eagle a {eagle.nodes}-deep drawn chain, hybrid {hybrid.nodes} and a "
+            f"{hybrid.chain}-token lookup chain" for t, eagle, hybrid in drawn)
         decision = self.decision("trees", value, {**entry, "reason": sizes.reason}, cached)
         return plan.decided(decision, eagle=sizes.eagle, hybrid=sizes.hybrid, lookahead=sizes.lookahead,
                             pass_ms=tuple(sorted(sizes.cost_ms.items())), drawn=drawn)

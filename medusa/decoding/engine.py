@@ -227,7 +227,8 @@ class Engine:
                 else {"hybrid": plan.hybrid, "lookahead": plan.lookahead}.get(mode))
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead,
-                             sampled_size=plan.eagle if mode == "hybrid" else None, by_temperature=plan.drawn)
+                             sampled_size=plan.eagle if mode == "hybrid" else None,
+                             by_temperature=tuple((t, hybrid if mode == "hybrid" else eagle) for t, eagle, hybrid in plan.drawn))
 
     def precompile(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:

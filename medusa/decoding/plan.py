@@ -62,7 +62,8 @@ class Plan:
     # (None: not measured); a batch's row budget comes from it (medusa/serving/budget.py)
     pass_ms: tuple[tuple[int, float], ...] | None = None
     # EAGLE heads' drawn chains for sampled requests per calibrated temperature, sized with
-    # pass_ms ((temperature, size), ...; medusa/autotune/drawn.py); (): the sampled size as before
+    # pass_ms ((temperature, mode eagle's size, mode hybrid's with its lookup chain), ...;
+    # medusa/autotune/drawn.py); (): the sampled size as before
     drawn: tuple = ()
     decisions: tuple[Decision, ...] = ()
 

@@ -181,6 +181,13 @@ class EagleProposer(HeadsProposer):
             return min(self.by_temperature, key=lambda item: abs(item[0] - state.sampling.temperature))[1]
         return self.sampled if self.sampled is not None else self.size
 
+    def chain_for(self, state: DecodeState) -> int | None:
+        """Mode hybrid's lookup chain beside a drawn chain: the length sized with the request's
+        temperature (None: none sized there; the greedy sizing's)."""
+        if self.by_temperature and draws(state.sampling, self.draw):
+            return self._size_for(state).chain
+        return None
+
     @property
     def max_rows(self) -> int:
         """The largest proposal, root included (Engine.precompile reads it)."""

@@ -71,6 +71,10 @@ class Hybrid(Proposer):
 
     def propose(self, state: DecodeState) -> Proposal:
         limit = None if self.chain_at is None else self.chain_at(state.length)
+        sized = getattr(self.heads, "chain_for", None)  # a drawn request's chain, sized with its temperature
+        here = None if sized is None else sized(state)
+        if here is not None:
+            limit = here if limit is None else min(limit, here)
         guessed = self.heads.propose(state)
         if limit == 0 and not self.jacobi:  # sized without a chain at this context length
             return guessed
