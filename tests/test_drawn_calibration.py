@@ -86,6 +86,16 @@ def test_a_sampled_request_drafts_the_chain_of_the_nearest_temperature():
         run.first_chunk()
         run.begin()
         assert run.propose().tree.max_depth == depth
+    import medusa
+
+    wide = Engine(model, heads=heads, plan=eng.plan, proposer_config=medusa.ProposerConfig(draw=2))
+    run = wide.decoding(_request(prompt, 0.6, wide.proposer("eagle3")))
+    for _ in run.prefill_chunks():
+        pass
+    run.first_chunk()
+    run.begin()
+    drawn = run.propose()
+    assert drawn.tree.max_depth == 3 and drawn.tokens.shape[0] == 1 + 2 * 3  # two candidates at each depth
     greedy = eng.generate(prompt, max_new_tokens=12, mode="eagle3").tokens
     assert greedy == eng.generate(prompt, max_new_tokens=12, mode="baseline").tokens
 

@@ -7,6 +7,7 @@ so they share the cache handling, stopping rules, streaming and statistics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 
@@ -228,7 +229,14 @@ class Engine:
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead,
                              sampled_size=plan.eagle if mode == "hybrid" else None,
-                             by_temperature=tuple((t, hybrid if mode == "hybrid" else eagle) for t, eagle, hybrid in plan.drawn))
+                             by_temperature=self._drawn_sizes(mode))
+
+    def _drawn_sizes(self, mode: str) -> tuple:
+        """The plan's drawn chains per temperature for ``mode`` (hybrid's with its lookup chain),
+        with ``ProposerConfig.draw`` candidates at each depth (calibrated depths stay)."""
+        width = max(self.proposer_config.draw, 1)
+        return tuple((t, dataclasses.replace(size, nodes=size.nodes * width))
+                     for t, eagle, hybrid in self.plan.drawn for size in [hybrid if mode == "hybrid" else eagle])
 
     def precompile(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:
