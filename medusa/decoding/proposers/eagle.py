@@ -271,9 +271,12 @@ class EagleProposer(HeadsProposer):
         cache (the older ones would have slid out before this step)."""
         if not self.pending:
             return
-        features = torch.cat([f for f, _, _ in self.pending])
-        tokens = [t for _, ts, _ in self.pending for t in ts]
-        first = self.pending[0][2]
+        if len(self.pending) == 1:  # a drafting step's own pairs (every step, alone): no copy
+            features, tokens, first = self.pending[0]
+        else:
+            features = torch.cat([f for f, _, _ in self.pending])
+            tokens = [t for _, ts, _ in self.pending for t in ts]
+            first = self.pending[0][2]
         self.pending = []
         if self.window is not None and features.shape[0] >= self.window:
             cut = features.shape[0] - self.window
@@ -386,7 +389,8 @@ class EagleProposer(HeadsProposer):
         nodes = torch.tensor(outcome.nodes, device=self.device)
         self.pending.append((outcome.hidden[nodes], list(outcome.tokens), outcome.start))
         if state.lean:  # a batch's lean step: fed when the head next drafts
-            if self.window is not None and sum(len(t) for _, t, _ in self.pending) > 2 * self.window:
+            waiting = outcome.start + len(outcome.tokens) - self.pending[0][2]  # pairs, contiguous positions
+            if self.window is not None and waiting > 2 * self.window:
                 self._catch_up()  # (at most two windows wait)
             return
         self._catch_up()
