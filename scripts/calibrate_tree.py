@@ -145,10 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the heads' dtype while drafting (default: as medusa.load picks on this device; "
                          "int8: eagle heads on int8 weights, CPU)")
     ap.add_argument("--temperatures", type=temperatures_arg, default=[0.7, 1.0],
-                    help="eagle heads: temperatures their drawn chains are calibrated at, on answers the target "
+                    help="temperatures the heads' drawn chains are calibrated at, on answers the target "
                          "samples at each ('none': skip; default: 0.7,1.0)")
     ap.add_argument("--drawn-only", action="store_true",
-                    help="eagle heads: add the drawn chains' calibration to this device's existing entry, keeping "
+                    help="add the drawn chains' calibration to this device's existing entry, keeping "
                          "everything else (the draft vocabulary, the trees)")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     return ap
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
+        drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -213,14 +214,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{choice.step_ms:.1f} ms/pass -> {choice.tokens_per_second:.1f} tokens/s "
           f"(plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
     if not args.dry_run:
-        write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage)
+        write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage, drawn)
     return 0
 
 
 def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
     """``--drawn-only``: the drawn chains' curves into this device's calibrated entry."""
-    if not kind(engine.heads.config.kind).drafts_per_step or not args.temperatures:
-        raise MedusaError("--drawn-only calibrates eagle heads' drawn chains: pass eagle heads and --temperatures")
+    if not hasattr(kind(engine.heads.config.kind).proposer_class(), "chain_laws") or not args.temperatures:
+        raise MedusaError("--drawn-only calibrates heads' drawn chains: pass heads that draw them and --temperatures")
     device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
     path = Path(args.heads) / CALIBRATION_NAME
     entry = read_calibration(path).get("measured", {}).get(device)
@@ -236,7 +237,7 @@ def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
     return 0
 
 
-def write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage) -> None:
+def write_record(args, argv, engine, device, choice, cost, positions, accuracy, vocab_ids, coverage, drawn) -> None:
     """The tree and what it was chosen from, into the heads folder's calibration.json."""
     path = Path(args.heads) / CALIBRATION_NAME
     record = read_calibration(path)
@@ -248,6 +249,8 @@ def write_record(args, argv, engine, device, choice, cost, positions, accuracy, 
         "curve": [list(c) for c in choice.curve],
         "command": command(argv),
     }
+    if drawn:
+        record["measured"][device]["drawn"] = drawn
     record["accuracy"] = accuracy
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids

@@ -106,7 +106,10 @@ def test_calibrate_script_end_to_end(tmp_path):
     assert set(record["trees"]) == {"cpu"} and len(record["draft_vocab"]) <= 500
     assert 2 in record["draft_vocab"]  # end of sequence is always proposable
     assert set(record["measured"]["cpu"]["cost_ms"]) >= {"1", "2", "8"}
+    drawn = record["measured"]["cpu"]["drawn"]  # the heads' drawn chains at the default temperatures
+    assert set(drawn) == {"0.7", "1"} and all(len(d["kept"]) == 3 and d["level_ms"] > 0 for d in drawn.values())
     eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype="float32")
+    assert [t for t, _, _ in eng.plan.drawn] == [0.7, 1.0]  # sized from the calibration's own costs
     assert set(eng.tree_paths()) == {tuple(p) for p in record["trees"]["cpu"]}  # same tree, in layout order
     assert eng.heads.draft_vocab is not None
     prompt = eng.tokenizer("Hello there")["input_ids"]
@@ -237,6 +240,7 @@ def test_block_heads_are_calibrated_and_decode_with_the_calibrated_size(tmp_path
     assert set(record["dynamic"]) == set(record["measured"]) == {"cpu"}
     assert record["measured"]["cpu"]["cost_ms"] == {"1": 10.0, "9": 12.0}
     assert set(record["measured"]["cpu"]["curves"])  # one acceptance curve per proposal shape
+    assert all(len(d["kept"]) == 4 for d in record["measured"]["cpu"]["drawn"].values())  # as deep as the block
     size = DynamicTree(nodes=3, depth=3, topk=1)  # random heads pick nothing worth testing: set one
     record["dynamic"] = {"cpu": size.as_dict()}
     path.write_text(json.dumps(record))

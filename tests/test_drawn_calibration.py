@@ -156,3 +156,71 @@ def test_a_sampled_hybrid_request_copies_no_more_than_its_temperature_s_chain():
             break
         assert proposal.tokens.shape[0] <= 3  # the root and the drawn chain: no lookup rows
         run.advance(eng.step(run.state, proposal))
+
+
+def _kind_heads(which, model):
+    from medusa.models.block_heads import init_block_for
+    from medusa.models.loader import init_heads_for
+
+    if which == "medusa":
+        return init_heads_for(model, num_heads=3)
+    if which == "block":
+        return init_block_for(model, 4, vocab=torch.arange(0, 96, 3))  # a draft vocabulary of a third
+    return init_eagle3_for(model, 3)
+
+
+def _proposed(eng, proposer, prompt, temperature):
+    with torch.inference_mode():  # as the engine runs a step
+        run = eng.decoding(_request(prompt, temperature, proposer))
+        for _ in run.prefill_chunks():
+            pass
+        run.first_chunk()
+        run.begin()
+        return run, run.propose()
+
+
+@pytest.mark.parametrize("which", ["medusa", "block", "eagle3"])
+def test_the_calibrated_laws_are_the_ones_each_kind_draws_its_chain_from(which):
+    # The calibration measures sum min(p, q) with chain_laws' q: it must be the law the drawn
+    # proposal hands verification at every depth, or the sizes would be chosen for other drafts.
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = _kind_heads(which, model)
+    eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items())))
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(20)]
+    run, drawn = _proposed(eng, eng.proposer(which), prompt, 0.8)
+    assert drawn.q is not None and drawn.tree.max_depth >= 2
+    laws = run.proposer.chain_laws(run.state, drawn.tokens[1:].tolist())
+    ids = heads.draft_vocab
+    for d, law in enumerate(laws):
+        full = law if ids is None else law.new_zeros(drawn.q.shape[-1]).index_put_((ids.long(),), law)
+        torch.testing.assert_close(full, drawn.q[d + 1], rtol=1e-5, atol=1e-7)
+    curve = drawn_curve(heads, model, _pairs(1, 6), temperature=0.8, depth=8)
+    assert 0 < curve.kept[0] <= 1 and len(curve.kept) == {"medusa": 3, "block": 4, "eagle3": 8}[which]
+
+
+@pytest.mark.parametrize("which", ["medusa", "block"])
+def test_static_and_block_heads_draw_as_deep_as_the_nearest_temperature_says(which):
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = _kind_heads(which, model)
+    # the calibration's own pass costs size the static trees' drawn chains (the planner's path)
+    heads.measured = {"cpu": {"cost_ms": {str(n): ms for n, ms in COST.items()},
+                              "drawn": {"0.7": {"kept": [0.9, 1.7, 2.4], "level_ms": 0.1},
+                                        "1": {"kept": [0.01, 0.011, 0.012], "level_ms": 2.0}}}}
+    from medusa.autotune.drawn import calibrated_drawn
+
+    drawn = calibrated_drawn(heads, torch.device("cpu"), torch.float32)
+    assert [(t, e.depth, e.nodes) for t, e, _ in drawn] == [(0.7, 3, 3), (1.0, 1, 0)]  # 0 nodes at T=1: plain
+    if which == "block":  # a greedy block sized to draft nothing still drafts sampled requests
+        heads.dynamic = {"cpu": DynamicTree(nodes=0, depth=1, topk=1).as_dict()}
+    eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items()), drawn=drawn))
+    proposer = eng.proposer(which)
+    assert proposer.max_rows >= 4
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(20)]
+    assert _proposed(eng, proposer, prompt, 0.6)[1].tree.max_depth == 3
+    plain = _proposed(eng, proposer, prompt, 1.2)[1]
+    assert plain.tokens.shape[0] == 1 and plain.q is None  # plain decoding pays more there
+    sampled = eng.generate(prompt, max_new_tokens=12, mode=which, temperature=0.6, seed=5, ignore_eos=True)
+    assert len(sampled.tokens) == 12 and sampled.tokens == eng.generate(
+        prompt, max_new_tokens=12, mode=which, temperature=0.6, seed=5, ignore_eos=True).tokens  # the seed's sample
+    greedy = eng.generate(prompt, max_new_tokens=12, mode=which).tokens
+    assert greedy == eng.generate(prompt, max_new_tokens=12, mode="baseline").tokens

@@ -1,4 +1,4 @@
-"""Drawn chains calibrated at a temperature: how deep EAGLE heads draft a sampled request.
+"""Drawn chains calibrated at a temperature: how deep heads draft a sampled request.
 
 A sampled request's heads draw a chain from their processed distribution ``q`` and verification
 keeps each drawn token with probability ``min(1, p/q)`` (medusa/decoding/proposers/drawn.py), so
@@ -69,13 +69,15 @@ def drawn_curve(heads, model, sequences: list[tuple[list[int], list[int]]], temp
     """:class:`DrawnCurve` along ``(prompt, answer)`` token lists (answers the target sampled at
     ``temperature``), the heads drafting as the engine's proposer does; with ``chain``, prompt
     lookup's chains of up to that many tokens beside them (mode hybrid)."""
-    device = heads.fc.weight.device
+    device = next(heads.parameters()).device
+    made = kind(heads.config.kind).proposer_class()
+    depth = min(depth, made.deepest(heads) or depth)
     size = DynamicTree(nodes=depth, depth=depth, topk=1)  # (the calibrated size may draft nothing)
-    proposer = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size)
+    proposer = made.for_heads(heads, device, size=size)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     totals, counts, seconds, levels = [0.0] * depth, [0] * depth, 0.0, 0
     ids_of = heads.draft_vocab
-    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
+    lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=getattr(heads, "ngrams", None)) if chain else None
     gains, found, steps = [0.0] * chain, 0, 0
     for prompt, answer in tqdm(sequences, desc=f"drawn chains at T={temperature}", file=sys.stderr):
         ids = prompt + answer
@@ -90,6 +92,7 @@ def drawn_curve(heads, model, sequences: list[tuple[list[int], list[int]]], temp
         if lookup is not None:
             lookup.begin(state)
         for t in range(p, len(ids) - 1):
+            state.hidden = hidden[t - 1]  # the feature that predicted the root (Medusa heads read it)
             forced = ids[t + 1: t + 1 + depth]
             t0 = time.perf_counter()
             laws = proposer.chain_laws(state, forced)  # [S] each, over the draft vocabulary
@@ -215,7 +218,26 @@ def drawn_table(records: dict | None, cost_ms: dict[int, float]) -> tuple:
 def drawn_records(heads, device: torch.device, dtype: torch.dtype) -> dict | None:
     """The heads' drawn calibration (temperature -> record): the entry for this device and dtype
     first, else any entry that has one (None: never calibrated at a temperature)."""
+    entry = _drawn_entry(heads, device, dtype)
+    return None if entry is None else entry["drawn"]
+
+
+def calibrated_drawn(heads, device: torch.device, dtype: torch.dtype) -> tuple:
+    """``Plan.drawn`` for heads whose trees are calibrated, not sized here (Medusa's static trees):
+    the drawn chains per temperature from the calibrated entry's own pass costs (``()``: none)."""
+    entry = _drawn_entry(heads, device, dtype)
+    if entry is None or not entry.get("cost_ms"):
+        return ()
+    return drawn_table(entry["drawn"], {int(n): float(ms) for n, ms in entry["cost_ms"].items()})
+
+
+def _drawn_entry(heads, device: torch.device, dtype: torch.dtype) -> dict | None:
     measured = getattr(heads, "measured", None) or {}
     keys = [tree_key(device.type, dtype), device.type] + sorted(measured)
-    return next((measured[k]["drawn"] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("drawn")),
-                None)
+    return next((measured[k] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("drawn")), None)
+
+
+def describe_drawn(drawn: tuple) -> str:
+    """``Plan.drawn`` in words, for the trees decision (empty where none)."""
+    return "".join(f"; sampled at T={t:g}: eagle a {eagle.nodes}-deep drawn chain, hybrid {hybrid.nodes} and a "
+                   f"{hybrid.chain}-token lookup chain" for t, eagle, hybrid in drawn)

@@ -23,7 +23,7 @@ import torch
 
 from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
-from medusa.autotune.drawn import drawn_records, drawn_table
+from medusa.autotune.drawn import calibrated_drawn, describe_drawn, drawn_records, drawn_table
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
 from medusa.autotune.sizing import CONTEXTS, heads_fingerprint, measure_sizes, sizable, sizes_from
 from medusa.decoding.passes.strategies import kernel_scope, pass_rows
@@ -176,8 +176,10 @@ class Planner:
     # -- 5. trees -------------------------------------------------------------------------
     def trees(self, lm, heads, plan: Plan, compile) -> Plan:
         curves = sizable(heads, lm.device, lm.dtype, compile)
-        if not curves:
-            return plan.decided(Decision("trees", "calibrated", "calibrated for the device type"))
+        if not curves:  # static trees: sampled requests' drawn chains from the calibration's own costs
+            drawn = calibrated_drawn(heads, lm.device, lm.dtype)
+            return plan.decided(Decision("trees", "calibrated", "calibrated for the device type" + describe_drawn(drawn)),
+                                drawn=drawn)
         exact = plan.exact if plan.exact is not None else lm.dtype in (torch.bfloat16, torch.float16)
         max_rows = pass_rows(exact, plan.max_rows)
 
@@ -192,9 +194,7 @@ class Planner:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))
         sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type)
         drawn = drawn_table(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)
-        value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes" + "".join(
-            f"; sampled at T={t:g}: eagle a {eagle.nodes}-deep drawn chain, hybrid {hybrid.nodes} and a "
-            f"{hybrid.chain}-token lookup chain" for t, eagle, hybrid in drawn)
+        value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes" + describe_drawn(drawn)
         decision = self.decision("trees", value, {**entry, "reason": sizes.reason}, cached)
         return plan.decided(decision, eagle=sizes.eagle, hybrid=sizes.hybrid, lookahead=sizes.lookahead,
                             pass_ms=tuple(sorted(sizes.cost_ms.items())), drawn=drawn)

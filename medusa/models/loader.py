@@ -128,6 +128,7 @@ def _take_calibration(heads: nn.Module, record: dict) -> None:
         heads.trees = {dev: [tuple(p) for p in paths] for dev, paths in record.get("trees", {}).items()}
     if hasattr(heads, "dynamic"):
         heads.dynamic = {dev: dict(size) for dev, size in record.get("dynamic", {}).items()}
-        heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
+    # what calibration measured per device (the pass costs, the drawn chains' curves), any kind
+    heads.measured = {dev: entry for dev, entry in record.get("measured", {}).items() if isinstance(entry, dict)}
     if record.get("draft_vocab"):
         heads.set_draft_vocab(record["draft_vocab"])

@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, siblings_paths
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest, siblings_paths
 from medusa.decoding.proposers.eagle import DynamicTree, _compiled, select
+from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import chain, tree_key
 
@@ -103,16 +104,32 @@ class BlockProposer(HeadsProposer):
         self.used = 0  # context slots holding verified positions (the first `used`)
         self.ranked: list[Path_] = []  # the last proposal's nodes, best first (calibration reads it)
         self.scores: list[float] = []  # and their cumulative draft log-probabilities (topk > 1 only)
+        # drawn chains sized per calibrated temperature ((temperature, size), ...): a sampled
+        # request draws a chain as deep as the one nearest its temperature (medusa/autotune/drawn.py)
+        self.by_temperature: tuple = ()
+
+    def sample_with(self, size, by_temperature: tuple = ()) -> None:
+        """Draw sampled requests' chains as deep as calibrated at the nearest temperature
+        (``by_temperature``); ``size`` (mode hybrid's EAGLE size) does not apply to block heads."""
+        self.by_temperature = tuple(by_temperature)
 
     @property
     def max_rows(self) -> int:
         """The largest proposal, root included (Engine.precompile reads it)."""
-        return 1 + max(self._nodes(size) for size in self.size.sizes)
+        return 1 + max(self._all_nodes())
 
     @property
     def min_rows(self) -> int:
         """The smallest proposal but for a budget cut (a compiled pass pads up to it)."""
-        return 1 + min(self._nodes(size) for size in self.size.sizes)
+        return 1 + min(self._all_nodes())
+
+    def _all_nodes(self) -> list[int]:
+        drawn = [self._drawn_nodes(size) for _, sized in self.by_temperature for size in sized.sizes]
+        return [self._nodes(size) for size in self.size.sizes] + drawn
+
+    def _drawn_nodes(self, size: DynamicTree) -> int:
+        """Nodes a drawn chain of ``size`` verifies at most (``draw`` candidates a depth)."""
+        return min(size.nodes, min(size.depth, self.k) * max(self.draw, 1))
 
     def _nodes(self, size: DynamicTree) -> int:
         """Nodes a step of ``size`` verifies at most (its depth within the block's and this draft's)."""
@@ -183,29 +200,27 @@ class BlockProposer(HeadsProposer):
         above = torch.cat([chain_logp.new_zeros(1), chain_logp[:-1]])  # [depth] the parent's
         return self.heads.to_target(top.indices), above[:, None] + top.values
 
-    def _logits(self, root: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One drafter pass over the context buffer: ``[depth, S]`` logits over the draft vocabulary."""
+    def _logits(self, root: torch.Tensor, position: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """One drafter pass over the context buffer: ``[depth, S]`` logits over the draft
+        vocabulary (``depth``: the first that many positions of the block; default the draft's)."""
         capacity = self.kv[0][0].shape[2]
         valid = torch.arange(capacity, device=self.device)[None] < self.used  # [1, C]
-        return self.heads.draft(root.view(1), position, self.kv, valid)[0, : self.depth]
+        return self.heads.draft(root.view(1), position, self.kv, valid)[0, : self.depth if depth is None else depth]
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
+        drawn = draws(state.sampling, self.draw)
+        sized = nearest(self.by_temperature, state.sampling) if drawn else None
+        if sized is not None:  # a chain as deep as calibrated at the request's temperature
+            return self._drawn(state, state.max_depth(min(sized.depth, self.k)) if sized.nodes else 0)
         size = self.size.at(state.length)  # smaller at long contexts (the same draft shape)
         nodes = self._nodes(size)
         depth = state.max_depth(min(size.depth, self.depth))  # no deeper than the tokens left to emit
         if nodes == 0 or depth == 0:
-            self.ranked, self.scores = [], []
-            return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
+            return self._drawn(state, 0)
+        if drawn:  # each depth's candidates drawn from its distribution
+            return self._drawn(state, min(depth, max(1, nodes // self.draw)))
         position = torch.full((1,), state.length, device=self.device)
-        if draws(state.sampling, self.draw):  # each depth's candidates drawn from its distribution
-            logits = self._logits(state.root, position).float()  # [depth, S]
-            ids = self.heads.to_target(torch.arange(logits.shape[-1], device=self.device))  # [S] target ids
-            levels = [draw(logits[d], state.sampling, self.draw, state.generator, ids, self.heads.config.vocab_size)
-                      for d in range(min(depth, max(1, nodes // self.draw)))]
-            proposal = drawn_proposal(state.root, levels)
-            self.ranked, self.scores = list(proposal.tree.paths), []
-            return proposal
         ids, scores = self.draft_step(state.root, position)
         if self.topk == 1:  # the chain: no host read, the engine's step sync reads the ids
             n = min(nodes, depth)
@@ -223,6 +238,33 @@ class BlockProposer(HeadsProposer):
         drafted = torch.tensor([id_list[index[p]] for p in tree.paths], device=self.device)
         return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted]),
                         is_chain=len(tree.leaves) == 1)
+
+    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
+        """``draw`` candidates drawn at each of the block's first ``depth`` positions from its
+        processed distribution there (0: the root alone, plain decoding)."""
+        if depth == 0:
+            self.ranked, self.scores = [], []
+            return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
+        position = torch.full((1,), state.length, device=self.device)
+        logits = self._logits(state.root, position, depth).float()  # [depth, S]
+        ids = self.heads.to_target(torch.arange(logits.shape[-1], device=self.device))  # [S] target ids
+        levels = [draw(logits[d], state.sampling, self.draw, state.generator, ids, self.heads.config.vocab_size)
+                  for d in range(depth)]
+        proposal = drawn_proposal(state.root, levels)
+        self.ranked, self.scores = list(proposal.tree.paths), []
+        return proposal
+
+    @torch.inference_mode()
+    def chain_laws(self, state: DecodeState, tokens: list[int]) -> list[torch.Tensor]:
+        """The block's processed laws (``state.sampling`` applied, over the draft vocabulary) at
+        its first len(tokens) positions, what :meth:`_drawn` draws from: one pass from the root, so
+        the tokens give only the depth (for the drawn calibration: medusa/autotune/drawn.py)."""
+        depth = min(len(tokens), self.k)
+        if depth == 0:
+            return []
+        position = torch.full((1,), state.length, device=self.device)
+        logits = self._logits(state.root, position, depth).float()
+        return [probabilities(logits[d], state.sampling) for d in range(depth)]
 
     @torch.inference_mode()
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:

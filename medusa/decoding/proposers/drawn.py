@@ -36,6 +36,14 @@ def draws(sampling: SamplingConfig, width: int) -> bool:
     return width > 0 and not sampling.greedy and sampling.acceptance == "lossless"
 
 
+def nearest(by_temperature: tuple, sampling: SamplingConfig):
+    """The size calibrated at the temperature nearest the request's, from ``by_temperature``
+    (``((temperature, size), ...)``, medusa/autotune/drawn.py); None where none was calibrated."""
+    if not by_temperature:
+        return None
+    return min(by_temperature, key=lambda item: abs(item[0] - sampling.temperature))[1]
+
+
 def siblings_paths(widths: tuple[int, ...]) -> list[Path_]:
     """The nodes of a chain with ``widths[d]`` candidates at depth ``d + 1``, depth-major: node
     ``(0,) * d + (j,)`` is the ``j``-th candidate at depth ``d + 1``, below the chain's first ones."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest
 from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
@@ -178,7 +178,7 @@ class EagleProposer(HeadsProposer):
         if not draws(state.sampling, self.draw):
             return self.size
         if self.by_temperature:
-            return min(self.by_temperature, key=lambda item: abs(item[0] - state.sampling.temperature))[1]
+            return nearest(self.by_temperature, state.sampling)
         return self.sampled if self.sampled is not None else self.size
 
     def chain_for(self, state: DecodeState) -> int | None:

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.proposers.draft_model import DraftModel
-from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
+from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.decoding.proposers.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
 from medusa.decoding.proposers.lookup import PromptLookup
@@ -91,9 +91,9 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
 
 def _sampled(mode: str, size: DynamicTree | None, heads, device: torch.device,
              dtype: torch.dtype) -> DynamicTree | None:
-    """Mode hybrid's size for sampled requests (``size``, else mode eagle's calibrated one); other
-    modes draft them at their own size."""
-    if mode != "hybrid":
+    """Mode hybrid's size for EAGLE heads' sampled requests (``size``, else mode eagle's calibrated
+    one); other modes draft them at their own size, Medusa and block heads at their drawn depths."""
+    if mode != "hybrid" or not hasattr(heads, "dynamic"):
         return None
     return size or DynamicTree.for_device(heads.dynamic, device, dtype)
 
@@ -120,9 +120,9 @@ def make_proposer(
     device within ``max_rows``, the rows a pass may verify; ``lookahead``: the W, N, G mode hybrid's
     lookahead part takes when ``config.hybrid_lookahead`` asks for it, sized like mode lookahead's;
     ``sampled_size``: mode hybrid's EAGLE heads draft sampled requests at this size, mode eagle's
-    (None: the size calibrated for mode eagle), :meth:`EagleProposer.sample_with`); ``by_temperature``:
-    EAGLE heads' drawn chains sized per calibrated temperature (medusa/autotune/drawn.py), which
-    come first for sampled requests in modes eagle and hybrid."""
+    (None: the size calibrated for mode eagle), :meth:`~medusa.decoding.proposers.eagle.EagleProposer.sample_with`); ``by_temperature``:
+    the heads' drawn chains sized per calibrated temperature (medusa/autotune/drawn.py), which
+    come first for sampled requests in the heads' own mode and in hybrid."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode == "lookahead":
@@ -135,7 +135,7 @@ def make_proposer(
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
                               f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
         guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
-        if isinstance(guessed, EagleProposer) and config.draw:
+        if config.draw and hasattr(guessed, "sample_with"):  # sampled requests' drawn chains
             guessed.sample_with(_sampled(mode, sampled_size, heads, device, dtype), by_temperature)
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here

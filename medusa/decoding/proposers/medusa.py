@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws
+from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest
+from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree
 from medusa.models.heads import MedusaHeads
@@ -39,6 +40,26 @@ class MedusaProposer(HeadsProposer):
         # the tree cut to each depth the token budget allows, built once per depth:
         # depth -> (tree, candidate index [N-1] into the flattened [D, width] top-k, is_chain)
         self.layouts: dict[int, tuple[TreeBuffers, torch.Tensor, bool]] = {}
+        # drawn chains sized per calibrated temperature ((temperature, size), ...): a sampled
+        # request draws a chain as deep as the one nearest its temperature (medusa/autotune/drawn.py)
+        self.by_temperature: tuple = ()
+
+    def sample_with(self, size, by_temperature: tuple = ()) -> None:
+        """Draw sampled requests' chains as deep as calibrated at the nearest temperature
+        (``by_temperature``); ``size`` (mode hybrid's EAGLE size) has no meaning for a static tree."""
+        self.by_temperature = tuple(by_temperature)
+        rows = [self.tree.num_nodes] + [1 + size.nodes for _, size in self.by_temperature]
+        self.max_rows, self.min_rows = max(rows), min(rows)
+
+    def _drawn_depth(self, state: DecodeState) -> int:
+        """How deep a sampled request's drawn chain goes: as calibrated at the nearest temperature,
+        else as deep as the greedy tree within its rows (0: plain decoding)."""
+        sized = nearest(self.by_temperature, state.sampling)
+        if sized is None:
+            depth = min(self.tree.max_depth, max(1, self.tree.num_nodes // self.draw)) if self.tree.max_depth else 0
+        else:
+            depth = min(sized.depth, self.heads.num_heads) if sized.nodes else 0
+        return state.max_depth(depth)
 
     def _layout(self, depth: int) -> tuple[TreeBuffers, torch.Tensor, bool]:
         if depth not in self.layouts:
@@ -53,11 +74,13 @@ class MedusaProposer(HeadsProposer):
         pass
 
     def propose(self, state: DecodeState) -> Proposal:
-        tree, candidate_index, is_chain = self._layout(state.max_depth(self.tree.max_depth))
-        if tree.max_depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
-            return Proposal(tree=tree, tokens=state.root.view(1), is_chain=True)
-        if draws(state.sampling, self.draw):
-            return self._drawn(state, min(tree.max_depth, max(1, self.max_rows // self.draw)))
+        drawn = draws(state.sampling, self.draw)
+        depth = self._drawn_depth(state) if drawn else state.max_depth(self.tree.max_depth)
+        if depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
+            return Proposal(tree=self._layout(0)[0], tokens=state.root.view(1), is_chain=True)
+        if drawn:
+            return self._drawn(state, depth)
+        tree, candidate_index, is_chain = self._layout(depth)
         top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
         tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
         return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
@@ -70,6 +93,18 @@ class MedusaProposer(HeadsProposer):
         levels = [draw(logits[d].float(), state.sampling, self.draw, state.generator, self.heads.draft_vocab,
                        self.heads.config.vocab_size) for d in range(depth)]
         return drawn_proposal(state.root, levels)
+
+    @torch.inference_mode()
+    def chain_laws(self, state: DecodeState, tokens: list[int]) -> list[torch.Tensor]:
+        """The heads' processed laws (``state.sampling`` applied, over the draft vocabulary) at
+        depths 1..len(tokens) of a drawn chain, what :meth:`_drawn` draws from: head ``d``'s own
+        whatever was drawn above it, so the tokens give only the depth (for the drawn calibration:
+        medusa/autotune/drawn.py)."""
+        depth = min(len(tokens), self.heads.num_heads)
+        if depth == 0:
+            return []
+        logits = self.heads.logits(state.hidden, heads=range(depth), vocab=self.heads.draft_vocab)  # [D, S or V]
+        return [probabilities(logits[d].float(), state.sampling) for d in range(depth)]
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         pass
