@@ -210,6 +210,8 @@ def test_static_and_block_heads_draw_as_deep_as_the_nearest_temperature_says(whi
 
     drawn = calibrated_drawn(heads, torch.device("cpu"), torch.float32)
     assert [(t, e.depth, e.nodes) for t, e, _ in drawn] == [(0.7, 3, 3), (1.0, 1, 0)]  # 0 nodes at T=1: plain
+    costly = calibrated_drawn(heads, torch.device("cpu"), torch.float32, {1: 10.0, 2: 30.0, 4: 60.0})
+    assert [e.nodes for _, e, _ in costly] == [0, 0]  # this machine's costs (the kernel pick's) come first
     if which == "block":  # a greedy block sized to draft nothing still drafts sampled requests
         heads.dynamic = {"cpu": DynamicTree(nodes=0, depth=1, topk=1).as_dict()}
     eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(COST.items()), drawn=drawn))

@@ -49,6 +49,36 @@ def test_greedy_answers_each_distinct_prompt_once(tmp_path, capsys):
     assert answered and len(answered) == len(set(answered))
 
 
+def test_a_later_turn_is_answered_after_the_conversation_before_it(tmp_path, capsys):
+    model = tiny_target(tmp_path / "model")
+    data = tmp_path / "turns.jsonl"
+    convs = [[("user", "count from one"), ("assistant", "1 2 3"), ("user", "now from two"), ("assistant", "2 3"),
+              ("user", "and from five"), ("assistant", "5 6")],
+             [("system", "you count"), ("user", "count from six"), ("assistant", "6 7"), ("user", "from nine"),
+              ("assistant", "9 10")],
+             [("user", "count from ten"), ("assistant", "10 11")]]  # one turn: no second one to answer
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": r, "content": t} for r, t in conv]})
+                            + "\n" for i, conv in enumerate(convs)))
+    out = tmp_path / "sd.jsonl"
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--device", "cpu"]
+    assert main(args + ["--turn", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "fewer_turns=1" in err and "2 to go" in err
+    second = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+    assert set(second) <= {f"{data}:c0#turn2", f"{data}:c1#turn2"}  # (an empty answer is not kept)
+    for messages in second.values():  # the dataset's turns before it, then the target's answer
+        assert messages[-2]["content"] in ("now from two", "from nine") and messages[-1]["role"] == "assistant"
+    if f"{data}:c0#turn2" in second:
+        assert [m["content"] for m in second[f"{data}:c0#turn2"][:3]] == ["count from one", "1 2 3", "now from two"]
+    assert main(args + ["--turn", "0"]) == 0  # each conversation's last turn: c0's third, c1's second, c2's first
+    pending = 3 - (f"{data}:c1#turn2" in second)  # c1's second was answered above unless its answer was empty
+    assert f"{pending} to go" in capsys.readouterr().err
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert len(ids) == len(set(ids))
+    assert set(ids) <= {f"{data}:c0#turn2", f"{data}:c1#turn2", f"{data}:c0#turn3", f"{data}:c2"}
+
+
 @pytest.mark.parametrize("flag, value, match", [
     ("--max-samples", "0", "max_samples=0 must be at least 1"),  # ran every prompt
     ("--batch-size", "0", "batch_size=0 must be at least 1"),  # a ValueError from range()

@@ -2,9 +2,11 @@
 
 Medusa-2's recipe: heads (and a LoRA-tuned target) learn best from text the target itself
 writes, because decoding verifies the heads against exactly that. This script takes the
-first user turn of each conversation, generates the target's answer in batches and appends
-one JSON line per answer (OpenAI ``messages`` form, readable by train/train_heads.py).
-Interrupted runs resume: prompts already answered in the output file are skipped.
+first user turn of each conversation (``--turn``: a later one, the turns before it and the
+dataset's answers to them as context, so the heads also see long contexts), generates the
+target's answer in batches and appends one JSON line per answer (OpenAI ``messages`` form,
+readable by train/train_heads.py). Interrupted runs resume: prompts already answered in the
+output file are skipped.
 
     python train/generate_selfdistill.py --data sharegpt --max-samples 2000 \\
         --output data/selfdistill/smollm2.jsonl --max-new-tokens 256 --batch-size 16
@@ -44,6 +46,9 @@ class SelfDistillConfig:
     max_prompt_tokens: int = arg(512, "prompts longer than this (in tokens, with the chat template) are skipped",
                                  bounds=(1, None))
     max_new_tokens: int = arg(256, "answer length limit in tokens", bounds=(1, None))
+    turn: int = arg(1, "the user turn answered: 1 the first; k the k-th, after the turns before it and the dataset's "
+                       "answers to them (conversations with fewer turns are skipped); 0 each conversation's last",
+                    bounds=(0, None))
     batch_size: int = arg(8, "prompts generated together (left padded)", bounds=(1, None))
     temperature: float = arg(0.0, "0: greedy (the decoding that Medusa heads are verified against); >0: sampling",
                              bounds=(0, None))
@@ -122,8 +127,11 @@ def pending_prompts(cfg, tok, done: set[str]) -> list[tuple[str, list[dict], lis
         if cfg.max_samples:
             convs = convs[: cfg.max_samples]
         for rid, messages in convs:
-            rid = f"{source}:{rid}"
-            head = messages[:2] if messages[0]["role"] == "system" else messages[:1]
+            head, turn = context(messages, cfg.turn)
+            if head is None:
+                stats.add("fewer_turns")
+                continue
+            rid = f"{source}:{rid}" if turn == 1 else f"{source}:{rid}#turn{turn}"  # (first turns: ids as before)
             ids = tok.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             if rid in done:
@@ -140,6 +148,16 @@ def pending_prompts(cfg, tok, done: set[str]) -> list[tuple[str, list[dict], lis
             prompts.append((rid, head, list(ids)))
     print(f"data: {stats.summary()}; {len(done)} already answered, {len(prompts)} to go", file=sys.stderr)
     return prompts
+
+
+def context(messages: list[dict], turn: int) -> tuple[list[dict] | None, int]:
+    """The messages up to the ``turn``-th user message (0: the last) and that turn's number;
+    ``(None, 0)`` where there are fewer user turns."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users or turn > len(users):
+        return None, 0
+    k = len(users) if turn == 0 else turn
+    return messages[: users[k - 1] + 1], k
 
 
 def answer_batch(model, tok, batch, gen_kwargs: dict, eos: set[int]) -> list[dict]:

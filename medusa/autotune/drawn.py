@@ -222,13 +222,14 @@ def drawn_records(heads, device: torch.device, dtype: torch.dtype) -> dict | Non
     return None if entry is None else entry["drawn"]
 
 
-def calibrated_drawn(heads, device: torch.device, dtype: torch.dtype) -> tuple:
+def calibrated_drawn(heads, device: torch.device, dtype: torch.dtype, cost_ms: dict[int, float] | None = None) -> tuple:
     """``Plan.drawn`` for heads whose trees are calibrated, not sized here (Medusa's static trees):
-    the drawn chains per temperature from the calibrated entry's own pass costs (``()``: none)."""
+    the drawn chains per temperature from this machine's pass costs ``cost_ms`` (the kernel pick's
+    timing), else the calibrated entry's own (``()``: no drawn calibration)."""
     entry = _drawn_entry(heads, device, dtype)
-    if entry is None or not entry.get("cost_ms"):
+    if entry is None or not (cost_ms or entry.get("cost_ms")):
         return ()
-    return drawn_table(entry["drawn"], {int(n): float(ms) for n, ms in entry["cost_ms"].items()})
+    return drawn_table(entry["drawn"], cost_ms or {int(n): float(ms) for n, ms in entry["cost_ms"].items()})
 
 
 def _drawn_entry(heads, device: torch.device, dtype: torch.dtype) -> dict | None:
@@ -237,7 +238,7 @@ def _drawn_entry(heads, device: torch.device, dtype: torch.dtype) -> dict | None
     return next((measured[k] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("drawn")), None)
 
 
-def describe_drawn(drawn: tuple) -> str:
-    """``Plan.drawn`` in words, for the trees decision (empty where none)."""
-    return "".join(f"; sampled at T={t:g}: eagle a {eagle.nodes}-deep drawn chain, hybrid {hybrid.nodes} and a "
+def describe_drawn(drawn: tuple, own: str = "eagle") -> str:
+    """``Plan.drawn`` in words, for the trees decision (empty where none); ``own``: the heads' mode."""
+    return "".join(f"; sampled at T={t:g}: {own} a {eagle.nodes}-deep drawn chain, hybrid {hybrid.nodes} and a "
                    f"{hybrid.chain}-token lookup chain" for t, eagle, hybrid in drawn)

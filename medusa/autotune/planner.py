@@ -51,6 +51,7 @@ class Planner:
         self.autotune = autotune
         self.cache = cache if cache is not None else PlanCache()
         self.measured: list[str] = []
+        self.pass_ms: dict[int, float] = {}  # the picked kernels' pass cost by rows, as the kernel pick timed it
 
     def entry(self, name: str, fields: tuple[str, ...], measure: Callable[[], dict],
               timed: bool = True) -> tuple[dict | None, bool]:
@@ -130,6 +131,7 @@ class Planner:
                                    ("kernels", "reason"), measure)
         if entry is None:
             return Decision("kernels", "default", DEFAULT_REASON), None
+        self.pass_ms = {int(n): float(ms) for n, ms in (entry.get("cost_ms") or {}).get(entry["kernels"], {}).items()}
         return self.decision("kernels", entry["kernels"], entry, cached), entry.get("invariant_rows")
 
     # -- 3. exact rows --------------------------------------------------------------------
@@ -176,10 +178,10 @@ class Planner:
     # -- 5. trees -------------------------------------------------------------------------
     def trees(self, lm, heads, plan: Plan, compile) -> Plan:
         curves = sizable(heads, lm.device, lm.dtype, compile)
-        if not curves:  # static trees: sampled requests' drawn chains from the calibration's own costs
-            drawn = calibrated_drawn(heads, lm.device, lm.dtype)
-            return plan.decided(Decision("trees", "calibrated", "calibrated for the device type" + describe_drawn(drawn)),
-                                drawn=drawn)
+        if not curves:  # static trees: sampled requests' drawn chains from the kernel pick's pass costs
+            drawn = calibrated_drawn(heads, lm.device, lm.dtype, self.pass_ms)
+            reason = "calibrated for the device type" + describe_drawn(drawn, heads.config.kind)
+            return plan.decided(Decision("trees", "calibrated", reason), drawn=drawn)
         exact = plan.exact if plan.exact is not None else lm.dtype in (torch.bfloat16, torch.float16)
         max_rows = pass_rows(exact, plan.max_rows)
 
