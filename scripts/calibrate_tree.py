@@ -13,6 +13,9 @@ Medusa heads get a static tree; eagle heads get the size of their per-step dynam
 5. The tree with the most expected tokens per second; written with everything measured
    to HEADS_DIR/calibration.json, which medusa.load picks up (the tree for this device
    type, the draft vocabulary).
+
+``--long-prompts FILE``: eagle and block heads' acceptance on long prompts per context length too,
+which the plan sizes their trees at long contexts from (medusa/autotune/sizing.py ``by_length``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 import medusa
 from medusa.autotune.calibration import (
+    curves_by_length,
     draft_vocab,
     eagle_curves,
     greedy_answers,
@@ -38,6 +42,7 @@ from medusa.autotune.calibration import (
 )
 from medusa.autotune.drawn import calibrate_drawn
 from medusa.autotune.trees import choose_dynamic, choose_tree, path_counts
+from medusa.bench.prompts import encode, read_prompts
 from medusa.config import HelpFormatter, count
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
@@ -80,6 +85,7 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     print(f"best hybrid on {device}: {hybrid.nodes} nodes (depth {hybrid.depth}, top-{hybrid.topk}) and a "
           f"{hybrid.chain}-token lookup chain, expected {hybrid_expected:.2f} tokens/pass -> {hybrid_tps:.1f} tokens/s")
     drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
+    by_context = long_curves(args, engine)
     if args.dry_run:
         return 0
     path = Path(args.heads) / CALIBRATION_NAME
@@ -95,6 +101,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
     }
     if drawn:
         record["measured"][device]["drawn"] = drawn
+    if by_context:
+        record["measured"][device]["curves_by_context"] = by_context
     record["draft_vocab_coverage"] = coverage
     record["draft_vocab"] = vocab_ids
     record["command"] = command(argv)
@@ -150,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drawn-only", action="store_true",
                     help="add the drawn chains' calibration to this device's existing entry, keeping "
                          "everything else (the draft vocabulary, the trees)")
+    ap.add_argument("--long-prompts", default=None,
+                    help="eagle and block heads: also measure their acceptance on these long prompts (MT-Bench jsonl, "
+                         "e.g. written by scripts/long_prompts.py with a seed of its own), per context length, "
+                         "for the sizes at long contexts (default: none)")
+    ap.add_argument("--long-only", action="store_true",
+                    help="add only the --long-prompts acceptance to this device's existing entry, keeping the rest")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     return ap
 
@@ -187,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                                               args.max_prompt_tokens, args.reference_answers)
         if args.drawn_only:
             return add_drawn(args, argv, engine, prompts)
+        if args.long_only:
+            return add_long(args, argv, engine)
         heads.set_draft_vocab(None)
         answers = greedy_answers(engine, prompts, args.max_new_tokens)
         vocab_ids, coverage = draft_vocab(engine, answers, reference, args.vocab_size)
@@ -222,16 +238,37 @@ def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
     """``--drawn-only``: the drawn chains' curves into this device's calibrated entry."""
     if not hasattr(kind(engine.heads.config.kind).proposer_class(), "chain_laws") or not args.temperatures:
         raise MedusaError("--drawn-only calibrates heads' drawn chains: pass heads that draw them and --temperatures")
+    return add_to_entry(args, argv, engine, "--drawn-only", lambda: {"drawn": calibrate_drawn(
+        engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain), "drawn_command": command(argv)})
+
+
+def long_curves(args, engine) -> dict[str, dict]:
+    """``--long-prompts``: the acceptance curves on the long prompts, per context length."""
+    if not args.long_prompts:
+        return {}
+    prompts = [encode(engine, prompt.text) for prompt in read_prompts(args.long_prompts)]
+    return curves_by_length(engine, prompts, args.max_new_tokens, args.max_nodes, args.max_chain)
+
+
+def add_long(args, argv, engine) -> int:
+    """``--long-only``: the long prompts' curves into this device's calibrated entry."""
+    if not kind(engine.heads.config.kind).drafts_per_step or not args.long_prompts:
+        raise MedusaError("--long-only calibrates eagle or block heads at long contexts: pass them and --long-prompts")
+    return add_to_entry(args, argv, engine, "--long-only", lambda: {"curves_by_context": long_curves(args, engine),
+                                                                   "long_command": command(argv)})
+
+
+def add_to_entry(args, argv, engine, flag: str, measure) -> int:
+    """The fields ``measure()`` returns, into this device's existing calibrated entry."""
     device = tree_key(args.for_device or engine.device.type, engine.model.dtype)
     path = Path(args.heads) / CALIBRATION_NAME
-    entry = read_calibration(path).get("measured", {}).get(device)
-    if not isinstance(entry, dict):
-        raise MedusaError(f"{path} has no entry for {device}: calibrate these heads without --drawn-only first")
-    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
+    if not isinstance(read_calibration(path).get("measured", {}).get(device), dict):
+        raise MedusaError(f"{path} has no entry for {device}: calibrate these heads without {flag} first")
+    fields = measure()
     if args.dry_run:
         return 0
     record = read_calibration(path)
-    record["measured"][device].update(drawn=drawn, drawn_command=command(argv))
+    record["measured"][device].update(fields)
     write_calibration(path, record)
     print(f"wrote {path}")
     return 0

@@ -62,11 +62,11 @@ def test_candidate_ranks_match_a_direct_computation():
             assert ranks[t, k] == (r if r < 5 else -1)
 
 
-def _tiny_target(tmp_path: Path):
+def _tiny_target(tmp_path: Path, **config):
     """A tiny random target (folder, model) with the embedded model's tokenizer and chat template."""
     tok_dir = default_model_dir()
     target = tmp_path / "target"
-    model = tiny_model("llama", vocab_size=49152)
+    model = tiny_model("llama", vocab_size=49152, **config)
     model.save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tok_dir / name).is_file():
@@ -249,3 +249,39 @@ def test_block_heads_are_calibrated_and_decode_with_the_calibrated_size(tmp_path
     assert eng.heads.dynamic["cpu"] == size.as_dict()
     proposer = eng.proposer("block")
     assert (proposer.size, proposer.depth, proposer.nodes) == (size, 3, 3)
+
+
+def test_long_prompts_give_curves_per_context_length_and_the_plan_sizes_with_them(tmp_path):
+    """--long-prompts measures the heads' acceptance on long prompts, grouped by the context length
+    each stands for; --long-only adds them to an entry; a file without long prompts is refused."""
+    from medusa.autotune.sizing import curves_by_context
+    from medusa.models.eagle3_heads import init_eagle3_for
+
+    target, model = _tiny_target(tmp_path, max_position_embeddings=1024)
+    heads_dir = save_heads(init_eagle3_for(model, 3), tmp_path / "eagle3")
+    long = tmp_path / "long.jsonl"
+    words = " ".join(f"item {i} of the list," for i in range(55))  # 384-767 tokens: stands for 512
+    long.write_text("".join(json.dumps({"question_id": q, "category": "rag-1k", "turns": [f"Read: {words} {q}"]}) + "\n"
+                            for q in ("a", "b")) + json.dumps({"question_id": "c", "turns": ["Short."]}) + "\n")
+    script = _script()
+    common = ["--heads", str(heads_dir), "--model", str(target), "--prompts", str(_conversations(tmp_path)),
+              "--samples", "3", "--max-new-tokens", "12", "--vocab-size", "500", "--reference-answers", "6",
+              "--max-nodes", "8", "--device", "cpu", "--dtype", "float32", "--cost", "1:10,9:12",
+              "--temperatures", "none"]
+    assert script.main(common + ["--long-prompts", str(long)]) == 0
+    path = heads_dir / "calibration.json"
+    record = json.loads(path.read_text())
+    entry = record["measured"]["cpu"]
+    assert set(entry["curves_by_context"]) == {"512"}  # the short prompt stands for none
+    assert set(entry["curves_by_context"]["512"]) == set(entry["curves"])  # every draft shape, measured there
+    eng = medusa.load(model=str(target), heads=str(heads_dir), device="cpu", dtype="float32", autotune=False)
+    assert set(curves_by_context(eng.heads, eng.device, eng.model.dtype)) == {512}
+    # --long-only: only the long curves change
+    entry["curves_by_context"] = {"4096": entry["curves_by_context"]["512"]}
+    path.write_text(json.dumps(record))
+    assert script.main(common + ["--long-only", "--long-prompts", str(long)]) == 0
+    again = json.loads(path.read_text())
+    assert set(again["measured"]["cpu"]["curves_by_context"]) == {"512"} and again["dynamic"] == record["dynamic"]
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"question_id": "s", "turns": ["Short."]}) + "\n")
+    assert script.main(common + ["--long-only", "--long-prompts", str(short)]) == 1  # one line, no traceback

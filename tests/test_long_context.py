@@ -65,6 +65,24 @@ def test_trees_and_chains_shrink_as_the_context_grows():
     assert LENGTHS[-1] >= 4096  # sized up to the longest context the goals name
 
 
+def test_trees_at_long_contexts_follow_the_acceptance_measured_there():
+    from dataclasses import replace
+
+    from medusa.autotune.sizing import context_bucket
+
+    assert [context_bucket(n) for n in (300, 384, 900, 1536, 3100, 9000)] == [None, 512, 1024, 2048, 4096, 4096]
+    short = sizes_from(ENTRY, CURVES, max_rows=None, compiled=False)
+    assert short.eagle.at(1000).nodes == 1  # the short prompts' acceptance: one node still pays at 1k
+    # the heads keep little after ~1k tokens: plain decoding from 768 on, in both modes
+    poor = {shape: replace(acc, accepted=[0.05, 0.06], hybrid=[[0.0, 0.05, 0.06]] * 3) for shape, acc in CURVES.items()}
+    long = sizes_from(ENTRY, CURVES, max_rows=None, compiled=False, by_context={1024: poor})
+    assert long.eagle.at(767).nodes == 1 and long.eagle.at(768).nodes == 0 and long.eagle.at(5000).nodes == 0
+    assert (long.eagle.nodes, long.eagle.at(400).nodes) == (short.eagle.nodes, short.eagle.at(400).nodes)
+    # the drafting cost is this machine's (the short curves'), not the calibration run's
+    slow = {shape: replace(acc, draft_ms=50.0) for shape, acc in CURVES.items()}
+    assert sizes_from(ENTRY, CURVES, None, False, by_context={512: slow}).eagle.longer == short.eagle.longer
+
+
 def _state(tokens: list[int], hidden: torch.Tensor) -> DecodeState:
     return DecodeState(cache=None, tokens=tokens, length=len(tokens) - 1, root=torch.tensor(tokens[-1]),
                        hidden=hidden[-1], logits=None, prefill_hidden=hidden[:-1])

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from medusa.autotune.sizing import LENGTHS, context_bucket
 from medusa.autotune.timing import measure_cost
 from medusa.autotune.trees import Acceptance, acceptance_by_size, candidate_ranks
 from medusa.decoding.proposers.eagle import DynamicTree
@@ -109,13 +110,15 @@ def head_accuracy(ranks: torch.Tensor, num_heads: int) -> dict[str, dict[str, fl
 def eagle_curves(engine, pairs: list[tuple[list[int], list[int]]], max_nodes: int,
                  max_chain: int) -> dict[tuple[int, int], Acceptance]:
     """Eagle heads' acceptance of the N best nodes of each :data:`EAGLE_GRID` dynamic tree,
-    teacher-forced on the target's ``(prompt, answer)`` pairs, drafting timed as the engine drafts."""
+    teacher-forced on the target's ``(prompt, answer)`` pairs, drafting as the engine drafts
+    (timed, within its draft window)."""
     curves = {}
     for depth, topk in tqdm(EAGLE_GRID, desc="tree sizes", file=sys.stderr):
         size = DynamicTree(nodes=min(max_nodes, depth * topk * topk), depth=depth, topk=topk)
         with engine.kernel_scope():
             curves[(depth, topk)] = acceptance_by_size(engine.heads, engine.model, pairs, size, chain=max_chain,
-                                                       lookup_ngram=engine.proposer_config.lookup_ngram)
+                                                       lookup_ngram=engine.proposer_config.lookup_ngram,
+                                                       window=engine.proposer_config.draft_window)
     return curves
 
 
@@ -158,3 +161,26 @@ def write_calibration(path: Path, record: dict) -> None:
     the heads folder then failed to load)."""
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(record) + "\n")
+
+
+def curves_by_length(engine, prompts: list[list[int]], max_new_tokens: int, max_nodes: int,
+                     max_chain: int) -> dict[str, dict]:
+    """:func:`eagle_curves` on long prompts, grouped by the context length each stands for
+    (:func:`medusa.autotune.sizing.context_bucket`; shorter prompts are left out), as
+    calibration.json's ``curves_by_context``; each length's summary printed."""
+    groups: dict[int, list[list[int]]] = {}
+    for ids in prompts:
+        length = context_bucket(len(ids))
+        if length is not None:
+            groups.setdefault(length, []).append(ids)
+    if not groups:
+        raise MedusaError(f"none of the {len(prompts)} long prompts has {LENGTHS[0] * 3 // 4} tokens or more: pass "
+                          "long prompts, e.g. written by python scripts/long_prompts.py --seed 7 --output FILE")
+    out = {}
+    for length, group in sorted(groups.items()):
+        answers = greedy_answers(engine, group, max_new_tokens)
+        curves = eagle_curves(engine, [(p, a) for p, a in zip(group, answers) if a], max_nodes, max_chain)
+        print(f"after ~{length} tokens ({len(group)} prompts), drafted tokens accepted with 8 nodes: " + ", ".join(
+            f"{d}x{k} {acc.accepted[min(8, len(acc.accepted)) - 1]:.2f}" for (d, k), acc in sorted(curves.items())))
+        out[str(length)] = {f"{d}x{k}": acc.as_record() for (d, k), acc in curves.items()}
+    return out

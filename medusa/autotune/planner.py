@@ -25,7 +25,7 @@ from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
 from medusa.autotune.drawn import calibrated_drawn, describe_drawn, drawn_records, drawn_table
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
-from medusa.autotune.sizing import CONTEXTS, heads_fingerprint, measure_sizes, sizable, sizes_from
+from medusa.autotune.sizing import CONTEXTS, curves_by_context, heads_fingerprint, measure_sizes, sizable, sizes_from
 from medusa.decoding.passes.strategies import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
@@ -194,7 +194,8 @@ class Planner:
         entry, cached = self.entry(name, ("cost_ms", "draft_ms"), measure)
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))
-        sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type)
+        sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type,
+                           by_context=curves_by_context(heads, lm.device, lm.dtype))
         drawn = drawn_table(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)
         value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes" + describe_drawn(drawn)
         decision = self.decision("trees", value, {**entry, "reason": sizes.reason}, cached)

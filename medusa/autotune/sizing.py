@@ -66,16 +66,31 @@ class SizeChoice:
 def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], Acceptance]:
     """The heads' teacher-forced acceptance per draft shape from their calibration (the entry
     for this device and dtype first: its drafting ran in the same dtype; else any entry)."""
+    entry = _curves_entry(heads, device, dtype)
+    return {} if entry is None else _curves(entry["curves"])
+
+
+def curves_by_context(heads, device: torch.device, dtype: torch.dtype) -> dict[int, dict[tuple[int, int], Acceptance]]:
+    """The same acceptance measured on long prompts, per context length (one of ``LENGTHS``:
+    prompts from 3/4 of it on; ``scripts/calibrate_tree.py --long-prompts``); empty where none."""
+    entry = _curves_entry(heads, device, dtype)
+    return {int(length): _curves(curves) for length, curves in ((entry or {}).get("curves_by_context") or {}).items()}
+
+
+def _curves_entry(heads, device: torch.device, dtype: torch.dtype) -> dict | None:
     measured = getattr(heads, "measured", None) or {}
     keys = [tree_key(device.type, dtype), device.type] + sorted(measured)
-    entry = next((measured[k] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("curves")), None)
-    if entry is None:
-        return {}
-    curves = {}
-    for shape, record in entry["curves"].items():
-        depth, topk = (int(x) for x in shape.split("x"))
-        curves[(depth, topk)] = Acceptance.from_record(record)
-    return curves
+    return next((measured[k] for k in keys if isinstance(measured.get(k), dict) and measured[k].get("curves")), None)
+
+
+def _curves(records: dict) -> dict[tuple[int, int], Acceptance]:
+    return {tuple(int(x) for x in shape.split("x")): Acceptance.from_record(record) for shape, record in records.items()}
+
+
+def context_bucket(length: int) -> int | None:
+    """The sizing length (``LENGTHS``) a prompt of ``length`` tokens stands for: the longest
+    whose sizes apply at it (from 3/4 of the length on); None below the first."""
+    return max((n for n in LENGTHS if n * 3 // 4 <= length), default=None)
 
 
 @torch.inference_mode()
@@ -173,10 +188,12 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
 
 
 def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows: int | None,
-               compiled: bool, device_type: str = "cpu") -> SizeChoice:
+               compiled: bool, device_type: str = "cpu",
+               by_context: dict[int, dict[tuple[int, int], Acceptance]] | None = None) -> SizeChoice:
     """Mode eagle's and mode hybrid's trees from the timings ``entry`` (:func:`measure_sizes`), each
     with the smaller sizes it switches to at longer contexts (``DynamicTree.longer``, sized from
-    the pass cost there: :func:`cost_at`, within the short context's draft shape)."""
+    the pass cost there: :func:`cost_at`, and the acceptance measured there where ``by_context``
+    has it, within the short context's draft shape)."""
     cost = cost_at(entry, PREFIX)
     if compiled:
         cost = bucketed(cost)
@@ -186,7 +203,7 @@ def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows:
     eagle, eagle_tokens, eagle_tps = choose_dynamic(here, cost, max_rows=max_rows)
     hybrid, hybrid_tokens, hybrid_tps = choose_dynamic(here, cost, hybrid=True, max_rows=max_rows)
     if entry.get("cost_by_context"):
-        eagle, hybrid = (by_length(entry, here, size, max_rows, compiled, hybrid=mode)
+        eagle, hybrid = (by_length(entry, here, size, max_rows, compiled, hybrid=mode, by_context=by_context)
                          for size, mode in ((eagle, False), (hybrid, True)))
     reason = (f"sized here: eagle {_describe(eagle)} ({eagle_tokens:.2f} tokens/pass expected, {eagle_tps:.1f} tokens/s), "
               f"hybrid {_describe(hybrid)} ({hybrid_tokens:.2f}, {hybrid_tps:.1f} tokens/s); this machine's pass "
@@ -199,18 +216,24 @@ def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows:
 
 
 def by_length(entry: dict, curves: dict[tuple[int, int], Acceptance], size: DynamicTree, max_rows: int | None,
-              compiled: bool, hybrid: bool) -> DynamicTree:
+              compiled: bool, hybrid: bool, by_context: dict[int, dict[tuple[int, int], Acceptance]] | None = None,
+              ) -> DynamicTree:
     """``size`` (sized at ``PREFIX``) with the sizes it switches to at each of ``LENGTHS``, where
-    they differ: sized from the pass cost at that length, within the size of the length before
-    (``size``'s draft shape, no more nodes, no longer a chain: timing noise never grows a tree
-    back as the context grows), applying from 3/4 of the length on."""
+    they differ: sized from the pass cost at that length and the acceptance measured at the
+    longest calibrated length up to it (``by_context``; else the short prompts'), within the size
+    of the length before (``size``'s draft shape, no more nodes, no longer a chain: noise never
+    grows a tree back as the context grows), applying from 3/4 of the length on."""
     longer, last = [], replace(size, longer=())
     for length in LENGTHS:
         cost = cost_at(entry, length)
         if compiled:
             cost = bucketed(cost)
+        measured = max((n for n in (by_context or {}) if n <= length), default=None)
+        # (drafting as timed here: a windowed head drafts at the same cost at any length)
+        here_curves = curves if measured is None else {shape: replace(acc, draft_ms=curves[shape].draft_ms)
+                                                       for shape, acc in by_context[measured].items() if shape in curves}
         # within the size chosen for the length before: a longer context never gets a larger tree
-        here = choose_dynamic(curves, cost, hybrid=hybrid, max_rows=max_rows, within=last)[0]
+        here = choose_dynamic(here_curves or curves, cost, hybrid=hybrid, max_rows=max_rows, within=last)[0]
         if size.nodes and not here.nodes:  # no tree: the proposer still drafts the shape, verifies none
             here = replace(here, depth=size.depth, topk=size.topk)
         if here != last:

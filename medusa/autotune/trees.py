@@ -203,17 +203,18 @@ def simulate(positions: list[list[tuple]], nodes: int, chain: int,
 
 @torch.inference_mode()
 def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int], list[int]]],
-                       size: DynamicTree, chain: int = 0, lookup_ngram: int = 3) -> Acceptance:
+                       size: DynamicTree, chain: int = 0, lookup_ngram: int = 3, window: int | None = None) -> Acceptance:
     """Teacher-forced along the target's own answers (``(prompt, answer)`` token lists): for
     every ``N`` in ``1..size.nodes``, the mean draft tokens accepted per position when the
     target verifies the ``N`` best nodes (one drafting per position serves every ``N``: the
     best-N sets are nested); and the mean milliseconds the drafting of a step takes. With
     ``chain``, prompt lookup (``lookup_ngram``) copies up to ``chain`` tokens at each position
     too, and decoding with a chain of every length up to it beside the N best nodes is replayed
-    (:func:`simulate`; chain length 0 is mode eagle)."""
+    (:func:`simulate`; chain length 0 is mode eagle). ``window``: the pairs the head attends to
+    at most, as the engine drafts (``ProposerConfig.draft_window``; it matters past that many)."""
     device = heads.fc.weight.device
     # block heads (medusa.decoding.proposers.block) read the same features, rank their nodes alike
-    proposer = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size)
+    proposer = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size, window=window)
     # the chain as mode hybrid drafts it: prompt lookup, else the heads' n-gram table
     lookup = PromptLookup(device, num_tokens=chain, max_ngram=lookup_ngram, table=heads.ngrams) if chain else None
     totals = [0] * (size.nodes + 1)
