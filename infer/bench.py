@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hybrid modes: draft no chain from the heads folder's n-gram table of the target's "
                          "answers where the text has no match (ngrams.safetensors; default: use it when there is one)")
     ap.add_argument("--draw", type=count(0), default=pc.draw,
-                    help=f"sampled runs: candidates per depth the heads draw from their own distribution (default "
-                         f"{pc.draw}: a chain; 0: their deterministic top-k, verified as point masses)")
+                    help="sampled runs: candidates per depth the heads draw from their own distribution (default: "
+                         "as many as the plan sized at the run's temperature, one where uncalibrated; 0: their "
+                         "deterministic top-k, verified as point masses)")
     ap.add_argument("--draft-window", type=count(0), default=pc.draft_window,
                     help=f"eagle heads: the accepted pairs their own cache keeps and attends to, a sliding window "
                          f"(default {pc.draft_window}; 0: the whole context)")

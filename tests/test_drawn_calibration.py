@@ -226,3 +226,77 @@ def test_static_and_block_heads_draw_as_deep_as_the_nearest_temperature_says(whi
         prompt, max_new_tokens=12, mode=which, temperature=0.6, seed=5, ignore_eos=True).tokens  # the seed's sample
     greedy = eng.generate(prompt, max_new_tokens=12, mode=which).tokens
     assert greedy == eng.generate(prompt, max_new_tokens=12, mode="baseline").tokens
+
+
+def test_the_siblings_chance_is_the_one_verification_keeps_them_with():
+    # sibling_keeps predicts how often verify_sampled keeps one of k siblings drawn without
+    # replacement (draw()); both are run here, the verification thousands of times
+    from medusa.autotune.drawn import sibling_keeps
+    from medusa.decoding.proposers.drawn import draw, drawn_proposal
+    from medusa.decoding.verify import verify_sampled
+
+    torch.manual_seed(0)
+    sampling = SamplingConfig(temperature=1.0)
+    target_logits, head_logits = torch.randn(12) * 1.5, torch.randn(12) * 1.5
+    p, q = probabilities(target_logits, sampling), probabilities(head_logits, sampling)
+    predicted = sibling_keeps(p, q, 3, torch.Generator().manual_seed(1), draws=3000)
+    assert predicted[0] == pytest.approx(torch.minimum(p, q).sum().item())
+    assert predicted[0] < predicted[1] < predicted[2] <= 1.0  # each sibling keeps something more
+    generator = torch.Generator().manual_seed(2)
+    for width in (2, 3):
+        kept, trials = 0, 3000
+        for _ in range(trials):
+            proposal = drawn_proposal(torch.tensor(0), [draw(head_logits, sampling, width, generator, None, 12)])
+            logits = target_logits.expand(proposal.tokens.shape[0], 12)
+            kept += verify_sampled(proposal.tree, proposal.tokens, logits, proposal.q, sampling, generator).length >= 1
+        assert kept / trials == pytest.approx(predicted[width - 1], abs=0.03)
+
+
+def test_the_plan_widens_a_level_only_where_its_siblings_pay_for_their_rows():
+    from medusa.autotune.drawn import best_size, describe_drawn
+
+    cheap = {1: 18.0, 2: 18.2, 4: 18.6, 8: 19.4, 16: 21.0}
+    wide = DrawnCurve(0.7, (0.4, 0.55, 0.6), level_ms=0.2, wide=((0.7, 1.0, 1.1), (0.85, 1.25, 1.4)))
+    assert best_size(wide, cheap, hybrid=False) == (3, 0, 3)  # siblings keep much more, rows cost little
+    steep = {1: 18.0, 2: 20.0, 4: 24.0, 8: 32.0, 16: 48.0}
+    depth, _, width = best_size(wide, steep, hybrid=False)
+    assert depth * width < 9  # rows at 2 ms: fewer siblings or levels
+    flat = DrawnCurve(1.0, (0.4, 0.55, 0.6), level_ms=0.2, wide=((0.41, 0.56, 0.61), (0.42, 0.57, 0.62)))
+    assert best_size(flat, cheap, hybrid=False)[2] == 1  # siblings that keep nothing more: a chain
+    assert DrawnCurve.from_record(0.7, wide.as_record()) == wide
+    sizes = drawn_depths({"0.7": wide.as_record()}, cheap)
+    assert sizes[0][1] == DynamicTree(nodes=9, depth=3, topk=3, chain=0)
+    assert "eagle a 3-deep drawn tree, 3 a depth" in describe_drawn(drawn_table({"0.7": wide.as_record()}, cheap))
+
+
+@pytest.mark.parametrize("which", ["medusa", "block", "eagle3"])
+def test_each_kind_draws_the_siblings_a_depth_the_plan_sized(which):
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = _kind_heads(which, model)
+    cheap = {1: 18.0, 2: 18.2, 4: 18.6, 8: 19.4, 16: 21.0}
+    record = {"kept": [0.4, 0.55], "level_ms": 0.1, "wide": {"2": [0.7, 1.0], "3": [0.72, 1.02]}}
+    heads.measured = {"cpu": {"cost_ms": {str(n): ms for n, ms in cheap.items()}, "drawn": {"0.7": record}}}
+    drawn = drawn_table(drawn_records(heads, torch.device("cpu"), torch.float32), cheap)
+    assert (drawn[0][1].topk, drawn[0][1].nodes) == (2, 4)  # the third sibling keeps too little
+    eng = Engine(model, heads=heads, plan=Plan(pass_ms=tuple(cheap.items()), drawn=drawn))
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(20)]
+    proposal = _proposed(eng, eng.proposer(which), prompt, 0.7)[1]
+    assert proposal.tree.max_depth == 2 and proposal.tokens.shape[0] == 1 + 2 * 2  # two drawn a depth
+    import medusa
+
+    chain = Engine(model, heads=heads, plan=eng.plan, proposer_config=medusa.ProposerConfig(draw=1))
+    proposal = _proposed(chain, chain.proposer(which), prompt, 0.7)[1]
+    assert proposal.tree.max_depth == 2 and proposal.is_chain  # draw=1: one a depth, as deep
+    first = eng.generate(prompt, max_new_tokens=12, mode=which, temperature=0.7, seed=4, ignore_eos=True).tokens
+    assert first == eng.generate(prompt, max_new_tokens=12, mode=which, temperature=0.7, seed=4,
+                                 ignore_eos=True).tokens
+
+
+def test_the_curve_measures_wider_levels_keeping_at_least_the_chain():
+    model = tiny_model("llama", num_hidden_layers=2)
+    heads = init_eagle3_for(model, 3)
+    curve = drawn_curve(heads, model, _pairs(1, 6), temperature=0.8, depth=3, width=3)
+    assert len(curve.wide) == 2 and all(len(kept) == 3 for kept in curve.wide)
+    for narrow, wider in zip(curve.by_width(), curve.by_width()[1:]):
+        assert all(a <= b + 1e-9 for a, b in zip(narrow[1], wider[1]))  # a sibling more never keeps less
+    assert curve.wide[0][0] > curve.kept[0]

@@ -232,11 +232,15 @@ class Engine:
                              by_temperature=self._drawn_sizes(mode))
 
     def _drawn_sizes(self, mode: str) -> tuple:
-        """The plan's drawn chains per temperature for ``mode`` (hybrid's with its lookup chain),
-        with ``ProposerConfig.draw`` candidates at each depth (calibrated depths stay)."""
-        width = max(self.proposer_config.draw, 1)
-        return tuple((t, dataclasses.replace(size, nodes=size.nodes * width))
-                     for t, eagle, hybrid in self.plan.drawn for size in [hybrid if mode == "hybrid" else eagle])
+        """The plan's drawn levels per temperature for ``mode`` (hybrid's with its lookup chain),
+        siblings a depth as sized; with ``ProposerConfig.draw`` set, that many at each calibrated depth."""
+        width = self.proposer_config.draw
+        sizes = [(t, hybrid if mode == "hybrid" else eagle) for t, eagle, hybrid in self.plan.drawn]
+        if width is None:
+            return tuple(sizes)
+        width = max(width, 1)
+        return tuple((t, dataclasses.replace(size, nodes=size.nodes // max(size.topk, 1) * width, topk=width))
+                     for t, size in sizes)
 
     def precompile(self, mode: str | Proposer | None = None, tree: str | Sequence[Sequence[int]] | None = None,
                    rows: int | None = None, progress: Callable[[int, float], None] | None = None) -> list[int]:

@@ -128,8 +128,8 @@ class BlockProposer(HeadsProposer):
         return [self._nodes(size) for size in self.size.sizes] + drawn
 
     def _drawn_nodes(self, size: DynamicTree) -> int:
-        """Nodes a drawn chain of ``size`` verifies at most (``draw`` candidates a depth)."""
-        return min(size.nodes, min(size.depth, self.k) * max(self.draw, 1))
+        """Nodes drawn levels of ``size`` verify at most (``size.topk`` candidates a depth)."""
+        return min(size.nodes, min(size.depth, self.k) * max(size.topk, 1))
 
     def _nodes(self, size: DynamicTree) -> int:
         """Nodes a step of ``size`` verifies at most (its depth within the block's and this draft's)."""
@@ -212,14 +212,15 @@ class BlockProposer(HeadsProposer):
         drawn = draws(state.sampling, self.draw)
         sized = nearest(self.by_temperature, state.sampling) if drawn else None
         if sized is not None:  # a chain as deep as calibrated at the request's temperature
-            return self._drawn(state, state.max_depth(min(sized.depth, self.k)) if sized.nodes else 0)
+            return self._drawn(state, state.max_depth(min(sized.depth, self.k)) if sized.nodes else 0,
+                               max(sized.topk, 1))
         size = self.size.at(state.length)  # smaller at long contexts (the same draft shape)
         nodes = self._nodes(size)
         depth = state.max_depth(min(size.depth, self.depth))  # no deeper than the tokens left to emit
         if nodes == 0 or depth == 0:
-            return self._drawn(state, 0)
+            return self._drawn(state, 0, 1)
         if drawn:  # each depth's candidates drawn from its distribution
-            return self._drawn(state, min(depth, max(1, nodes // self.draw)))
+            return self._drawn(state, min(depth, max(1, nodes // self.draw)), self.draw)
         position = torch.full((1,), state.length, device=self.device)
         ids, scores = self.draft_step(state.root, position)
         if self.topk == 1:  # the chain: no host read, the engine's step sync reads the ids
@@ -239,8 +240,8 @@ class BlockProposer(HeadsProposer):
         return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted]),
                         is_chain=len(tree.leaves) == 1)
 
-    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
-        """``draw`` candidates drawn at each of the block's first ``depth`` positions from its
+    def _drawn(self, state: DecodeState, depth: int, width: int) -> Proposal:
+        """``width`` candidates drawn at each of the block's first ``depth`` positions from its
         processed distribution there (0: the root alone, plain decoding)."""
         if depth == 0:
             self.ranked, self.scores = [], []
@@ -248,7 +249,7 @@ class BlockProposer(HeadsProposer):
         position = torch.full((1,), state.length, device=self.device)
         logits = self._logits(state.root, position, depth).float()  # [depth, S]
         ids = self.heads.to_target(torch.arange(logits.shape[-1], device=self.device))  # [S] target ids
-        levels = [draw(logits[d], state.sampling, self.draw, state.generator, ids, self.heads.config.vocab_size)
+        levels = [draw(logits[d], state.sampling, width, state.generator, ids, self.heads.config.vocab_size)
                   for d in range(depth)]
         proposal = drawn_proposal(state.root, levels)
         self.ranked, self.scores = list(proposal.tree.paths), []

@@ -294,8 +294,9 @@ class EagleProposer(HeadsProposer):
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
         self._catch_up()
-        if draws(state.sampling, self.draw):  # a chain as deep as the tree, within its nodes
-            return self._drawn(state, min(depth, max(1, size.nodes // self.draw)))
+        if draws(state.sampling, self.draw):  # levels as deep as sized, within its nodes
+            width = max(size.topk, 1) if self.by_temperature else self.draw  # (calibrated: siblings as sized)
+            return self._drawn(state, min(depth, max(1, size.nodes // width)), width)
         parents, tokens, scores = self._draft(state.length, depth)
         self._crop()
         # the drafting's host sync: what was drafted, once every level is queued
@@ -314,14 +315,14 @@ class EagleProposer(HeadsProposer):
         drafted = torch.tensor([token_list[index[p]] for p in tree.paths], device=self.device)
         return Proposal(tree=tree, tokens=torch.cat([state.root.view(1), drafted]))
 
-    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
-        """A sampled request's chain: at each depth ``draw`` candidates drawn from the head's
+    def _drawn(self, state: DecodeState, depth: int, width: int) -> Proposal:
+        """A sampled request's chain: at each depth ``width`` candidates drawn from the head's
         processed distribution; the head then runs on the first one to guess the next depth."""
         root, past = state.length, state.length - self.start
         feature, levels = self.last, []
         for d in range(depth):
             logits = self.heads.logits(feature, self.heads.draft_vocab).float()  # [S or V]
-            levels.append(draw(logits, state.sampling, self.draw, state.generator, self.heads.draft_vocab,
+            levels.append(draw(logits, state.sampling, width, state.generator, self.heads.draft_vocab,
                                self.heads.config.vocab_size))
             if d + 1 < depth:  # the chain's node sees the accepted context and the chain above it
                 visible = torch.ones(1, past + d + 1, dtype=torch.bool, device=self.device)

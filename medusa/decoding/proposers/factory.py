@@ -59,10 +59,11 @@ class ProposerConfig:
     lookahead_text: bool = True
     # mode hybrid: also run lookahead's window and verify its pool's n-grams in the same pass
     hybrid_lookahead: bool = False
-    # sampled requests (lossless): heads draw this many candidates per depth of a chain from their
-    # own processed distribution (medusa/decoding/proposers/drawn.py); 0: their deterministic
-    # top-k tree, verified as point masses
-    draw: int = 1
+    # sampled requests (lossless): heads draw their candidates from their own processed
+    # distribution (medusa/decoding/proposers/drawn.py), as many per depth as the plan sized at the
+    # request's temperature (None; one where nothing was calibrated), or this many at each depth
+    # it sized; 0: their deterministic top-k tree, verified as point masses
+    draw: int | None = None
     # EAGLE heads: the accepted pairs their own cache keeps and attends to, a sliding window
     # (None: the whole context). Bounded by default: the drafting's cost stays flat in the context,
     # and heads trained on short chats accept more with it on long prompts
@@ -80,7 +81,7 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
     dynamic tree, the block's chain), and the lookup chain's length mode hybrid puts beside it
     (0: none, as sized)."""
     guessed = kind(heads.config.kind).proposer_class().for_heads(heads, device, size=size, paths=paths, dtype=dtype,
-                                                                hybrid=hybrid, draw=config.draw,
+                                                                hybrid=hybrid, draw=1 if config.draw is None else config.draw,
                                                                 window=config.draft_window)
     sized = getattr(guessed, "size", None)  # a proposal sized per step (a static tree has none)
     if not isinstance(sized, DynamicTree):
@@ -135,7 +136,7 @@ def make_proposer(
             raise MedusaError(f"mode {mode!r} needs {mode} heads, but the loaded heads are {loaded} heads: "
                               f"use mode={loaded!r} (or 'hybrid'), or load {mode} heads")
         guessed, chain = _heads_proposer(heads, device, config, paths, size, dtype, hybrid=mode == "hybrid")
-        if config.draw and hasattr(guessed, "sample_with"):  # sampled requests' drawn chains
+        if config.draw != 0 and hasattr(guessed, "sample_with"):  # sampled requests' drawn chains
             guessed.sample_with(_sampled(mode, sampled_size, heads, device, dtype), by_temperature)
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here

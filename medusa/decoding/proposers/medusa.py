@@ -51,15 +51,15 @@ class MedusaProposer(HeadsProposer):
         rows = [self.tree.num_nodes] + [1 + size.nodes for _, size in self.by_temperature]
         self.max_rows, self.min_rows = max(rows), min(rows)
 
-    def _drawn_depth(self, state: DecodeState) -> int:
-        """How deep a sampled request's drawn chain goes: as calibrated at the nearest temperature,
-        else as deep as the greedy tree within its rows (0: plain decoding)."""
+    def _drawn_shape(self, state: DecodeState) -> tuple[int, int]:
+        """``(depth, siblings a depth)`` of a sampled request's drawn levels: as calibrated at the
+        nearest temperature, else as deep as the greedy tree within its rows (0: plain decoding)."""
         sized = nearest(self.by_temperature, state.sampling)
         if sized is None:
             depth = min(self.tree.max_depth, max(1, self.tree.num_nodes // self.draw)) if self.tree.max_depth else 0
-        else:
-            depth = min(sized.depth, self.heads.num_heads) if sized.nodes else 0
-        return state.max_depth(depth)
+            return state.max_depth(depth), self.draw
+        depth = min(sized.depth, self.heads.num_heads) if sized.nodes else 0
+        return state.max_depth(depth), max(sized.topk, 1)
 
     def _layout(self, depth: int) -> tuple[TreeBuffers, torch.Tensor, bool]:
         if depth not in self.layouts:
@@ -75,22 +75,22 @@ class MedusaProposer(HeadsProposer):
 
     def propose(self, state: DecodeState) -> Proposal:
         drawn = draws(state.sampling, self.draw)
-        depth = self._drawn_depth(state) if drawn else state.max_depth(self.tree.max_depth)
+        depth, width = self._drawn_shape(state) if drawn else (state.max_depth(self.tree.max_depth), 0)
         if depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
             return Proposal(tree=self._layout(0)[0], tokens=state.root.view(1), is_chain=True)
         if drawn:
-            return self._drawn(state, depth)
+            return self._drawn(state, depth, width)
         tree, candidate_index, is_chain = self._layout(depth)
         top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
         tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
         return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
 
-    def _drawn(self, state: DecodeState, depth: int) -> Proposal:
-        """Each head's candidates drawn from its processed distribution: head ``d`` guesses depth
-        ``d + 1`` whatever was drawn above it, so its law is its own at every node."""
+    def _drawn(self, state: DecodeState, depth: int, width: int) -> Proposal:
+        """Each head's ``width`` candidates drawn from its processed distribution: head ``d`` guesses
+        depth ``d + 1`` whatever was drawn above it, so its law is its own at every node."""
         vocab = self.heads.draft_vocab
         logits = self.heads.logits(state.hidden, heads=range(depth), vocab=vocab)  # [D, S or V]
-        levels = [draw(logits[d].float(), state.sampling, self.draw, state.generator, self.heads.draft_vocab,
+        levels = [draw(logits[d].float(), state.sampling, width, state.generator, self.heads.draft_vocab,
                        self.heads.config.vocab_size) for d in range(depth)]
         return drawn_proposal(state.root, levels)
 
