@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.runtime import pages
 from medusa.runtime.files import atomic_file, cache_root
 
 log = logging.getLogger("medusa.kernels")
@@ -206,7 +207,7 @@ def _pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     lanes = lib.medusa_gemv_lanes()
     weight = weight.detach().contiguous()
-    packed = torch.empty(-(-out_features // lanes) * lanes * in_features, dtype=weight.dtype)
+    packed = pages.empty(-(-out_features // lanes) * lanes * in_features, weight.dtype)  # read every pass: huge pages
     pack_fn = lib.medusa_gemv_pack_bf16 if weight.dtype == torch.bfloat16 else lib.medusa_gemv_pack
     pack_fn(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
     return packed
