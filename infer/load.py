@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa.bench.loadgen import interference, run_load, versus
+from medusa.bench.loadgen import LoadResult, combine, interference, run_load, versus
 from medusa.bench.servers import start, stop
 from medusa.bench.soak import Soak
 from medusa.errors import MedusaError
@@ -52,9 +52,51 @@ def build_parser() -> argparse.ArgumentParser:
                         "against the request alone, the server idle afterwards (medusa/bench/soak.py; 0: off)")
     p.add_argument("--split", action="store_true", help="first time this project's plain decoding step in process at 1 "
                    "and 8 sequences, split into linear layers, attention and the rest (the server's default engine)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start every server at once and run each concurrency on each in turn, N times (the order "
+                        "rotated each round), summing a server's rounds: a machine whose speed drifts then slows "
+                        "every server alike (default: 1, the servers one after the other)")
     p.add_argument("--json", help="write every row (and the answers' agreement) here")
     p.add_argument("--plot", help="write a PNG of total tokens/s against concurrency here")
     return p
+
+
+def row_line(server: str, result: LoadResult) -> str:
+    return (f"{server:<16} c={result.concurrency:<2} {result.tokens_per_second:7.1f} tok/s  ttft p50 "
+            f"{result.ttft_p50:.2f} s  itl p50/p95 {1e3 * result.itl_p50:.1f}/{1e3 * result.itl_p95:.1f} ms"
+            + (f"  tau {result.tau:.2f}" if result.tau else ""))
+
+
+def run_rounds(args: argparse.Namespace, prompts: list[str], levels: list[int], rows: list[dict], texts: dict) -> None:
+    """``--rounds N``: every server started at once (each on its own port), then N rounds of every
+    concurrency on every server in turn, the order rotated round by round; a server's row at a
+    level sums its rounds (:func:`~medusa.bench.loadgen.combine`) and says in how many of its
+    prompts every round gave the same answer."""
+    names = args.servers.split(",")
+    started, results = [], {}
+    try:
+        for i, server in enumerate(names):
+            started.append(start(server, args.port + i, args.max_batch, args.model_name))
+        for r in range(args.rounds):
+            for c in levels:
+                for k in range(len(names)):
+                    j = (k + r) % len(names)
+                    url, model, _ = started[j]
+                    result = run_load(url, model, prompts, c, args.max_tokens)
+                    results.setdefault((names[j], c), []).append(result)
+                    print(f"round {r + 1}: " + row_line(names[j], result), flush=True)
+    finally:
+        for _, _, proc in started:
+            if proc is not None:
+                stop(proc)
+    for server in names:
+        for c in levels:
+            runs = results[(server, c)]
+            result = combine(runs)
+            texts[(server, c)] = result.texts
+            same = sum(all(run.texts[i] == result.texts[i] for run in runs) for i in range(len(prompts)))
+            rows.append({"server": server, **result.row(), "rounds": len(runs), "same_every_round": same})
+            print(row_line(server, result) + f"  ({len(runs)} rounds; the same answer every round: {same}/{len(prompts)})")
 
 
 def read_prompts(path: str, limit: int | None) -> list[str]:
@@ -107,21 +149,24 @@ def main(argv: list[str] | None = None) -> int:
         rows, texts = [], {}
         if args.split:
             rows.append({"split": step_split_rows(prompts)})
-        for server in args.servers.split(","):
+        if args.rounds < 1 or (args.rounds > 1 and (args.soak or args.long_prompt)):
+            raise MedusaError(f"--rounds {args.rounds}: use a positive count, and rounds with the concurrency "
+                              "levels only (not --soak or --long-prompt)")
+        if args.rounds > 1:
+            run_rounds(args, prompts, levels, rows, texts)
+        for server in args.servers.split(",") if args.rounds == 1 else ():
             url, model, proc = start(server, args.port, args.max_batch, args.model_name, 8 if args.soak else 256)
             try:
                 if args.soak:
                     report = Soak(url, model, prompts, args.max_tokens, pid=proc.pid if proc else None).run(args.soak)
                     rows.append({"server": server, "soak": report.as_dict()})
-                    print("\n".join(f"{server}: {line}" for line in report.lines()), flush=True)
+                    print("\n".join(f"{server}: {text}" for text in report.lines()), flush=True)
                     continue
                 for c in levels:
                     result = run_load(url, model, prompts, c, args.max_tokens)
                     texts[(server, c)] = result.texts
                     rows.append({"server": server, **result.row()})
-                    print(f"{server:<16} c={c:<2} {result.tokens_per_second:7.1f} tok/s  ttft p50 {result.ttft_p50:.2f} s  "
-                          f"itl p50/p95 {1e3 * result.itl_p50:.1f}/{1e3 * result.itl_p95:.1f} ms"
-                          + (f"  tau {result.tau:.2f}" if result.tau else ""), flush=True)
+                    print(row_line(server, result), flush=True)
                 if args.long_prompt:
                     hit = interference(url, model, prompts, long_text(args.long_prompt), args.max_tokens)
                     rows.append({"server": server, "long_prompt_words": args.long_prompt, **hit})

@@ -50,6 +50,34 @@ def test_the_command_line_compares_answers_across_concurrencies(running, tmp_pat
     assert "identical to its c=1: 3/3" in capsys.readouterr().out
 
 
+def test_rounds_run_each_level_again_and_sum_them(running, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in QUESTIONS[:3]))
+    out = tmp_path / "load.json"
+    rc = load.main(["--servers", f"url={running.url}", "--model-name", "tiny", "--prompts", str(prompts),
+                    "--concurrency", "1,2", "--max-tokens", "8", "--rounds", "2", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["rounds"], r["requests"]) for r in rows] == [(1, 2, 6), (2, 2, 6)]
+    assert all(r["same_every_round"] == 3 and r["same_as_c1"] == 3 for r in rows)
+    printed = capsys.readouterr().out
+    assert printed.count("round 1:") == 2 and printed.count("round 2:") == 2
+    assert load.main(["--servers", f"url={running.url}", "--rounds", "0"]) == 2
+    assert load.main(["--servers", f"url={running.url}", "--rounds", "2", "--soak", "4"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rounds_combine_as_tokens_over_seconds():
+    from medusa.bench.loadgen import LoadResult, combine
+
+    a = LoadResult(2, 4, 2.0, 100, 50.0, 0.1, 0.2, 0.01, 0.03, 2.0, ["x"])
+    b = LoadResult(2, 4, 3.0, 50, 16.7, 0.3, 0.4, 0.03, 0.05, None, ["y"])
+    both = combine([a, b])
+    assert both.tokens_per_second == pytest.approx(150 / 5.0) and both.requests == 8 and both.tokens == 150
+    assert both.ttft_p50 == pytest.approx(0.2) and both.itl_p95 == pytest.approx(0.04) and both.tau == 2.0
+    assert both.texts == ["x"]
+
+
 def test_bad_servers_and_prompts_are_one_line_errors(tmp_path, capsys):
     assert load.main(["--servers", "tgi"]) == 2
     err = capsys.readouterr().err.strip()

@@ -226,6 +226,19 @@ def _has_content(line: str) -> bool:
     return any((c.get("delta") or {}).get("content") for c in event.get("choices") or [])
 
 
+def combine(results: list[LoadResult]) -> LoadResult:
+    """One server's rounds at one concurrency as one result: tokens over seconds summed, the
+    latency percentiles and tau averaged over rounds, the first round's answers."""
+    n = len(results)
+    tokens, seconds = sum(r.tokens for r in results), sum(r.seconds for r in results)
+    taus = [r.tau for r in results if r.tau is not None]
+    return LoadResult(concurrency=results[0].concurrency, requests=sum(r.requests for r in results), seconds=seconds,
+                      tokens=tokens, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+                      ttft_p50=sum(r.ttft_p50 for r in results) / n, ttft_p95=sum(r.ttft_p95 for r in results) / n,
+                      itl_p50=sum(r.itl_p50 for r in results) / n, itl_p95=sum(r.itl_p95 for r in results) / n,
+                      tau=sum(taus) / len(taus) if taus else None, texts=results[0].texts)
+
+
 def versus(rows: list[dict]) -> list[str]:
     """One line per concurrency: the first server's total tokens per second against every other
     server's at that concurrency, as ratios (the numbers the goals are stated in)."""
