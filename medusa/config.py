@@ -54,6 +54,19 @@ def count(low: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def temperatures_arg(text: str) -> list[float]:
+    """An argparse ``type`` for comma-separated sampling temperatures in (0, 2] (``none``: [])."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures, e.g. 0.7,1.0") from None
+    if any(not 0 < t <= 2 for t in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be in (0, 2], got {text!r}")
+    return values
+
+
 def writable_folder(folder: Path, flag: str) -> None:
     """Create ``folder`` now, or say in one line why ``flag`` cannot be written there."""
     try:

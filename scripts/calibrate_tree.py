@@ -43,7 +43,7 @@ from medusa.autotune.calibration import (
 from medusa.autotune.drawn import calibrate_drawn
 from medusa.autotune.trees import choose_dynamic, choose_tree, path_counts
 from medusa.bench.prompts import encode, read_prompts
-from medusa.config import HelpFormatter, count
+from medusa.config import HelpFormatter, count, temperatures_arg
 from medusa.decoding.tree import tree_key
 from medusa.errors import MedusaError
 from medusa.models.heads_config import CALIBRATION_NAME
@@ -84,7 +84,8 @@ def calibrate_eagle(args: argparse.Namespace, argv: list[str] | None, engine, pr
           f"tokens/pass -> {tps:.1f} tokens/s (plain decoding: {1e3 / cost[1]:.1f} tokens/s)")
     print(f"best hybrid on {device}: {hybrid.nodes} nodes (depth {hybrid.depth}, top-{hybrid.topk}) and a "
           f"{hybrid.chain}-token lookup chain, expected {hybrid_expected:.2f} tokens/pass -> {hybrid_tps:.1f} tokens/s")
-    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
+    drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain,
+                                    args.siblings)
     by_context = long_curves(args, engine)
     if args.dry_run:
         return 0
@@ -155,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", type=temperatures_arg, default=[0.7, 1.0],
                     help="temperatures the heads' drawn chains are calibrated at, on answers the target "
                          "samples at each ('none': skip; default: 0.7,1.0)")
-    ap.add_argument("--drawn-only", action="store_true",
-                    help="add the drawn chains' calibration to this device's existing entry, keeping "
-                         "everything else (the draft vocabulary, the trees)")
+    ap.add_argument("--siblings", type=count(1), default=1, help="also calibrate drawn levels of up to this many "
+                    "siblings a depth, for the plan to choose trees or chains (default: 1, chains only)")
+    ap.add_argument("--drawn-only", action="store_true", help="add the drawn chains' calibration to this device's "
+                    "existing entry, keeping everything else (the draft vocabulary, the trees)")
     ap.add_argument("--long-prompts", default=None,
                     help="eagle and block heads: also measure their acceptance on these long prompts (MT-Bench jsonl, "
                          "e.g. written by scripts/long_prompts.py with a seed of its own), per context length, "
@@ -166,18 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add only the --long-prompts acceptance to this device's existing entry, keeping the rest")
     ap.add_argument("--dry-run", action="store_true", help="print the result without writing calibration.json")
     return ap
-
-
-def temperatures_arg(text: str) -> list[float]:
-    if text.strip().lower() == "none":
-        return []
-    try:
-        values = [float(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures, e.g. 0.7,1.0") from None
-    if any(not 0 < t <= 2 for t in values):
-        raise argparse.ArgumentTypeError(f"temperatures must be in (0, 2], got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -215,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cost = measured_cost(args, engine, prompts, args.max_nodes + 1)
         choice = choose_tree(counts_paths, positions, cost, args.max_nodes)
-        drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain)
+        drawn = calibrate_drawn(engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain,
+                                    args.siblings)
     except MedusaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -239,7 +230,8 @@ def add_drawn(args, argv, engine, prompts: list[list[int]]) -> int:
     if not hasattr(kind(engine.heads.config.kind).proposer_class(), "chain_laws") or not args.temperatures:
         raise MedusaError("--drawn-only calibrates heads' drawn chains: pass heads that draw them and --temperatures")
     return add_to_entry(args, argv, engine, "--drawn-only", lambda: {"drawn": calibrate_drawn(
-        engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain), "drawn_command": command(argv)})
+        engine, prompts, args.temperatures, args.max_new_tokens, args.seed, args.max_chain, args.siblings),
+        "drawn_command": command(argv)})
 
 
 def long_curves(args, engine) -> dict[str, dict]:

@@ -45,7 +45,6 @@ from medusa.models.kinds import kind
 from medusa.runtime import hf as kv
 
 MAX_DEPTH = 8  # the deepest drawn chain calibrated
-MAX_WIDTH = 3  # the most siblings a depth calibrated
 SIBLING_DRAWS = 4  # paths of rejected siblings drawn per position (the first sibling's chance is exact)
 
 
@@ -207,7 +206,7 @@ def sampled_answers(engine, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 def calibrate_drawn(engine, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
-                    seed: int, chain: int = 8, width: int = MAX_WIDTH) -> dict[str, dict]:
+                    seed: int, chain: int = 8, width: int = 1) -> dict[str, dict]:
     """Per temperature, the drawn chains' curve (and levels of up to ``width`` siblings) on
     answers sampled at it (calibration.json's ``drawn``), each printed in one line."""
     out: dict[str, dict] = {}
