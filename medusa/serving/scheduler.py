@@ -5,7 +5,8 @@ accepted, then the :class:`~medusa.decoding.generation.GenerationResult`); the s
 alone touches the engine. Each turn of its loop
 
 1. admits waiting requests while fewer than ``max_batch`` run and their KV caches fit the KV
-   memory budget (each request counted at its prompt plus ``max_new_tokens``), and prefills one of them (a long
+   memory budget (each request counted at its prompt plus ``max_new_tokens``; the caches are slots
+   of one KV store, :func:`kv_store`), and prefills one of them (a long
    prompt in the engine's chunks, ``Engine.prefill_chunk`` tokens, one a turn, so running streams
    keep going);
 2. runs one step of every running sequence, the engine's only step (:class:`~medusa.decoding.batch.Batch`:
@@ -38,6 +39,7 @@ from medusa.decoding.generation import Done, Event, Failed, GenerationResult, re
 from medusa.decoding.request import Request, Status, make_request
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
+from medusa.runtime.kvstore import KVStore
 from medusa.runtime.rows import attention_shape
 from medusa.serving.budget import knee, share_rows
 from medusa.serving.drafting import Choice, DraftPolicy
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from medusa.serving.metrics import Metrics
 
 log = logging.getLogger("medusa.serving")
+
+STORE_MARGIN = 256  # positions a KV store slot holds past the context window: a step's draft rows
 
 
 class Overloaded(MedusaError):
@@ -136,6 +140,7 @@ class Scheduler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self.policy = DraftPolicy(engine.plan.pass_ms, self.row_budget)
+        self.store = kv_store(engine, max_batch, self.kv_memory)  # the running sequences' caches, slot by slot
         self._chosen: dict[Decoding, Choice] = {}  # this turn's choice per greedy sequence (_caps)
         self.metrics = metrics  # medusa.serving.metrics: recorded here, rendered by the server
         self.steps = 0  # batched passes run (for tests and the bench)
@@ -325,6 +330,20 @@ class Scheduler:
         if self._chosen and report.live:
             self.policy.turn_took(report.seconds, report.live + sum(report.drafted), drafting_ms,
                                   sum(d > 0 for d in report.drafted))
+
+
+def kv_store(engine: Engine, max_batch: int, kv_memory: int) -> KVStore | None:
+    """A KV store for the engine's dynamic caches (medusa/runtime/kvstore.py), set on its passes:
+    a slot for each of ``max_batch`` sequences and one prefilling, each as long as the context
+    window (and a pass's rows past it), as many as ``kv_memory`` holds (at least one). None where
+    the passes keep static caches or the context has no limit."""
+    passes, window = engine.passes, engine.passes.max_positions
+    if passes.static or not window:
+        return None
+    capacity = window + STORE_MARGIN
+    slots = max(1, min(max_batch + 1, kv_memory // (capacity * kv_bytes_per_token(engine.model))))
+    passes.store = KVStore(engine.model, slots, capacity)
+    return passes.store
 
 
 def kv_bytes_per_token(model) -> int:

@@ -36,6 +36,7 @@ from medusa.runtime import hf as kv
 from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
 from medusa.runtime.kernels import PackedLinears, onednn_available, split_kernels
+from medusa.runtime.kvstore import KVStore
 from medusa.runtime.opaque import opaque_ops
 
 AUTO = "auto"
@@ -158,6 +159,8 @@ class PassStrategy:
     packs = True  # several sequences' rows can share one pass (verify_many)
     saved: SavedPasses | None = None
     features: tuple[int, ...] | None = None  # passes return these layers' inputs, not the final hidden state
+    # the KV store the sequences' caches take slots of (medusa/runtime/kvstore.py; a scheduler sets it)
+    store: KVStore | None = None
 
     def use_features(self, layers: tuple[int, ...] | None) -> None:
         """Return the residual stream entering ``layers`` as every pass's hidden states (EAGLE-3
@@ -189,7 +192,9 @@ class PassStrategy:
         return self
 
     def new_cache(self):
-        return kv.new_cache()
+        """A sequence's cache: a slot of :attr:`store` where one is set and free, else its own buffers."""
+        cache = None if self.store is None else self.store.cache()
+        return kv.new_cache() if cache is None else cache
 
     def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
         """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs."""
