@@ -72,6 +72,20 @@ def test_exploring_turns_let_one_sequence_draft_as_alone_within_its_share():
     assert {x.lean for c in explored.values() for x in c if x.rows > 1} == {True, False}  # both options
 
 
+def test_an_option_that_could_not_pay_if_every_draft_were_kept_is_not_explored():
+    # eight sequences at a 24 ms turn: 1 row of share each way is worth at most one token, 0.33
+    # of a turn's tokens per ms; heads at 6 ms a draft cannot pay for it, a 0.1 ms lookup chain can
+    policy = DraftPolicy(PASS, knee=12)
+    seqs = list("abcdefgh")
+    for seq in seqs:
+        _seen(policy, seq, True, 1, 0, 0.1)
+        _seen(policy, seq, False, 1, 0, 6.0)
+    explored = []
+    for _ in range(2 * len(seqs) * EXPLORE):
+        explored += [c for c in policy.choose(seqs, [2] * 8) if c.rows > 1]
+    assert explored and all(c.lean for c in explored)  # the lean option explored, the heads never
+
+
 def test_estimates_follow_recent_turns_and_start_from_the_batchs():
     policy = DraftPolicy(PASS, knee=12)
     _seen(policy, "old", True, 4, 4, 0.1)

@@ -16,7 +16,9 @@ found anything to draft and ``a`` the chance a drafted token is kept after its p
 sequence has drafted little). Drafting milliseconds are measured per sequence and option the same
 way. Every ``EXPLORE`` turns one sequence (each in turn) drafts as it would alone within its
 share (the full option one time, the lean one the next), so the estimates follow an answer that
-starts or stops repeating its prompt, at one sequence's drafting cost, not the batch's. Greedy
+starts or stops repeating its prompt, at one sequence's drafting cost, not the batch's; an option
+that could not pay even if the target kept every token it drafts (its drafting and rows cost
+more than its share adds) is not explored: the whole batch waits for that sequence's drafting. Greedy
 output never depends on this choice (verification keeps exactly the target's tokens); sampled
 requests keep their whole proposal (docs/exactness.md#batches).
 """
@@ -141,8 +143,10 @@ class DraftPolicy:
         per_row = (self.cost(top) - self.cost(plain)) / max(1, top - plain)
         out = []
         for i, (seq, share) in enumerate(zip(seqs, shares)):
-            if i == explored:
-                out.append(Choice(share, (self.turns // EXPLORE // len(seqs)) % 2 == 1))  # both options in turn
+            lean = (self.turns // EXPLORE // len(seqs)) % 2 == 1  # both options in turn
+            est = self.estimate(seq, "lean" if lean else "full")
+            if i == explored and share - 1 > rate * (est.ms + per_draft + per_row * (share - 1)):
+                out.append(Choice(share, lean))  # (worth a look only if every drafted token could pay)
                 continue
             best, value = Choice(1, False), 0.0
             for option in OPTIONS:
