@@ -19,8 +19,7 @@ Tree or chain: a depth may hold ``k`` siblings drawn without replacement (the ch
 the first), verified by SpecInfer's rule: sibling ``j`` is kept with ``min(1, r_j/q_j)``, ``r``
 the residual ``norm(max(r - q, 0))`` after each rejection. The chance one of the first ``k`` is
 kept (:func:`sibling_keeps`) is measured at every depth, so the sizing weighs a wider level's
-extra rows against what its siblings keep at this temperature: wide trees pay at T=0 and little
-at T=1 (the draws spread with ``q``). ``scripts/calibrate_tree.py --temperatures`` writes
+extra rows against what its siblings keep at this temperature. ``scripts/calibrate_tree.py --temperatures`` writes
 the curves into the heads' calibration.json (``drawn``, per temperature); the engine sizes a
 sampled request's chain from the curve nearest its temperature and this machine's pass costs
 (:func:`drawn_depths`).
@@ -161,15 +160,12 @@ def sibling_keeps(p: torch.Tensor, q: torch.Tensor, width: int, generator: torch
         for j in range(width - 1):
             rejected = (law - r).clamp(min=0)  # [V] the law of sibling j given it was rejected
             left = (r - law).clamp(min=0)
-            if missed <= 1e-9 or rejected.sum() <= 0 or left.sum() <= 0:
+            rest = None if missed <= 1e-9 or rejected.sum() <= 0 or left.sum() <= 0 else \
+                law.index_fill(0, torch.multinomial(rejected, 1, generator=generator), 0.0)
+            if rest is None or rest.sum() <= 0:
                 totals[j:] = [total + kept for total in totals[j:]]  # nothing left to keep
                 break
-            x = torch.multinomial(rejected, 1, generator=generator)
-            r, law = left / left.sum(), law.index_fill(0, x, 0.0)
-            if law.sum() <= 0:
-                totals[j:] = [total + kept for total in totals[j:]]
-                break
-            law = law / law.sum()
+            r, law = left / left.sum(), rest / rest.sum()
             beta = torch.minimum(r, law).sum().item()
             kept, missed = kept + missed * beta, missed * (1.0 - beta)
             totals[j] += kept

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache
 
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
+from medusa.runtime.rows import attention_shape
 
 
 class SlotLayer(kv.BufferedLayer):
@@ -59,8 +60,7 @@ class KVStore:
         if slots < 1 or capacity < 1:
             raise MedusaError(f"a KV store needs at least one slot of one position, got {slots} x {capacity}")
         config = kv.text_config(model)
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        _, kv_heads, dim = attention_shape(model)
         dtype, device = model.dtype, model.get_output_embeddings().weight.device
         shape = (slots, kv_heads, capacity, dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
@@ -85,19 +85,17 @@ class KVStore:
         cache = DynamicCache()
         cache.layers = [SlotLayer(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(self.keys, self.values)]
         cache.layer_class_to_replicate = None
-        cache.kv_slot = slot
-        weakref.finalize(cache, self._give_back, slot)
+        # the slot comes back once: when the cache is dropped, or at release (the finalizer then dies)
+        cache.kv_slot = weakref.finalize(cache, self._give_back, slot)
         return cache
 
     def release(self, cache: DynamicCache) -> None:
         """Free ``cache``'s slot now (the cache must not be used after)."""
-        slot = getattr(cache, "kv_slot", None)
-        if slot is not None:
-            cache.kv_slot = None
+        back = getattr(cache, "kv_slot", None)
+        if back is not None:
             cache.layers = []
-            self._give_back(slot)
+            back()
 
     def _give_back(self, slot: int) -> None:
         with self._lock:
-            if slot not in self._free:
-                self._free.append(slot)
+            self._free.append(slot)

@@ -143,11 +143,12 @@ class DraftPolicy:
         per_row = (self.cost(top) - self.cost(plain)) / max(1, top - plain)
         out = []
         for i, (seq, share) in enumerate(zip(seqs, shares)):
-            lean = (self.turns // EXPLORE // len(seqs)) % 2 == 1  # both options in turn
-            est = self.estimate(seq, "lean" if lean else "full")
-            if i == explored and share - 1 > rate * (est.ms + per_draft + per_row * (share - 1)):
-                out.append(Choice(share, lean))  # (worth a look only if every drafted token could pay)
-                continue
+            if i == explored:
+                lean = (self.turns // EXPLORE // len(seqs)) % 2 == 1  # both options in turn
+                ms = self.estimate(seq, "lean" if lean else "full").ms
+                if share - 1 > rate * (ms + per_draft + per_row * (share - 1)):  # could pay if all were kept
+                    out.append(Choice(share, lean))
+                    continue
             best, value = Choice(1, False), 0.0
             for option in OPTIONS:
                 est = self.estimate(seq, option)

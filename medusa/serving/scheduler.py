@@ -186,6 +186,8 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.store is not None and self.engine.passes.store is self.store:
+            self.engine.passes.store = None  # the engine's later sequences take buffers of their own
 
     def load(self) -> dict[str, int]:
         """How many requests wait, prefill and decode now."""
