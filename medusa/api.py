@@ -148,5 +148,6 @@ def load(
         heads = heads if heads is not None else getattr(target, "heads", None) if isinstance(target, Engine) else None
     heads = resolve_heads(heads, model if target is None else _target_name(lm), lm)
     plan = make_plan(lm, heads, kernels=kernels, draft_dtype=draft_dtype, compile=compile, base=base, planner=planner)
-    return Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm, static_cache=static_cache, compile=compile,
-                  proposer_config=config, plan=plan)
+    engine = Engine(lm, tokenizer, heads=heads, tree=tree, draft=draft_lm, static_cache=static_cache, compile=compile,
+                    proposer_config=config, plan=plan)
+    return planner.refresh(engine)  # a cached pass curve checked against this machine now, on its own kernels

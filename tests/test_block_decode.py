@@ -322,7 +322,7 @@ def test_block_proposals_are_sized_from_this_machines_pass_costs(tmp_path):
     # the pick follows the timings (written here: flat passes, free drafting, whatever the machine's load)
     cache.put(key, {**{k: v for k, v in entry.items() if k != "busy_share"},
                     "cost_ms": {"1": 10.0, "32": 10.0}, "draft_ms": {"4x1": 0.0, "4x2": 0.0}})
-    plan = Planner(True, cache).trees(model, forced, Plan.default(model), False)
+    plan = Planner(True, cache, retime=False).trees(model, forced, Plan.default(model), False)
     assert (plan.eagle.nodes, plan.eagle.depth, plan.eagle.topk) == (4, 4, 1), plan.eagle  # the whole chain pays
     engine = Engine(model, heads=forced, plan=plan)
     block, hybrid = engine.proposer("block"), engine.proposer("hybrid")

@@ -106,9 +106,16 @@ def _sized_engine(tmp_path, model, heads):
     return Engine(model, heads=heads), PlanCache(tmp_path)
 
 
-def size_here(engine: Engine, cache: PlanCache, compile=False) -> Plan:
-    """The engine's plan with its trees sized by the planner over ``cache``."""
-    return Planner(True, cache).trees(engine.model, engine.heads, engine.plan, compile)
+def size_here(engine: Engine, cache: PlanCache, compile=False, retime: bool = False) -> Plan:
+    """The engine's plan with its trees sized by the planner over ``cache`` (the costs these tests
+    write stand: the load does not time the curve again unless ``retime``)."""
+    planner = Planner(True, cache, retime=retime)
+    plan = planner.trees(engine.model, engine.heads, engine.plan, compile)
+    if retime:  # as medusa.load runs it: checked on the built engine's kernels
+        built = Engine(engine.model, heads=engine.heads, plan=plan)
+        planner.refresh(built)
+        plan = built.plan
+    return plan
 
 
 def _edit(cache: PlanCache, **fields) -> None:
@@ -228,3 +235,36 @@ def test_the_benchs_compiled_twin_is_sized_for_its_padded_passes(tmp_path, monke
     assert "(cached" in twin.plan.decision("trees").reason  # the same timings, read from the cache
     calibrated = medusa.load(target=model, heads=heads, compile=True, autotune=False)
     assert calibrated.plan.eagle is None  # calibrated sizes
+
+
+def test_a_load_times_the_curve_again_only_where_the_machine_is_faster_now(tmp_path):
+    model = tiny_model("llama")
+    engine, cache = _sized_engine(tmp_path, model, noisy_eagle(model))
+    size_here(engine, cache)
+    (key, entry), = cache.entries().items()
+    real = {int(n): ms for n, ms in entry["cost_ms"].items()}
+    # a curve as if timed while the machine was 50x slower: the load finds T(1) far under it,
+    # times the curve again and keeps it, the longer contexts scaled by the same ratio per size
+    slow = {str(n): ms * 50 for n, ms in real.items()}
+    contexts = {"1024": {n: ms * 60 for n, ms in slow.items()}}  # (the tiny model's positions stop short of it)
+    _edit(cache, cost_ms=slow, cost_by_context=contexts)
+    plan = size_here(engine, cache, retime=True)
+    (again,) = cache.entries().values()
+    assert again["retimed_from"] == pytest.approx(real[1] * 50)
+    assert again["cost_ms"]["1"] < 0.93 * real[1] * 50 and set(again["cost_ms"]) == set(slow)
+    for c, curve in again["cost_by_context"].items():
+        for n, ms in curve.items():
+            assert ms == pytest.approx(contexts[c][n] * again["cost_ms"][n] / slow[n]), (c, n)
+    reason = plan.decision("trees").reason
+    assert dict(plan.pass_ms) == pytest.approx(monotone({int(n): ms for n, ms in again["cost_ms"].items()}))
+    assert "timed again at a load" in reason and set(again["cost_by_context"]) == {"1024"}
+    # a curve faster than this machine runs stays as it is, and so does any curve read with
+    # retime off or autotune="cached"
+    fast = {n: ms / 1000 for n, ms in again["cost_ms"].items()}
+    _edit(cache, cost_ms=fast)
+    size_here(engine, cache, retime=True)
+    assert next(iter(cache.entries().values()))["cost_ms"] == fast
+    _edit(cache, cost_ms=slow)
+    size_here(engine, cache)
+    Planner("cached", cache).trees(engine.model, engine.heads, engine.plan, False)
+    assert next(iter(cache.entries().values()))["cost_ms"] == slow

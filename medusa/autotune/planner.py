@@ -25,7 +25,15 @@ from medusa.autotune import device as probes
 from medusa.autotune.cache import PlanCache, cpu_flags, key
 from medusa.autotune.drawn import calibrated_drawn, describe_drawn, drawn_records, drawn_table
 from medusa.autotune.dtype import MIN_ROWS, RATIO_ROWS, dtype_rule, native_bf16
-from medusa.autotune.sizing import CONTEXTS, curves_by_context, heads_fingerprint, measure_sizes, sizable, sizes_from
+from medusa.autotune.sizing import (
+    CONTEXTS,
+    curves_by_context,
+    faster_curve,
+    heads_fingerprint,
+    measure_sizes,
+    sizable,
+    sizes_from,
+)
 from medusa.decoding.passes.strategies import kernel_scope, pass_rows
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
@@ -45,10 +53,12 @@ def _name(dtype: torch.dtype | str) -> str:
 class Planner:
     """One load's plan steps over one cache; ``measured`` counts the measurements it ran."""
 
-    def __init__(self, autotune: bool | str = True, cache: PlanCache | None = None) -> None:
+    def __init__(self, autotune: bool | str = True, cache: PlanCache | None = None, retime: bool = True) -> None:
         if autotune not in AUTOTUNE:
             raise MedusaError(f"autotune must be True, False or 'cached', got {autotune!r}")
         self.autotune = autotune
+        self.retime = retime  # autotune=True: a cached pass curve is timed again where the machine is faster now
+        self.stale: tuple | None = None  # (key, cached timings, plan before the trees, compile) for refresh()
         self.cache = cache if cache is not None else PlanCache()
         self.measured: list[str] = []
         self.pass_ms: dict[int, float] = {}  # the picked kernels' pass cost by rows, as the kernel pick timed it
@@ -194,6 +204,30 @@ class Planner:
         entry, cached = self.entry(name, ("cost_ms", "draft_ms"), measure)
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))
+        if cached and self.retime and self.autotune is True:  # checked once the engine is built: refresh()
+            self.stale = (name, entry, plan, compile)
+        return self._sized(lm, heads, plan, entry, cached, compile)
+
+    def refresh(self, engine):
+        """With ``engine`` built (its kernels packed once), time its cached pass curve again where
+        this machine runs a one-row pass clearly faster now than the curve says
+        (:func:`~medusa.autotune.sizing.faster_curve`), store it and size the engine's trees from
+        it. Returns ``engine``."""
+        if self.stale is None:
+            return engine
+        name, entry, plan, compile = self.stale
+        self.stale = None
+        faster = faster_curve(engine.model, engine.kernel_scope(), entry)
+        if faster is not None:
+            self.cache.put(name, faster)
+            engine.plan = self._sized(engine.model, engine.heads, plan, faster, True, compile)
+        return engine
+
+    def _sized(self, lm, heads, plan: Plan, entry: dict, cached: bool, compile) -> Plan:
+        """``plan`` with the trees sized from the timings ``entry``."""
+        curves = sizable(heads, lm.device, lm.dtype, compile)
+        max_rows = pass_rows(plan.exact if plan.exact is not None else lm.dtype in (torch.bfloat16, torch.float16),
+                             plan.max_rows)
         sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type,
                            by_context=curves_by_context(heads, lm.device, lm.dtype))
         drawn = drawn_table(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)

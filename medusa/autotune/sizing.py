@@ -51,6 +51,14 @@ LENGTHS = (512, 1024, 2048, 4096)
 # Timed rounds per pass size and per draft shape: enough that sizings in a row on one machine
 # pick the same hybrid tree, which 7 rounds did not (docs/performance.md#where-a-decode-steps-time-goes).
 REPS = 13
+# The cached curve is checked at each load: one-row passes timed now (PROBE_REPS), and where they
+# run under FASTER times the cached one-row pass, the curve is timed again (RETIME_REPS rounds) and
+# kept if it is still faster. The timings of one VM differ by state for minutes at a time, and a
+# curve timed in the slower state prices extra rows at half what they cost in the faster one
+# (docs/benchmarks/2026-12-05-epyc-zen4-fresh-curve.md).
+PROBE_REPS = 5
+RETIME_REPS = 3
+FASTER = 0.93
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,29 @@ def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[
     return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft, "cost_by_context": by_context}
 
 
+def faster_curve(model, scope, entry: dict) -> dict | None:
+    """``entry`` (:func:`measure_sizes`' timings, from the cache) with its pass curve timed again,
+    where this machine runs a one-row pass clearly faster now than when the curve was timed;
+    None where it does not (the check costs a prefill and a few one-row passes). The curves at
+    longer contexts are scaled per size by the same ratio (the state changes a pass of n rows
+    alike at every length). Only a faster curve replaces a cached one, so a load timed while the
+    machine is busy or in its slower state never makes the sizing worse."""
+    cached = {int(n): float(ms) for n, ms in entry["cost_ms"].items()}
+    if 1 not in cached:
+        return None
+    with scope:
+        if measure_cost(model, [1], prefix=PREFIX, reps=PROBE_REPS)[1] >= FASTER * cached[1]:
+            return None
+        curve = measure_cost(model, sorted(cached), prefix=PREFIX, reps=RETIME_REPS)
+    if curve[1] >= FASTER * cached[1]:
+        return None
+    ratio = {n: curve[n] / cached[n] for n in cached}
+    by_context = {c: {n: ms * ratio.get(int(n), 1.0) for n, ms in timed.items()}
+                  for c, timed in (entry.get("cost_by_context") or {}).items()}
+    return {**entry, "cost_ms": {str(n): ms for n, ms in curve.items()}, "cost_by_context": by_context,
+            "retimed_from": cached[1]}
+
+
 def cost_at(entry: dict, length: int) -> dict[int, float]:
     """The pass cost curve after ``length`` cached tokens, from ``entry``'s timings: at a timed
     context as timed, between two linear in the length, beyond the last along its last segment
@@ -210,7 +241,9 @@ def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows:
               f"T(1)={cost[1]:.1f} ms, T({max(cost)})={cost[max(cost)]:.1f} ms"
               + "".join(f", after {c} tokens T(1)={curve[str(1)]:.1f} ms"
                         for c, curve in sorted(entry.get("cost_by_context", {}).items(), key=lambda kv_: int(kv_[0])))
-              + ("; compiled passes padded to their buckets" if compiled else ""))
+              + ("; compiled passes padded to their buckets" if compiled else "")
+              + (f"; timed again at a load that found T(1) under the cached {entry['retimed_from']:.1f} ms"
+                 if "retimed_from" in entry else ""))
     lookahead = size_lookahead(cost, device_type, max_rows)
     return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead)
 
