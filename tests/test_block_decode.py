@@ -144,10 +144,10 @@ def test_siblings_are_ranked_by_cumulative_draft_score():
 @pytest.mark.parametrize("mode", ["block", "hybrid"])
 def test_block_sampling_keeps_the_target_distribution(mode, draw):
     # The exact-law chi-square check of test_sampling.py, with block heads drafting.
-    from test_sampling import ALPHA, PROMPT, V, chi_square_pvalue, engine_samples, target_law
+    from test_sampling import ALPHA, DRAWN_SAMPLING, PROMPT, V, chi_square_pvalue, engine_samples, target_law
 
     model = tiny_model("llama", vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
-    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    sampling = DRAWN_SAMPLING[draw]
     forced, _ = oracle(model, PROMPT, 8, block=3)  # drafts the greedy answer: often what is sampled
     eng = Engine(model, heads=forced, proposer_config=medusa.ProposerConfig(draw=draw))
     samples, drafted_hits = engine_samples(eng, mode, sampling, 300)

@@ -109,10 +109,10 @@ def test_dynamic_tree_tokens_follow_the_head_by_cumulative_probability():
 @pytest.mark.parametrize("mode", ["eagle", "hybrid"])
 def test_eagle_sampling_keeps_the_target_distribution(mode, draw):
     # The exact-law chi-square check of test_sampling.py, with eagle heads drafting.
-    from test_sampling import ALPHA, V, chi_square_pvalue, engine_samples, target_law
+    from test_sampling import ALPHA, DRAWN_SAMPLING, V, chi_square_pvalue, engine_samples, target_law
 
     model = tiny_model("llama", vocab_size=V, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    sampling = DRAWN_SAMPLING[draw]
     eng = Engine(model, heads=noisy_eagle(model, scale=0.02), proposer_config=medusa.ProposerConfig(draw=draw))
     samples, drafted_hits = engine_samples(eng, mode, sampling, 300)
     assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA

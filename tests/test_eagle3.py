@@ -254,12 +254,12 @@ def test_the_feature_cache_holds_what_the_target_gives_eagle3_training(tmp_path)
 @pytest.mark.parametrize("mode", ["eagle3", "hybrid"])
 def test_eagle3_sampling_keeps_the_target_distribution(mode, draw):
     # The exact-law chi-square check of test_sampling.py, with eagle3 heads drafting.
-    from test_sampling import ALPHA, V, chi_square_pvalue, engine_samples, target_law
+    from test_sampling import ALPHA, DRAWN_SAMPLING, V, chi_square_pvalue, engine_samples, target_law
 
     model = tiny_model("llama", vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
     torch.manual_seed(4)
     heads = init_eagle3_for(model, 3)  # lm_head starts as the target's rows: its drafts are often right
-    sampling = medusa.SamplingConfig(temperature=0.8, top_k=8)
+    sampling = DRAWN_SAMPLING[draw]
     eng = Engine(model, heads=heads, proposer_config=medusa.ProposerConfig(draw=draw))
     samples, drafted_hits = engine_samples(eng, mode, sampling, 300)
     assert chi_square_pvalue(samples, target_law(model, sampling, eng.eos)) > ALPHA

@@ -34,6 +34,11 @@ ALPHA = 1e-4
 V = 16  # vocabulary of every model here
 K = 3  # tokens whose joint law is checked
 TREE = compile_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+# The sampling settings the kinds' exactness checks run each draw with: top-k point masses at
+# T=0.8 with top-k 8; a drawn chain at T=0.7 and drawn siblings at T=1.0, both with top-p 0.9 (at
+# T=1.0 with top-k 5 too: 300 samples of its flatter law leave too few chi-square cells)
+DRAWN_SAMPLING = {0: SamplingConfig(temperature=0.8, top_k=8), 1: SamplingConfig(temperature=0.7, top_p=0.9),
+                  2: SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)}
 
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], float]) -> float:
@@ -268,7 +273,9 @@ def marginal_heads(model, sampling: SamplingConfig, sign: float) -> MedusaHeads:
     ("bad", SamplingConfig(temperature=0.8, top_p=0.9), 0),
     ("adversarial", SamplingConfig(temperature=1.0, top_k=8, top_p=0.95), 0),
     ("good", SamplingConfig(temperature=0.7, top_k=6), 1),  # drawn from each head: a chain
+    ("good", DRAWN_SAMPLING[1], 1),
     ("bad", SamplingConfig(temperature=0.8, top_p=0.9), 2),  # drawn siblings
+    ("bad", DRAWN_SAMPLING[2], 2),
     ("adversarial", SamplingConfig(temperature=1.0, top_k=8, top_p=0.95), 1),
 ])
 def test_engine_medusa_sampling_matches_the_target(target, kind, sampling, draw):
