@@ -4,6 +4,7 @@
 
 Every mode decodes the same chat-formatted prompts with the same target. Models load
 before any timing, each mode is warmed up once, and prompts are interleaved across modes
+(each prompt starting one mode further),
 so that machine noise hits every mode alike. Speed is reported as tokens/s and as a ratio
 to ``hf`` (transformers' own ``generate``) measured in this run; greedy outputs are checked
 token for token against ``hf``.

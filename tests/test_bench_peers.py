@@ -68,3 +68,14 @@ def test_the_fastest_transformers_peer_is_named_with_every_other_mode_against_it
     assert against_fastest_peer(summary) == ("fastest transformers generate here: hf-float32 (16.0 tokens/s); "
                                              "baseline 0.75x, hybrid@eagle 1.50x")
     assert against_fastest_peer({"hf": {"tokens_per_second": 10.0}, "baseline": {"tokens_per_second": 12.0}}) is None
+
+
+def test_each_prompt_runs_the_modes_starting_one_further():
+    from medusa.bench.timing import rotated
+
+    modes = ["hf", "baseline", "hybrid"]
+    orders = [rotated(modes, i) for i in range(4)]
+    assert orders == [["hf", "baseline", "hybrid"], ["baseline", "hybrid", "hf"], ["hybrid", "hf", "baseline"],
+                      ["hf", "baseline", "hybrid"]]
+    assert all(sorted(o) == sorted(modes) for o in orders)  # every mode once a prompt
+    assert rotated([], 3) == []

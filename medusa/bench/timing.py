@@ -1,6 +1,6 @@
 """The timed part of a bench run: compiled passes built and every mode warmed up outside the
-timing, then the prompts run interleaved across modes, so that machine noise hits every mode
-alike. Progress goes to stderr."""
+timing, then the prompts run interleaved across modes (each prompt starting one mode further),
+so that machine noise hits every mode alike. Progress goes to stderr."""
 
 from __future__ import annotations
 
@@ -69,7 +69,16 @@ def timed_runs(bench: Bench, modes: list[str], prompts: list[Prompt]) -> dict[st
     for m in modes:  # warm-up: allocator, kernels and caches, outside the timing
         run_mode(m, bench.main, prompts[0].ids, short)
     runs: dict[str, list[Run]] = {m: [] for m in modes}
-    for p in tqdm(prompts, desc="prompts", file=sys.stderr):
-        for m in modes:
+    for i, p in enumerate(tqdm(prompts, desc="prompts", file=sys.stderr)):
+        for m in rotated(modes, i):
             runs[m].append(run_mode(m, bench.main, p.ids, bench))
     return runs
+
+
+def rotated(modes: list[str], i: int) -> list[str]:
+    """The modes in the order prompt ``i`` runs them: starting at the ``i``-th (each prompt one
+    further), so no mode always runs first or right after another one. On a VM whose speed
+    changes for minutes at a time, every mode then meets each spell about equally often
+    (docs/benchmarks/2026-12-05-epyc-zen4-retimed-curve.md#tried-the-lookup-chain-first-the-heads-only-where-the-text-does-not-repeat)."""
+    k = i % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
