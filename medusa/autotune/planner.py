@@ -58,7 +58,7 @@ class Planner:
             raise MedusaError(f"autotune must be True, False or 'cached', got {autotune!r}")
         self.autotune = autotune
         self.retime = retime  # autotune=True: a cached pass curve is timed again where the machine is faster now
-        self.stale: tuple | None = None  # (key, cached timings, plan before the trees, compile) for refresh()
+        self.stale: tuple | None = None  # what refresh() re-sizes from: the cached entry, the plan before the trees...
         self.cache = cache if cache is not None else PlanCache()
         self.measured: list[str] = []
         self.pass_ms: dict[int, float] = {}  # the picked kernels' pass cost by rows, as the kernel pick timed it
@@ -205,8 +205,8 @@ class Planner:
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))
         if cached and self.retime and self.autotune is True:  # checked once the engine is built: refresh()
-            self.stale = (name, entry, plan, compile)
-        return self._sized(lm, heads, plan, entry, cached, compile)
+            self.stale = (name, entry, plan, compile, curves, max_rows)
+        return self._sized(lm, heads, plan, entry, cached, compile, curves, max_rows)
 
     def refresh(self, engine):
         """With ``engine`` built (its kernels packed once), time its cached pass curve again where
@@ -215,19 +215,18 @@ class Planner:
         it. Returns ``engine``."""
         if self.stale is None:
             return engine
-        name, entry, plan, compile = self.stale
+        name, entry, plan, compile, curves, max_rows = self.stale
         self.stale = None
         faster = faster_curve(engine.model, engine.kernel_scope(), entry)
         if faster is not None:
             self.cache.put(name, faster)
-            engine.plan = self._sized(engine.model, engine.heads, plan, faster, True, compile)
+            engine.plan = self._sized(engine.model, engine.heads, plan, faster, True, compile, curves, max_rows)
         return engine
 
-    def _sized(self, lm, heads, plan: Plan, entry: dict, cached: bool, compile) -> Plan:
-        """``plan`` with the trees sized from the timings ``entry``."""
-        curves = sizable(heads, lm.device, lm.dtype, compile)
-        max_rows = pass_rows(plan.exact if plan.exact is not None else lm.dtype in (torch.bfloat16, torch.float16),
-                             plan.max_rows)
+    def _sized(self, lm, heads, plan: Plan, entry: dict, cached: bool, compile, curves: dict,
+               max_rows: int | None) -> Plan:
+        """``plan`` with the trees sized from the timings ``entry``, the acceptance ``curves`` and
+        passes of at most ``max_rows`` rows."""
         sizes = sizes_from(entry, curves, max_rows, compiled=bool(compile), device_type=lm.device.type,
                            by_context=curves_by_context(heads, lm.device, lm.dtype))
         drawn = drawn_table(drawn_records(heads, lm.device, lm.dtype), sizes.cost_ms)
