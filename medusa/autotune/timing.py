@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from medusa.decoding.tree import compile_tree
 from medusa.runtime import hf as kv
-from medusa.runtime import native, packed, rows
+from medusa.runtime import native, packed, rows, screen
 
 
 @torch.inference_mode()
@@ -63,6 +63,10 @@ def _pass_timer(model: PreTrainedModel, scope: contextlib.AbstractContextManager
         kv.forward(model, ids, torch.arange(prefix, device=device)[None], cache, mask, logits_rows=slice(-1, None))
     one_call = not static and rows.supported(model) is None
     through = native.forward if one_call and native.supported(model) is None else kv.forward
+    # greedy rows' vocabulary screened, as the engine's passes do where the scope runs gemv kernels
+    # (medusa/runtime/screen.py; it reads the whole lm_head under other kernels)
+    screened = screen.for_model(model, "gemv") if one_call and device.type == "cpu" else None
+    logits_by = {} if screened is None else {"vocab": screened.logits}
     setups = {}
     for n in sizes:
         tree = compile_tree([(i,) for i in range(n - 1)]).to(device)
@@ -77,7 +81,7 @@ def _pass_timer(model: PreTrainedModel, scope: contextlib.AbstractContextManager
             if one_call:  # as the engine's dynamic-cache passes run (PassStrategy._packed)
                 layout = rows.layout_for(model, [(prefix, tree.ancestor, tree.depth)])
                 logits, _ = packed.forward(model, tokens, positions, [packed.Segment(cache, slice(0, n), None)],
-                                           layout=layout, through=through, starts=[prefix])
+                                           layout=layout, through=through, starts=[prefix], **logits_by)
             else:
                 mask = kv.tree_attention_mask(model, prefix, tree.ancestor, tree.depth, model.dtype, width) \
                     if static or n > 1 else None

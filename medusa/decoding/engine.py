@@ -38,6 +38,7 @@ from medusa.models.heads import MedusaHeads
 from medusa.models.kinds import kind, kinds_where
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
+from medusa.runtime import screen
 
 PREFILL_CHUNK = 256
 
@@ -117,6 +118,8 @@ class Engine:
         self._kernels = kernel_scope(model, plan.kernels, draft, heads)
         self.kernels = plan.kernels
         self.passes: PassStrategy = make_passes(model, compile, static_cache, plan.kernels, exact)
+        # greedy rows' argmax without reading the whole float32 lm_head (medusa/runtime/screen.py)
+        self.passes.screen = screen.for_model(model, plan.kernels)
         # EAGLE-3 and block heads read several of the target's layers: every pass returns those
         self.passes.use_features(feature_layers(heads))
         # Steps of generations in several threads (and the scheduler's batched steps) take turns

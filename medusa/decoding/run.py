@@ -107,6 +107,9 @@ class Decoding:
         self.penalties: Penalties | None = penalties if penalties is not None and penalties.active else None
         # the tokens that end the answer (none with ignore_eos)
         self.eos = frozenset() if request.ignore_eos else frozenset(eos)
+        # nothing but each verified row's argmax is read: passes may screen the vocabulary
+        self.argmax = (self.sampling.greedy and self.sampling.acceptance != "typical" and self.penalties is None
+                       and self.logprobs is None)
         self._t0 = time.perf_counter()
 
     def prefill(self) -> list[int]:
@@ -146,6 +149,8 @@ class Decoding:
             return None
         t1 = time.perf_counter()
         proposal = self._propose(self.max_new_tokens - len(self.emitted), rows_cap)
+        if self.argmax:
+            proposal = replace(proposal, argmax=True)
         self.stats.draft_seconds += time.perf_counter() - t1
         return proposal
 

@@ -147,6 +147,8 @@ class Proposal:
     (row 0, the root, is unused); rules that sample need it, greedy ones do not.
     ``is_chain`` lets the engine use plain causal attention instead of a tree mask.
     ``side``: rows the same pass runs that are not candidates (:class:`SideRows`).
+    ``argmax``: only each row's argmax is read (a greedy request without penalties or
+    log-probabilities): the pass may screen the vocabulary (medusa/runtime/screen.py).
     """
 
     tree: TreeBuffers
@@ -154,6 +156,7 @@ class Proposal:
     q: torch.Tensor | None = None
     is_chain: bool = False
     side: SideRows | None = None
+    argmax: bool = False
 
 
 class Proposer(abc.ABC):

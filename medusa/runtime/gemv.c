@@ -207,3 +207,42 @@ void medusa_gemv_bf16(const float* x, int n, int K, const uint16_t* P, int N, fl
   GemvJob job = {x, P, y, n, K, N, T, 1};
   (n > LARGE_ROWS ? medusa_parallel_large : medusa_parallel)(T, T, gemv_task, &job);
 }
+
+/* y[i] = output cols[i] of row rows[i] of medusa_gemv(x, P): the same bits as the whole product
+ * gives it (each output's block is run by the same tile code, one lane kept), for the few outputs
+ * a vocabulary screen leaves (medusa/runtime/screen.py). One thread: a handful of blocks. */
+void medusa_gemv_pick(const float* x, int K, const float* P, const int64_t* rows, const int64_t* cols, int n,
+                      float* y) {
+  float lanes[LANES];
+  for (int i = 0; i < n; i++) {
+    int64_t b = cols[i] / LANES;
+    tile(1, 1, 0, x + rows[i] * K, K, P + b * K * LANES, lanes, LANES, 0, P, 0, 1, 0);
+    y[i] = lanes[cols[i] % LANES];
+  }
+}
+
+/* The screen's candidates (medusa/runtime/screen.py): for each of n rows of s [n, V] (the
+ * bfloat16 product) with bound e_j = norms[j] * xn[r], every j with s_j + e_j >= max_k (s_k - e_k),
+ * written as (rows, cols) pairs. Returns how many, or -1 when more than cap (or a row's bound is
+ * not finite): the caller then takes the whole product. */
+int medusa_screen(const float* s, const float* norms, const float* xn, int n, int V, int64_t* rows, int64_t* cols,
+                  int cap) {
+  int found = 0;
+  for (int r = 0; r < n; r++) {
+    const float* sr = s + (int64_t)r * V;
+    float x = xn[r], floor = -__builtin_inff();
+    for (int j = 0; j < V; j++) {
+      float lo = sr[j] - norms[j] * x;
+      if (lo != lo) return -1; /* NaN: the whole product says what its argmax is */
+      floor = lo > floor ? lo : floor;
+    }
+    if (!__builtin_isfinite(floor)) return -1;
+    for (int j = 0; j < V; j++)
+      if (sr[j] + norms[j] * x >= floor) {
+        if (found == cap) return -1;
+        rows[found] = r;
+        cols[found++] = j;
+      }
+  }
+  return found;
+}

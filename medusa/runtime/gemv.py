@@ -110,6 +110,12 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv_pack.restype = None
     lib.medusa_gemv_bf16.argtypes = lib.medusa_gemv.argtypes
     lib.medusa_gemv_bf16.restype = None
+    lib.medusa_gemv_pick.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int, ctypes.c_void_p]
+    lib.medusa_gemv_pick.restype = None
+    lib.medusa_screen.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_screen.restype = ctypes.c_int
     lib.medusa_gemv_pack_bf16.argtypes = lib.medusa_gemv_pack.argtypes
     lib.medusa_gemv_pack_bf16.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
@@ -250,3 +256,32 @@ def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
     if bias is not None:
         out.add_(bias)
     return out if packed.dtype == torch.float32 else out.to(x.dtype)
+
+
+def pick(x: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Outputs ``cols[i]`` of rows ``rows[i]`` of ``product(x, packed, ...)`` (float32 ``x``
+    ``[n, K]``, a float32 packed weight), each the same bits the whole product gives it: a few
+    outputs of a product without reading the rest of the weight (medusa/runtime/screen.py)."""
+    if packed.dtype != torch.float32 or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"pick takes float32 rows [n, K] and a float32 packed weight, not {x.dtype} "
+                         f"{tuple(x.shape)} and {packed.dtype}")
+    x = x.contiguous()
+    rows, cols = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32)
+    if rows.shape[0]:
+        library().medusa_gemv_pick(x.data_ptr(), x.shape[1], packed.data_ptr(), rows.data_ptr(), cols.data_ptr(),
+                                   rows.shape[0], out.data_ptr())
+    return out
+
+
+def screen(scores: torch.Tensor, norms: torch.Tensor, scale: torch.Tensor,
+           cap: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The candidates ``(rows, cols)`` of a vocabulary screen (medusa/runtime/screen.py): in each
+    row ``r`` of ``scores`` ``[n, V]``, every ``j`` with ``scores[r, j] + norms[j] * scale[r]``
+    at least the row's largest ``scores[r, k] - norms[k] * scale[r]``. None when there are more
+    than ``cap`` or a row is not finite."""
+    scores, norms, scale = scores.contiguous(), norms.contiguous(), scale.to(torch.float32).contiguous()
+    rows, cols = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
+    n = library().medusa_screen(scores.data_ptr(), norms.data_ptr(), scale.data_ptr(), scores.shape[0],
+                                scores.shape[1], rows.data_ptr(), cols.data_ptr(), cap)
+    return None if n < 0 else (rows[:n], cols[:n])

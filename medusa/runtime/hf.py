@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -347,16 +348,10 @@ def cache_kwarg(method, cache: Cache | None) -> dict:
     return {_cache_name(getattr(method, "__func__", method)): cache}
 
 
-def forward(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: Cache,
-    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
-    logits_rows: torch.Tensor | slice | None = None,
-    cache_arg: str | None = None,
-    layers: tuple[int, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
+            attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
+            logits_rows: torch.Tensor | slice | None = None, cache_arg: str | None = None,
+            layers: tuple[int, ...] | None = None, vocab: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over ``[1, n]`` new tokens; appends them to ``cache``.
 
     Returns ``(logits [r, V], hidden [n, H])`` where ``hidden`` is the final (normed)
@@ -366,7 +361,9 @@ def forward(
     ``cache_arg``: the decoder's name for the cache argument (:func:`cache_argument`), given
     by compiled callers so that the traced pass does not inspect signatures. ``layers``: return,
     instead of the final hidden state, the residual stream entering each of these layers,
-    concatenated ``[n, len(layers) * H]`` (EAGLE-3 heads' features).
+    concatenated ``[n, len(layers) * H]`` (EAGLE-3 heads' features). ``vocab``: computes the
+    logits from ``(model, rows)`` instead of :func:`lm_logits` (a vocabulary screen,
+    medusa/runtime/screen.py).
     """
     base = model.get_decoder()
     kwargs = {cache_arg: cache} if cache_arg is not None else cache_kwarg(base.forward, cache)
@@ -374,7 +371,7 @@ def forward(
                output_hidden_states=layers is not None, **kwargs)
     hidden = out.last_hidden_state[0]  # [n, H]
     rows = hidden if logits_rows is None else hidden[logits_rows]
-    logits = lm_logits(model, rows).float()  # [r, V]
+    logits = (vocab or lm_logits)(model, rows).float()  # [r, V]
     if layers is not None:
         hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # [n, L * H]
     return logits, hidden

@@ -66,8 +66,9 @@ PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # pick times 1-16 rows and may split kernels by pass size ("gemv>3"); 7: passes are timed as
 # the engine runs them (one-call attention, whole one-call passes on gemv); 8: the one-call
 # attention splits long key lists into chunks (cheaper rows at long context); 9: bfloat16 heads on
-# gemv and the EAGLE-3 drafter layer in one call (cheaper drafting, so other sizes). Cache keys.
-PACKING_VERSION = 9
+# gemv and the EAGLE-3 drafter layer in one call (cheaper drafting, so other sizes); 10: greedy
+# passes of up to 4 rows screen the vocabulary in bfloat16 (medusa/runtime/screen.py). Cache keys.
+PACKING_VERSION = 10
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
@@ -231,6 +232,19 @@ def packed_copy(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
         raise RuntimeError("no packed copy of this linear weight (it was replaced after packing): "
                            "make a new PackedLinears, or use kernels='default'")
     return copies[-1][1:]
+
+
+def gemv_copy(layer: nn.Linear, rows: int) -> torch.Tensor | None:
+    """``layer``'s float32 gemv copy where a product of ``rows`` rows runs it now (inside a
+    :class:`PackedLinears` scope, not a stock product there), else None."""
+    forward = layer.__dict__.get("forward")
+    if not isinstance(forward, functools.partial) or forward.func is not _packed_forward:
+        return None
+    _, bias, stock_above, stock_rows = forward.args
+    if stock(torch.empty(rows, 1), stock_above, stock_rows):
+        return None
+    kind, packed = packed_copy(layer.weight)
+    return packed if kind == "gemv" and packed.dtype == torch.float32 else None
 
 
 @packed_linear.register_fake

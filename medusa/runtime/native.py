@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -158,7 +159,7 @@ def _addresses(cache, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch
 
 def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
             attention_mask, logits_rows: torch.Tensor | slice | None = None, cache_arg: str | None = None,
-            layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            layers: tuple[int, ...] | None = None, vocab: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`medusa.runtime.hf.forward`'s signature and results. A packed pass with the one-call
     attention's layout (:func:`medusa.runtime.packed.forward`) on gemv packed copies runs in one
     C call; any other pass goes to :func:`medusa.runtime.hf.forward`."""
@@ -166,11 +167,11 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch
     buffers = getattr(cache, "buffers", None)
     table = _table(model) if layout is not None and buffers is not None else None
     if table is None or (layers is not None and max(layers) >= table.count):
-        return kv.forward(model, input_ids, position_ids, cache, attention_mask, logits_rows, cache_arg, layers)
-    return _run(model, table, input_ids, position_ids, cache, layout, buffers, logits_rows, layers)
+        return kv.forward(model, input_ids, position_ids, cache, attention_mask, logits_rows, cache_arg, layers, vocab)
+    return _run(model, table, input_ids, position_ids, cache, layout, buffers, logits_rows, layers, vocab)
 
 
-def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, logits_rows, layers):
+def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, logits_rows, layers, vocab):
     decoder = table.decoder
     x = decoder.embed_tokens(input_ids)[0].contiguous()  # [R, H], written in place
     cos, sin = decoder.rotary_emb(x[None], position_ids)
@@ -198,5 +199,5 @@ def _run(model, table: _Table, input_ids, position_ids, pack, layout, buffers, l
     if done != 0:
         raise ValueError(f"the one-call pass does not take head size {table.dim} with {table.shape[0]} heads")
     rows_out = out if logits_rows is None else out[logits_rows]
-    logits = kv.lm_logits(model, rows_out).float()
+    logits = (vocab or kv.lm_logits)(model, rows_out).float()
     return logits, (out if feats is None else feats)

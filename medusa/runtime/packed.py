@@ -154,14 +154,16 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # never used: packed passes ha
 
 def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: list[Segment],
             layers: tuple[int, ...] | None = None, layout: rows.Layout | None = None,
-            through: Callable = kv.forward, starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            through: Callable = kv.forward, starts: list[int] | None = None,
+            vocab: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the packed rows ``input_ids`` ``[1, R]`` (``position_ids`` ``[1, R]``: each
     row's position in its own sequence); each segment's keys and values are appended to its own
     cache. With ``layout`` (:func:`medusa.runtime.rows.layout`), every layer's attention is one
     call over all rows (:mod:`medusa.runtime.rows`) and the segments need no masks; without, it
     runs per segment with each one's mask. ``starts``: each segment's cached length (with ``layout``: the rows are
     then written into the caches' buffers in one call per layer). ``through``: the pass function called (a
-    :class:`~medusa.decoding.passes.strategies.PassStrategy`'s ``forward`` hook). Returns ``(logits [R, V], hidden [R, H])`` like
+    :class:`~medusa.decoding.passes.strategies.PassStrategy`'s ``forward`` hook); ``vocab``: its
+    logits' function where not the lm_head's (:func:`medusa.runtime.hf.forward`). Returns ``(logits [R, V], hidden [R, H])`` like
     :func:`medusa.runtime.hf.forward`."""
     config = kv.text_config(model)
     configs = {id(c): c for c in (model.config, config)}.values()
@@ -176,7 +178,8 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch
     for c in configs:
         c._attn_implementation_internal = name
     try:
-        out = through(model, input_ids, position_ids, pack, mask, layers=layers)
+        out = through(model, input_ids, position_ids, pack, mask, layers=layers,
+                      **({} if vocab is None else {"vocab": vocab}))
         pack.finish()
         return out
     finally:

@@ -38,6 +38,7 @@ from medusa.runtime.files import cache_root
 from medusa.runtime.kernels import PackedLinears, onednn_available, split_kernels
 from medusa.runtime.kvstore import KVStore
 from medusa.runtime.opaque import opaque_ops
+from medusa.runtime.screen import VocabScreen
 
 AUTO = "auto"
 # Compiled pass sizes: a proposal of n nodes runs padded to the smallest bucket >= n (at most
@@ -161,6 +162,8 @@ class PassStrategy:
     features: tuple[int, ...] | None = None  # passes return these layers' inputs, not the final hidden state
     # the KV store the sequences' caches take slots of (medusa/runtime/kvstore.py; a scheduler sets it)
     store: KVStore | None = None
+    # greedy rows' logits screened in bfloat16 (medusa/runtime/screen.py; the engine sets it where it applies)
+    screen: VocabScreen | None = None
 
     def use_features(self, layers: tuple[int, ...] | None) -> None:
         """Return the residual stream entering ``layers`` as every pass's hidden states (EAGLE-3
@@ -212,8 +215,16 @@ class PassStrategy:
         # (verify_many), so a sequence's attention is the same call alone and in a batch
         mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
         logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
-                                      cache_arg=self.cache_arg, layers=self.features)
+                                      cache_arg=self.cache_arg, layers=self.features,
+                                      **self._vocab([proposal]))
         return _split(proposal, logits, hidden)
+
+    def _vocab(self, proposals: Sequence[Proposal]) -> dict:
+        """A pass's ``vocab`` argument: the screen where every proposal in it reads only argmaxes
+        (a pass of some other rows reads the whole lm_head anyway), else nothing."""
+        if self.screen is None or not all(p.argmax for p in proposals):
+            return {}
+        return {"vocab": self.screen.logits}
 
     def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
         """:meth:`verify` of each ``(cache, start, proposal)`` in one packed pass (only where
@@ -242,7 +253,8 @@ class PassStrategy:
             at += toks.shape[0]
         logits, hidden = packed.forward(self.model, torch.cat(tokens)[None], torch.cat(positions)[None], segments,
                                         layers=self.features, layout=layout, through=self.forward,
-                                        starts=[start for start, _, _ in trees])
+                                        starts=[start for start, _, _ in trees],
+                                        **self._vocab([p for _, _, p in items]))
         return [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items)]
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
