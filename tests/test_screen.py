@@ -47,10 +47,25 @@ def hidden_rows(model, n=40):
     return torch.stack(rows)
 
 
-def test_screened_rows_have_the_whole_products_argmax_and_values():
+DOT = [False, True] if gemv.dot_available() else [False]  # the bfloat16 dot products where this CPU has them
+
+
+def test_each_screen_products_error_is_within_its_bound():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(500, 201, generator=gen) * torch.rand(500, 1, generator=gen) * 3
+    x = torch.randn(16, 201, generator=gen) * torch.tensor([0.01, 1.0, 100.0, 1.0] * 4)[:, None]
+    exact = gemv.product(x, gemv.pack(weight), 500)
+    for dot in DOT:
+        got = gemv.dot_product(x, gemv.pack_dot(weight), 500) if dot else gemv.product(x, gemv.pack(weight.bfloat16()), 500)
+        bound = weight.norm(dim=1)[None] * x.norm(dim=1)[:, None] * screen.bound_factor(201, dot) + screen.TINY
+        assert bool(((got - exact).abs() <= bound).all()), dot
+        assert float((got - exact).abs().max()) > 0  # a real approximation, not the float32 product
+
+
+@pytest.mark.parametrize("dot", DOT)
+def test_screened_rows_have_the_whole_products_argmax_and_values(dot):
     model = close_call_model()
-    vocab_screen = screen.for_model(model, "gemv")
-    assert vocab_screen is not None
+    vocab_screen = screen.VocabScreen(model.lm_head, dot=dot)
     x = hidden_rows(model)
     candidates = []
     with torch.inference_mode(), PackedLinears(model, kernels="gemv"):
@@ -66,16 +81,17 @@ def test_screened_rows_have_the_whole_products_argmax_and_values():
     assert set(whole.argmax(-1).tolist()) & {3}  # ... and the exact tie went to the first index
 
 
-def test_what_it_cannot_screen_gets_the_whole_product():
+@pytest.mark.parametrize("dot", DOT)
+def test_what_it_cannot_screen_gets_the_whole_product(dot):
     model = close_call_model()
-    vocab_screen = screen.for_model(model, "gemv")
-    x = hidden_rows(model)[:6]
+    vocab_screen = screen.VocabScreen(model.lm_head, dot=dot)
+    x = hidden_rows(model)[:vocab_screen.max_rows + 1]
     with torch.inference_mode():
         outside = vocab_screen.logits(model, x[:2])  # no kernel scope: the lm_head runs torch's kernel
         assert torch.equal(outside, kv.lm_logits(model, x[:2]).float())
         with PackedLinears(model, kernels="gemv"):
             whole = kv.lm_logits(model, x).float()
-            assert torch.equal(vocab_screen.logits(model, x), whole)  # more rows than MAX_ROWS
+            assert torch.equal(vocab_screen.logits(model, x), whole)  # more rows than it screens
             nan = x[:2].clone()
             nan[1, 0] = float("nan")
             assert torch.equal(vocab_screen.logits(model, nan).isnan(), kv.lm_logits(model, nan).isnan())
@@ -123,7 +139,7 @@ def test_greedy_decoding_screens_and_keeps_every_token(mode):
     cut = [eng.generate(p, max_new_tokens=20, mode=run, max_draft=2).tokens for p in prompts]
     assert cut == got
     assert any(screened for _, screened in calls)
-    assert all(rows <= screen.MAX_ROWS for rows, screened in calls if screened)
+    assert all(rows <= eng.passes.screen.max_rows for rows, screened in calls if screened)
     off = Engine(model, heads=heads, plan=Plan(kernels="gemv"))
     off.passes.screen = None
     for p, tokens in zip(prompts, got):

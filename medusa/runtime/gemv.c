@@ -222,27 +222,164 @@ void medusa_gemv_pick(const float* x, int K, const float* P, const int64_t* rows
 }
 
 /* The screen's candidates (medusa/runtime/screen.py): for each of n rows of s [n, V] (the
- * bfloat16 product) with bound e_j = norms[j] * xn[r], every j with s_j + e_j >= max_k (s_k - e_k),
+ * bfloat16 product) with bound e_j = norms[j] * xn[r] + pad, every j with s_j + e_j >= max_k (s_k - e_k),
  * written as (rows, cols) pairs. Returns how many, or -1 when more than cap (or a row's bound is
  * not finite): the caller then takes the whole product. */
-int medusa_screen(const float* s, const float* norms, const float* xn, int n, int V, int64_t* rows, int64_t* cols,
-                  int cap) {
+typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
+
+AI int any_set(ivec m) {
+  int64_t w[LANES / 2];
+  memcpy(w, &m, sizeof w);
+  int64_t o = 0;
+  for (int i = 0; i < LANES / 2; i++) o |= w[i];
+  return o != 0;
+}
+
+int medusa_screen(const float* s, const float* norms, const float* xn, float pad, int n, int V, int64_t* rows,
+                  int64_t* cols, int cap) {
   int found = 0;
   for (int r = 0; r < n; r++) {
     const float* sr = s + (int64_t)r * V;
     float x = xn[r], floor = -__builtin_inff();
-    for (int j = 0; j < V; j++) {
-      float lo = sr[j] - norms[j] * x;
-      if (lo != lo) return -1; /* NaN: the whole product says what its argmax is */
+    vec vx = (vec){0} + x, vp = (vec){0} + pad, top = (vec){0} - __builtin_inff();
+    ivec nan = (ivec){0};
+    int j = 0;
+    for (; j + LANES <= V; j += LANES) {
+      vec sv, nv;
+      memcpy(&sv, sr + j, sizeof sv);
+      memcpy(&nv, norms + j, sizeof nv);
+      vec lo = sv - (nv * vx + vp);
+      ivec up = lo > top;
+      top = (vec)(((ivec)lo & up) | ((ivec)top & ~up));
+      nan |= lo != lo;
+    }
+    if (any_set(nan)) return -1; /* NaN: the whole product says what its argmax is */
+    for (int l = 0; l < LANES; l++) floor = top[l] > floor ? top[l] : floor;
+    for (; j < V; j++) {
+      float lo = sr[j] - (norms[j] * x + pad);
+      if (lo != lo) return -1;
       floor = lo > floor ? lo : floor;
     }
     if (!__builtin_isfinite(floor)) return -1;
-    for (int j = 0; j < V; j++)
-      if (sr[j] + norms[j] * x >= floor) {
-        if (found == cap) return -1;
-        rows[found] = r;
-        cols[found++] = j;
+    vec vf = (vec){0} + floor;
+    for (j = 0; j < V; j += LANES) {
+      int m = V - j < LANES ? V - j : LANES;
+      if (m == LANES) {
+        vec sv, nv;
+        memcpy(&sv, sr + j, sizeof sv);
+        memcpy(&nv, norms + j, sizeof nv);
+        if (!any_set((sv + (nv * vx + vp)) >= vf)) continue;
       }
+      for (int l = 0; l < m; l++)
+        if (sr[j + l] + (norms[j + l] * x + pad) >= floor) {
+          if (found == cap) return -1;
+          rows[found] = r;
+          cols[found++] = j + l;
+        }
+    }
   }
   return found;
+}
+
+/* The screen's product with the CPU's bfloat16 dot products (AVX512-BF16: vdpbf16ps), where it
+ * has them: weight and x both in bfloat16, each lane summing pairs of products in float32, twice
+ * the products an instruction of the float32 kernel makes. Not exact (the screen bounds its
+ * error: medusa/runtime/screen.py), so no fixed order is kept beyond each lane's left to right.
+ * Layout: blocks of LANES outputs, k in pairs: Q[b][k / 2][l][k % 2] = W[b * LANES + l][k]. */
+int medusa_screen_dot(void) {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+typedef struct {
+  const uint16_t* W;
+  int N, K, T;
+  uint16_t* Q;
+} DotPack;
+
+static void dot_pack_task(void* ctx, int t) {
+  const DotPack* j = ctx;
+  int nb = (j->N + 15) / 16, K2 = (j->K + 1) / 2;
+  for (int b = (int)((int64_t)nb * t / j->T); b < (int)((int64_t)nb * (t + 1) / j->T); b++)
+    for (int p = 0; p < K2; p++)
+      for (int l = 0; l < 16; l++)
+        for (int h = 0; h < 2; h++) {
+          int r = b * 16 + l, k = 2 * p + h;
+          j->Q[(((int64_t)b * K2 + p) * 16 + l) * 2 + h] = r < j->N && k < j->K ? j->W[(int64_t)r * j->K + k] : 0;
+        }
+}
+
+/* Q: (N + 15) / 16 * 16 * (K + 1) / 2 * 2 values */
+void medusa_screen_pack(const uint16_t* W, int N, int K, uint16_t* Q, int threads) {
+  int T = threads < 1 ? 1 : threads;
+  DotPack job = {W, N, K, T, Q};
+  medusa_parallel_large(T, T, dot_pack_task, &job);
+}
+
+#if defined(__AVX512BF16__)
+typedef struct {
+  const uint32_t* x; /* [n][K2]: pairs of bfloat16 */
+  const uint16_t* Q;
+  float* y;
+  int n, K2, N, T;
+} DotJob;
+
+AI void dtile(const int BN, const int NR, const uint32_t* x, int K2, const uint16_t* q, float* y, int N, int j0) {
+  __m512 a[4][6];
+  for (int i = 0; i < BN; i++)
+    for (int r = 0; r < NR; r++) a[i][r] = _mm512_setzero_ps();
+  for (int p = 0; p < K2; p++) {
+    __m512i w[4];
+    for (int i = 0; i < BN; i++) w[i] = _mm512_loadu_si512((const void*)(q + ((int64_t)i * K2 + p) * 32));
+    for (int r = 0; r < NR; r++) {
+      __m512i xs = _mm512_set1_epi32((int)x[(int64_t)r * K2 + p]);
+      for (int i = 0; i < BN; i++) a[i][r] = _mm512_dpbf16_ps(a[i][r], (__m512bh)w[i], (__m512bh)xs);
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < BN; i++) {
+      int j = j0 + 16 * i, m = N - j < 16 ? N - j : 16;
+      if (m > 0) memcpy(y + (int64_t)r * N + j, &a[i][r], (size_t)m * sizeof(float));
+    }
+}
+
+#define D(BN, NR) case NR: dtile(BN, NR, x, K2, q, y, N, j0); break;
+#define DTILES(BN, name) \
+  static void name(const uint32_t* x, int nr, int K2, const uint16_t* q, float* y, int N, int j0) { \
+    switch (nr) { D(BN, 1) D(BN, 2) D(BN, 3) D(BN, 4) D(BN, 5) D(BN, 6) }                          \
+  }
+DTILES(1, dtiles1)
+DTILES(4, dtiles4)
+
+static void dot_task(void* ctx, int t) {
+  const DotJob* j = ctx;
+  int nb = (j->N + 15) / 16;
+  int b = (int)((int64_t)nb * t / j->T), end = (int)((int64_t)nb * (t + 1) / j->T);
+  for (int step = 4; b < end; b += step) {
+    if (b + step > end) step = 1;
+    const uint16_t* q = j->Q + (int64_t)b * j->K2 * 32;
+    for (int r = 0; r < j->n; r += 6) {
+      int nr = j->n - r < 6 ? j->n - r : 6;
+      (step == 4 ? dtiles4 : dtiles1)(j->x + (int64_t)r * j->K2, nr, j->K2, q, j->y + (int64_t)r * j->N, j->N,
+                                      b * 16);
+    }
+  }
+}
+#endif
+
+/* y[n, N] ~ x[n, K] @ W^T with Q = medusa_screen_pack(W) and x given as bfloat16 pairs [n][K2];
+ * returns 0 where the CPU has no bfloat16 dot products (nothing written) */
+int medusa_screen_product(const uint32_t* x, int n, int K2, const uint16_t* Q, int N, float* y, int threads) {
+#if defined(__AVX512BF16__)
+  int T = threads < 1 ? 1 : threads;
+  DotJob job = {x, Q, y, n, K2, N, T};
+  medusa_parallel(T, T, dot_task, &job);
+  return 1;
+#else
+  (void)x, (void)n, (void)K2, (void)Q, (void)N, (void)y, (void)threads;
+  return 0;
+#endif
 }

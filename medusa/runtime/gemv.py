@@ -113,9 +113,15 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv_pick.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int, ctypes.c_void_p]
     lib.medusa_gemv_pick.restype = None
-    lib.medusa_screen.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_screen.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_screen.restype = ctypes.c_int
+    lib.medusa_screen_dot.restype = ctypes.c_int
+    lib.medusa_screen_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_screen_pack.restype = None
+    lib.medusa_screen_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                          ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_screen_product.restype = ctypes.c_int
     lib.medusa_gemv_pack_bf16.argtypes = lib.medusa_gemv_pack.argtypes
     lib.medusa_gemv_pack_bf16.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
@@ -274,14 +280,42 @@ def pick(x: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor, cols: torch.
     return out
 
 
-def screen(scores: torch.Tensor, norms: torch.Tensor, scale: torch.Tensor,
+def screen(scores: torch.Tensor, norms: torch.Tensor, scale: torch.Tensor, pad: float,
            cap: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The candidates ``(rows, cols)`` of a vocabulary screen (medusa/runtime/screen.py): in each
-    row ``r`` of ``scores`` ``[n, V]``, every ``j`` with ``scores[r, j] + norms[j] * scale[r]``
-    at least the row's largest ``scores[r, k] - norms[k] * scale[r]``. None when there are more
-    than ``cap`` or a row is not finite."""
+    row ``r`` of ``scores`` ``[n, V]``, with the bound ``e_j = norms[j] * scale[r] + pad``, every
+    ``j`` with ``scores[r, j] + e_j`` at least the row's largest ``scores[r, k] - e_k``. None when
+    there are more than ``cap`` or a row is not finite."""
     scores, norms, scale = scores.contiguous(), norms.contiguous(), scale.to(torch.float32).contiguous()
     rows, cols = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
-    n = library().medusa_screen(scores.data_ptr(), norms.data_ptr(), scale.data_ptr(), scores.shape[0],
+    n = library().medusa_screen(scores.data_ptr(), norms.data_ptr(), scale.data_ptr(), pad, scores.shape[0],
                                 scores.shape[1], rows.data_ptr(), cols.data_ptr(), cap)
     return None if n < 0 else (rows[:n], cols[:n])
+
+
+def dot_available() -> bool:
+    """Whether these kernels were built with the CPU's bfloat16 dot products (AVX512-BF16)."""
+    return bool(library().medusa_screen_dot())
+
+
+def pack_dot(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([out, in]) in bfloat16, packed for :func:`dot_product` (where :func:`dot_available`)."""
+    out_features, in_features = weight.shape
+    half = weight.detach().to(torch.bfloat16).contiguous()
+    packed = pages.empty(-(-out_features // 16) * 16 * (-(-in_features // 2)) * 2, torch.bfloat16)
+    library().medusa_screen_pack(half.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def dot_product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """About ``x @ weight.T`` (``packed = pack_dot(weight)``): ``x`` rounded to bfloat16 and
+    the products summed in float32 by the CPU's bfloat16 dot products; ``[n, out]`` float32."""
+    half = x.to(torch.bfloat16)
+    if half.shape[-1] % 2:
+        half = torch.nn.functional.pad(half, (0, 1))
+    half = half.contiguous()
+    out = torch.empty(half.shape[0], out_features, dtype=torch.float32)
+    if not library().medusa_screen_product(half.data_ptr(), half.shape[0], half.shape[1] // 2, packed.data_ptr(),
+                                           out_features, out.data_ptr(), torch.get_num_threads()):
+        raise GemvUnavailable("these kernels were built without bfloat16 dot products")
+    return out

@@ -42,36 +42,52 @@ FLOAT_ROUNDING = 2.0**-24
 # Rows a pass screens at most: the bfloat16 product's arithmetic grows with the rows, and from
 # about 8 rows it costs what the float32 one does (docs/performance.md#the-vocabulary-screen)
 MAX_ROWS = 4
+# with the CPU's bfloat16 dot products (x in bfloat16 too: twice the products an instruction) up to
+DOT_MAX_ROWS = 16
+TINY = 1e-30  # added to every bound: products and sums the dot products flush to zero below ~1e-38
 CANDIDATES = 64  # a row's candidates at most (one to a few where measured): more, and the whole product
 
 
-def bound_factor(in_features: int) -> float:
+def bound_factor(in_features: int, dot: bool = False) -> float:
     """``c`` of the module docstring for products over ``in_features`` inputs, with a margin for
-    the norms' own rounding."""
-    sums = 2 * (CHUNK + -(-in_features // CHUNK) + 2) * FLOAT_ROUNDING * (1 + BF16_ROUNDING)
-    return (BF16_ROUNDING + sums) * 1.001
+    the norms' own rounding. ``dot``: the screen's ``x`` is rounded to bfloat16 too, and its sums
+    run left to right over every input (the CPU's dot products)."""
+    exact_sums = (CHUNK + -(-in_features // CHUNK) + 2) * FLOAT_ROUNDING
+    if dot:
+        rounding = 2 * BF16_ROUNDING + BF16_ROUNDING**2
+        return (rounding + (exact_sums + (in_features + 2) * FLOAT_ROUNDING) * (1 + 2 * rounding)) * 1.001
+    return (BF16_ROUNDING + 2 * exact_sums * (1 + BF16_ROUNDING)) * 1.001
 
 
 class VocabScreen:
     """The screen of one model's ``lm_head`` (see the module docstring): :meth:`logits`."""
 
-    def __init__(self, head: nn.Linear) -> None:
+    def __init__(self, head: nn.Linear, dot: bool | None = None) -> None:
+        """``dot``: screen with the CPU's bfloat16 dot products (None: where the kernels have them)."""
         weight = head.weight.detach()
         self.head, self.vocab, self.features = head, weight.shape[0], weight.shape[1]
-        self.half = gemv.pack(weight.to(torch.bfloat16))
-        self.norms = weight.norm(dim=1) * bound_factor(self.features)  # [V]: e_j = norms_j * ||x||
+        self.dot = gemv.dot_available() if dot is None else dot
+        self.half = gemv.pack_dot(weight) if self.dot else gemv.pack(weight.to(torch.bfloat16))
+        self.max_rows = DOT_MAX_ROWS if self.dot else MAX_ROWS
+        self.norms = weight.norm(dim=1) * bound_factor(self.features, self.dot)  # [V]: e_j = norms_j ||x|| + TINY
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The screen's ``[R, V]`` product of float32 rows ``x``."""
+        if self.dot:
+            return gemv.dot_product(x, self.half, self.vocab)
+        return gemv.product(x, self.half, self.vocab)
 
     def logits(self, model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_logits(model, hidden)`` ``[R, V]`` for rows whose argmax alone is read: the
         screened candidates' float32 values, ``-inf`` elsewhere. The whole product where the
-        lm_head's product of these rows does not run the gemv kernel now, for more than :data:`MAX_ROWS` rows, or where a
+        lm_head's product of these rows does not run the gemv kernel now, for more than :attr:`max_rows` rows, or where a
         row is not finite or too close to call within :data:`CANDIDATES` candidates."""
-        copy = kernels.gemv_copy(self.head, hidden.shape[0]) if hidden.shape[0] <= MAX_ROWS else None
+        copy = kernels.gemv_copy(self.head, hidden.shape[0]) if hidden.shape[0] <= self.max_rows else None
         if copy is None:
             return kv.lm_logits(model, hidden).float()
         x = hidden.to(torch.float32).contiguous()
-        screened = clock.charged("linears", gemv.product, x, self.half, self.vocab)  # [R, V]
-        found = gemv.screen(screened, self.norms, x.norm(dim=1), CANDIDATES * x.shape[0])
+        screened = clock.charged("linears", self.product, x)  # [R, V]
+        found = gemv.screen(screened, self.norms, x.norm(dim=1), TINY, CANDIDATES * x.shape[0])
         if found is None:
             return kv.lm_logits(model, hidden).float()
         rows, cols = found
