@@ -133,3 +133,27 @@ def test_decoding_on_one_call_passes_is_the_targets_greedy_alone_and_batched(mod
     finally:
         sched.close(timeout=60)
     assert got == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_prefilled_in_one_call_passes_holds_the_same_bits_however_it_is_cut(arch):
+    """Prefill through one-call passes (the engine's, where its decoding passes are one call):
+    a prompt's keys, values and last logits are the same bits in one pass, cut at other places,
+    or continued after a shared prefix; and faster paths never ran the modules."""
+    model = tiny_model(arch)
+    eng = Engine(model, plan=Plan(kernels="gemv"))
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(4))
+    got = []
+    with torch.inference_mode(), eng.owned(), clock.counting() as totals:
+        for cuts in ([40], [13, 27], [1, 39], [24, 1, 15]):
+            cache, at = eng.passes.new_cache(), 0
+            for n in cuts:
+                logits, _ = eng.passes.prefill(cache, ids[:, at:at + n], at, 8)
+                at += n
+            got.append((logits, [(x.keys.clone(), x.values.clone()) for x in cache.layers]))
+    assert totals["native"] > 0 and totals["attention"] == 0  # one-call passes only
+    for logits, layers in got[1:]:
+        assert torch.equal(logits, got[0][0])
+        assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(layers, got[0][1]))
+    prompt = ids[0].tolist()
+    assert eng.generate(prompt, max_new_tokens=12, mode="baseline").tokens == hf_greedy(model, prompt, 12)

@@ -61,6 +61,57 @@ def buffers(cache: Cache, layers: int, needed: int) -> list[tuple[torch.Tensor, 
     return [(layer._kbuf, layer._vbuf) for layer in cache.layers]
 
 
+def start_buffers(cache: Cache, model: PreTrainedModel, needed: int) -> bool:
+    """Give every layer of an empty buffered cache (:func:`medusa.runtime.hf.new_cache`, or a KV
+    store slot) its buffers, with room for ``needed`` positions, so that a one-call pass writes
+    them from the first token; False (nothing done) for a cache that holds positions or is not
+    buffered."""
+    layers = kv.text_config(model).num_hidden_layers
+    if cache.layers and (len(cache.layers) != layers or any(x.is_initialized for x in cache.layers)):
+        return False
+    if not cache.layers:
+        if getattr(cache, "layer_class_to_replicate", None) is not kv.BufferedLayer:
+            return False
+        cache.layers = [kv.BufferedLayer() for _ in range(layers)]
+    if not all(isinstance(x, kv.BufferedLayer) for x in cache.layers):
+        return False
+    _, heads, dim = rows.attention_shape(model)
+    empty = torch.empty(1, heads, 0, dim, dtype=model.dtype, device=model.get_output_embeddings().weight.device)
+    for layer in cache.layers:
+        layer.lazy_initialization(empty, empty)
+        layer._reserve(empty, empty, needed)
+        layer.keys, layer.values = layer._kbuf[..., :0, :], layer._vbuf[..., :0, :]
+    return True
+
+
+def prefill(model: PreTrainedModel, cache: Cache, ids: torch.Tensor, start: int, layers: tuple[int, ...] | None,
+            through: Callable) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A prompt's rows ``ids`` ``[1, n]`` after ``start`` cached positions as one chain in a
+    one-call pass (``through``: :func:`medusa.runtime.native.forward`), each row computed as a
+    decoding pass computes it, so the cache holds the same bits however the prompt was cut into
+    passes or shared: ``(logits [1, V]`` of the last row, ``hidden [n, H])``. A fresh cache gets
+    its buffers first. None (nothing run) where the model's window is shorter than the chain or
+    the cache is not buffered."""
+    n, device = ids.shape[1], ids.device
+    depth = torch.arange(n, device=device)
+    try:
+        layout = rows.layout_for(model, [(start, torch.ones(n, n, dtype=torch.bool, device=device).tril_(), depth)])
+    except ValueError:
+        return None
+    count = kv.text_config(model).num_hidden_layers
+    if start == 0:
+        start_buffers(cache, model, n)
+    if buffers(cache, count, start + n) is None:
+        return None
+    return forward(model, ids, (start + depth)[None], [Segment(cache, slice(0, n), None)], layers=layers,
+                   layout=layout, through=through, starts=[start], vocab=_last_row)
+
+
+def _last_row(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """A prefill's logits: its last row's alone."""
+    return kv.lm_logits(model, hidden[-1:]).float()
+
+
 def extend(cache: Cache, length: int) -> None:
     """After writing into :func:`buffers`: the cache holds ``length`` positions."""
     for layer in cache.layers:

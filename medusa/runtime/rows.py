@@ -13,8 +13,8 @@ spells it out), so it is bitwise the same alone, in a tree, or beside any other 
 row-invariant linear kernels (gemv in float32) a packed pass gives each sequence the bits it gets
 alone, guaranteed rather than measured (docs/exactness.md#batches).
 
-Used for eager float32 passes on a CPU where the kernels build (:func:`supported`); prompts are
-still prefilled through the model's own attention (one sequence, many rows: a matrix product).
+Used for eager float32 passes on a CPU where the kernels build (:func:`supported`), prompts'
+prefill chunks included where the whole pass is one C call (medusa/runtime/packed.py's ``prefill``).
 """
 
 from __future__ import annotations

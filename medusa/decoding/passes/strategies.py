@@ -200,7 +200,12 @@ class PassStrategy:
         return kv.new_cache() if cache is None else cache
 
     def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
-        """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs."""
+        """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs. As a
+        one-call pass where decoding passes are one (:func:`medusa.runtime.packed.prefill`), else the modules."""
+        out = packed.prefill(self.model, cache, ids, start, self.features, self.forward) \
+            if self.forward is native.forward else None
+        if out is not None:
+            return out
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         return kv.forward(self.model, ids, positions, cache, None, logits_rows=slice(-1, None), layers=self.features)
 
@@ -215,16 +220,13 @@ class PassStrategy:
         # (verify_many), so a sequence's attention is the same call alone and in a batch
         mask = kv.tree_attention_mask(self.model, start, ancestor, depth, self.model.dtype)
         logits, hidden = self.forward(self.model, tokens[None], (start + depth)[None], cache, mask,
-                                      cache_arg=self.cache_arg, layers=self.features,
-                                      **self._vocab([proposal]))
+                                      cache_arg=self.cache_arg, layers=self.features, **self._vocab([proposal]))
         return _split(proposal, logits, hidden)
 
     def _vocab(self, proposals: Sequence[Proposal]) -> dict:
         """A pass's ``vocab`` argument: the screen where every proposal in it reads only argmaxes
         (a pass of some other rows reads the whole lm_head anyway), else nothing."""
-        if self.screen is None or not all(p.argmax for p in proposals):
-            return {}
-        return {"vocab": self.screen.logits}
+        return {"vocab": self.screen.logits} if self.screen is not None and all(p.argmax for p in proposals) else {}
 
     def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
         """:meth:`verify` of each ``(cache, start, proposal)`` in one packed pass (only where
