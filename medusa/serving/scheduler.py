@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from medusa.decoding.batch import Batch, within
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("medusa.serving")
 
 STORE_MARGIN = 256  # positions a KV store slot holds past the context window: a step's draft rows
+REUSE = 4  # finished greedy requests kept for the prefixes later prompts share with them
+MIN_SHARED = 8  # tokens a prompt shares with one of them at least for its prefill to start after them
 
 
 class Overloaded(MedusaError):
@@ -145,6 +147,9 @@ class Scheduler:
         self.metrics = metrics  # medusa.serving.metrics: recorded here, rendered by the server
         self.steps = 0  # batched passes run (for tests and the bench)
         self.max_seen = 0  # the largest batch a pass verified
+        # finished greedy requests' states, newest last, where a shared prefix can be copied exactly
+        self._finished: deque | None = deque(maxlen=REUSE) if shares_prefixes(engine) else None
+        self.reused_tokens = 0  # prompt tokens copied from them instead of prefilled
 
     # -- the caller's side ----------------------------------------------------------
     def start(self) -> Scheduler:
@@ -219,6 +224,7 @@ class Scheduler:
                     stream = self._waiting.popleft()
                     if not self._finish_if_cancelled(stream):
                         self._streams[stream.run] = stream
+                        self._start_after_shared_prefix(stream.run)
                         self._batch.add(stream.run)
             try:
                 self._turn()
@@ -266,10 +272,30 @@ class Scheduler:
             else:
                 self._streams[run]._put(event)
 
+    def _start_after_shared_prefix(self, run: Decoding) -> None:
+        """A greedy request's prefill starts after the longest prefix (at least :data:`MIN_SHARED`
+        tokens) its prompt shares with a finished greedy request's tokens: those positions are
+        copied from that request's cache, the very bits its own prefill would compute
+        (:func:`shares_prefixes`). Its proposer starts afresh (no carried drafting state), so
+        only how fast it drafts can differ, never a token. Sampled requests prefill whole."""
+        if self._finished is None or not run.sampling.greedy or run.prior is not None:
+            return
+        best, shared = None, MIN_SHARED - 1
+        for state in self._finished:
+            cached = state.tokens[: min(state.valid, state.length)]
+            n = next((i for i, (a, b) in enumerate(zip(cached, run.ids)) if a != b), min(len(cached), len(run.ids)))
+            if n > shared:
+                best, shared = state, n
+        if best is not None:
+            run.prior = replace(best, share=None, carry={})  # copied, never continued in place
+            self.reused_tokens += min(shared, len(run.ids) - 1)
+
     def _end(self, run: Decoding, event: Done | Failed) -> None:
         """A request's last event, counted; a failure is said in one line to its client."""
         stream = self._streams.pop(run)
         self.policy.forget(run)
+        if isinstance(event, Done) and self._finished is not None and run.sampling.greedy and event.result.state is not None:
+            self._finished.append(event.result.state)
         if isinstance(event, Failed):
             log.warning("medusa: a request failed and ends with the error: %s", event.error)
             event = Failed(MedusaError(f"decoding failed: {event.error}"))
@@ -332,6 +358,14 @@ class Scheduler:
         if self._chosen and report.live:
             self.policy.turn_took(report.seconds, report.live + sum(report.drafted), drafting_ms,
                                   sum(d > 0 for d in report.drafted))
+
+
+def shares_prefixes(engine: Engine) -> bool:
+    """Whether a prompt's cache holds the same bits however the prompt was cut into passes, so
+    that a later prompt may start from a shared prefix's copy exactly: prefills and decoding
+    passes run as one-call passes (medusa/runtime/packed.py's ``prefill``), with no sliding
+    window that a long prefill chunk would exceed."""
+    return engine.passes.whole_calls and not getattr(kv.text_config(engine.model), "sliding_window", None)
 
 
 def kv_store(engine: Engine, max_batch: int, kv_memory: int) -> KVStore | None:

@@ -181,10 +181,13 @@ class PassStrategy:
         if self.one_call and native.supported(model) is None:  # whole passes in one C call (gemv kernels)
             self.forward = native.forward
 
+    whole_calls = property(lambda self: self.forward is native.forward and self.kernels == "gemv",
+                           doc="Whether its passes, prefill chunks included, run as one C call each (gemv kernels).")
+
     @property
     def runs(self) -> str:
         """How its decoding passes run, in words (``Engine.describe``)."""
-        if self.forward is native.forward and self.kernels == "gemv":
+        if self.whole_calls:
             return "each decoding pass one C call (medusa/runtime/native.py)"
         if self.one_call:
             return "the model's modules, attention in one call per layer"
@@ -202,9 +205,7 @@ class PassStrategy:
     def prefill(self, cache, ids: torch.Tensor, start: int, max_new_tokens: int) -> Outputs:
         """Run the prompt's tokens ``ids`` ``[1, T]`` from position ``start``; the last row's outputs. As a
         one-call pass where decoding passes are one (:func:`medusa.runtime.packed.prefill`), else the modules."""
-        out = packed.prefill(self.model, cache, ids, start, self.features, self.forward) \
-            if self.forward is native.forward else None
-        if out is not None:
+        if self.whole_calls and (out := packed.prefill(self.model, cache, ids, start, self.features, self.forward)):
             return out
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         return kv.forward(self.model, ids, positions, cache, None, logits_rows=slice(-1, None), layers=self.features)
@@ -224,8 +225,7 @@ class PassStrategy:
         return _split(proposal, logits, hidden)
 
     def _vocab(self, proposals: Sequence[Proposal]) -> dict:
-        """A pass's ``vocab`` argument: the screen where every proposal in it reads only argmaxes
-        (a pass of some other rows reads the whole lm_head anyway), else nothing."""
+        """A pass's ``vocab`` argument: the screen where every proposal in it reads only argmaxes."""
         return {"vocab": self.screen.logits} if self.screen is not None and all(p.argmax for p in proposals) else {}
 
     def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
