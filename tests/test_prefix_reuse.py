@@ -28,6 +28,7 @@ def test_a_prompt_sharing_a_finished_ones_prefix_starts_after_it_with_the_same_t
         sampled = sched.submit(b, max_new_tokens=12, mode="baseline", temperature=0.8, seed=1).wait()
     finally:
         sched.close(timeout=60)
+    assert not sched._finished  # closing lets their caches go
     assert first.stats.prefill_tokens == len(a)
     assert second.stats.prefill_tokens == len(b) - len(shared)  # the shared 30 were copied
     assert again.stats.prefill_tokens == 1  # all of it but the last token, run for its logits

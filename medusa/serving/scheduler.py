@@ -191,6 +191,8 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._finished is not None:
+            self._finished.clear()  # their caches (KV store slots among them) go with them
         if self.store is not None and self.engine.passes.store is self.store:
             self.engine.passes.store = None  # the engine's later sequences take buffers of their own
 
