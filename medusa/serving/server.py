@@ -180,6 +180,41 @@ def _foreign(server: Server, request: Request) -> str | None:
     return None
 
 
+def _refusal(server: Server, request: Request) -> JSONResponse | None:
+    """The answer to a request this server does not take from where or how it came (None: it takes it)."""
+    if (why := _foreign(server, request)) is not None:
+        return error(403, f"{why}: without an API key this server answers only its own address "
+                          "(serve with --api-key to take requests from elsewhere)", "permission_error",
+                     "foreign_origin")
+    if request.method == "POST" and request.url.path.startswith("/v1/"):
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return error(415, f"the request body must be JSON sent as Content-Type: application/json, not "
+                              f"{kind or 'none'!r}", code="unsupported_media_type")
+    if server.api_key is not None and request.url.path.startswith("/v1/"):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+            return error(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
+                         "invalid_api_key")
+    return None
+
+
+class Authorize:
+    """:func:`_refusal` as plain ASGI middleware: a request taken goes to the app untouched, so a
+    streamed answer's chunks reach the socket without passing through a middleware's own stream
+    (Starlette's ``BaseHTTPMiddleware`` relays every chunk through a memory channel and a task
+    switch: CPU a small machine takes from decoding)."""
+
+    def __init__(self, app, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refused := _refusal(self.server, Request(scope))) is not None:
+            await refused(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(server: Server) -> FastAPI:
     """The ASGI app; its lifespan starts the scheduler and, at shutdown, lets running streams
     finish before the scheduler stops."""
@@ -193,23 +228,7 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="medusa", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if (why := _foreign(server, request)) is not None:
-            return error(403, f"{why}: without an API key this server answers only its own address "
-                              "(serve with --api-key to take requests from elsewhere)", "permission_error",
-                         "foreign_origin")
-        if request.method == "POST" and request.url.path.startswith("/v1/"):
-            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
-                return error(415, f"the request body must be JSON sent as Content-Type: application/json, not "
-                                  f"{kind or 'none'!r}", code="unsupported_media_type")
-        if server.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                return error(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
-                             "invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(Authorize, server=server)
 
     @app.get("/metrics")
     async def metrics():
