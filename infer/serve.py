@@ -62,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     try:
-        import uvicorn
-
         import medusa
-        from medusa.serving.server import Server, create_app, loopback_hosts
+        from medusa.serving.process import serve
+        from medusa.serving.server import Server, loopback_hosts
 
         engine = medusa.load(args.model, heads=args.heads, device=args.device, dtype=args.dtype)
         if args.mode is not None:
@@ -85,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     if key is None and server.hosts is None:
         print(f"medusa: warning: no API key on {args.host}: anyone who can reach it can use it (set --api-key)",
               file=sys.stderr, flush=True)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+    try:
+        serve(server, args.host, args.port, log_level=args.log_level)
+    except MedusaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -141,6 +141,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._running = False  # the loop runs, or a thread was started to run it
+        self._done = threading.Event()  # the loop has returned
         self.policy = DraftPolicy(engine.plan.pass_ms, self.row_budget)
         self.store = kv_store(engine, max_batch, self.kv_memory)  # the running sequences' caches, slot by slot
         self._chosen: dict[Decoding, Choice] = {}  # this turn's choice per greedy sequence (_caps)
@@ -153,10 +155,31 @@ class Scheduler:
 
     # -- the caller's side ----------------------------------------------------------
     def start(self) -> Scheduler:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="medusa-scheduler", daemon=True)
-            self._thread.start()
+        """Run the loop on a thread of its own (see :meth:`run` for the calling thread instead)."""
+        with self._wake:
+            if self._running:
+                return self
+            self._running = True
+        self._thread = threading.Thread(target=self._run, name="medusa-scheduler", daemon=True)
+        self._thread.start()
         return self
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`close` (from another thread) lets the
+        requests finish. ``python -m infer.serve`` runs it on the process's initial thread, where
+        the kernels' parallel work costs least (medusa/runtime/pool.c) and the decoding passes
+        take what the library's take (docs/serving.md#the-decoding-thread)."""
+        with self._wake:
+            if self._running:
+                raise MedusaError("this scheduler's loop runs already or has run: make a new Scheduler")
+            self._running = True
+        self._run()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._done.set()
 
     def submit(self, request: Request | Sequence[int], listener: Callable[[Event], None] | None = None,
                **kwargs) -> Stream:
@@ -189,8 +212,8 @@ class Scheduler:
         with self._wake:
             self._closing = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._running:
+            self._done.wait(timeout)
         if self._finished is not None:
             self._finished.clear()  # their caches (KV store slots among them) go with them
         if self.store is not None and self.engine.passes.store is self.store:

@@ -215,14 +215,16 @@ class Authorize:
         await self.app(scope, receive, send)
 
 
-def create_app(server: Server) -> FastAPI:
-    """The ASGI app; its lifespan starts the scheduler and, at shutdown, lets running streams
-    finish before the scheduler stops."""
+def create_app(server: Server, run_scheduler: bool = True) -> FastAPI:
+    """The ASGI app; its lifespan starts the scheduler on a thread of its own (unless
+    ``run_scheduler`` is false: the caller runs its loop, medusa/serving/process.py) and, at
+    shutdown, lets running streams finish before the scheduler stops."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.scheduler.start()
+        if run_scheduler:
+            server.scheduler.start()
         yield
         await asyncio.to_thread(server.scheduler.close)
 
