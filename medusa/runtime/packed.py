@@ -56,6 +56,9 @@ def buffers(cache: Cache, layers: int, needed: int) -> list[tuple[torch.Tensor, 
     if len(cache.layers) != layers or not all(isinstance(x, kv.BufferedLayer) and x.is_initialized and
                                               x._kbuf is not None for x in cache.layers):
         return None
+    out = [(layer._kbuf, layer._vbuf) for layer in cache.layers]
+    if all(k.shape[-2] >= needed for k, _ in out):  # room already: the usual step
+        return out
     for layer in cache.layers:
         layer._reserve(layer.keys, layer.values, needed)
     return [(layer._kbuf, layer._vbuf) for layer in cache.layers]
@@ -114,8 +117,8 @@ def _last_row(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
 
 def extend(cache: Cache, length: int) -> None:
     """After writing into :func:`buffers`: the cache holds ``length`` positions."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer._kbuf[..., :length, :], layer._vbuf[..., :length, :]
+    for layer in cache.layers:  # narrow: the same views as slicing, at half the cost a call
+        layer.keys, layer.values = layer._kbuf.narrow(-2, 0, length), layer._vbuf.narrow(-2, 0, length)
 
 
 class PackedCache(Cache):
