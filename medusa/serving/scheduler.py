@@ -140,7 +140,6 @@ class Scheduler:
         self._streams: dict[Decoding, Stream] = {}  # each of them's stream
         self._wake = threading.Condition()
         self._closing = False
-        self._thread: threading.Thread | None = None
         self._running = False  # the loop runs, or a thread was started to run it
         self._done = threading.Event()  # the loop has returned
         self.policy = DraftPolicy(engine.plan.pass_ms, self.row_budget)
@@ -160,8 +159,7 @@ class Scheduler:
             if self._running:
                 return self
             self._running = True
-        self._thread = threading.Thread(target=self._run, name="medusa-scheduler", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="medusa-scheduler", daemon=True).start()
         return self
 
     def run(self) -> None:
