@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", type=float, metavar="GIB", help="memory the running requests' KV caches may take, "
                    "in GiB; a request waits while its prompt and max_tokens would not fit beside theirs "
                    "(default: half the memory available at start)")
+    p.add_argument("--prefix-memory", type=float, metavar="GIB", help="memory kept for finished requests' keys and "
+                   "values, copied into later prompts that begin as they did (a conversation's history, a "
+                   "system prompt) instead of prefilling them; 0 keeps none (default: 0.25, or a quarter of "
+                   "--kv-memory if less)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none, lowered to "
                    "what the context has left after its prompt (default: 256)")
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(engine, args.served_model_name or served_name(args.model), api_key=key,
                         max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                         mode=args.mode, max_body=args.max_body, hosts=loopback_hosts(args.host, args.port),
-                        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30))
+                        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
+                        prefix_memory=None if args.prefix_memory is None else int(args.prefix_memory * 2**30))
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

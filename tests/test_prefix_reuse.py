@@ -57,3 +57,71 @@ def test_no_reuse_where_a_prompts_bits_depend_on_its_cuts():
         finally:
             sched.close(timeout=60)
         assert sched.reused_tokens == 0
+
+
+def _engine():
+    model = tiny_model("llama")
+    return model, Engine(model, plan=Plan(kernels="gemv"))
+
+
+def test_finished_prompts_are_kept_by_memory_not_count_and_free_their_slots():
+    import gc
+
+    model, eng = _engine()
+    prompts = [[3 + i] + list(range(20 + i, 40 + i)) for i in range(7)]  # 21 tokens, no shared prefix
+    sched = Scheduler(eng, max_batch=2).start()
+    try:
+        first = [sched.submit(p, max_new_tokens=6, mode="baseline").wait() for p in prompts]
+        kept = sched._finished
+        assert len(kept) == 7  # more than a fixed few
+        assert kept.bytes == sum(len(p) + len(r.tokens) - 1 for p, r in zip(prompts, first)) * sched.kv_per_token
+        del first
+        gc.collect()
+        assert sched.store.free == sched.store.slots  # copies, not the requests' KV store slots
+        again = sched.submit(prompts[0], max_new_tokens=6, mode="baseline").wait()
+    finally:
+        sched.close(timeout=60)
+    assert again.stats.prefill_tokens == 1  # the oldest of seven still served its whole prompt
+    assert again.tokens == hf_greedy(model, prompts[0], 6)[:len(again.tokens)]
+
+
+def test_the_memory_budget_drops_the_oldest_first():
+    model, eng = _engine()
+    prompts = [[3 + i] + list(range(20 + i, 40 + i)) for i in range(3)]
+    per_answer = (len(prompts[0]) + 6) * kv_bytes(eng)
+    sched = Scheduler(eng, max_batch=2, prefix_memory=2 * per_answer).start()
+    try:
+        for p in prompts:
+            sched.submit(p, max_new_tokens=6, mode="baseline", ignore_eos=True).wait()
+        assert len(sched._finished) == 2 and sched._finished.bytes <= 2 * per_answer
+        oldest = sched.submit(prompts[0], max_new_tokens=6, mode="baseline", ignore_eos=True).wait()
+        newest = sched.submit(prompts[2], max_new_tokens=6, mode="baseline", ignore_eos=True).wait()
+    finally:
+        sched.close(timeout=60)
+    assert oldest.stats.prefill_tokens == len(prompts[0])  # dropped: prefilled whole
+    assert newest.stats.prefill_tokens == 1
+    assert oldest.tokens == hf_greedy(model, prompts[0], 6)
+    none = Scheduler(eng, max_batch=2, prefix_memory=0)
+    assert none._finished is None  # 0 keeps nothing
+
+
+def test_a_conversations_next_turn_replaces_its_earlier_turn():
+    model, eng = _engine()
+    turn = list(range(10, 30))
+    sched = Scheduler(eng, max_batch=2).start()
+    try:
+        one = sched.submit(turn, max_new_tokens=5, mode="baseline", ignore_eos=True).wait()
+        history = turn + one.tokens + [7, 8, 9]
+        two = sched.submit(history, max_new_tokens=5, mode="baseline", ignore_eos=True).wait()
+        assert len(sched._finished) == 1  # the first turn's entry begins the second's: dropped for it
+        assert sched._finished.longest(history + two.tokens)[1] == len(history) + len(two.tokens) - 1
+    finally:
+        sched.close(timeout=60)
+    assert two.stats.prefill_tokens == len(history) - (len(turn) + len(one.tokens) - 1)
+    assert two.tokens == hf_greedy(model, history, 5)
+
+
+def kv_bytes(eng) -> int:
+    from medusa.serving.scheduler import kv_bytes_per_token
+
+    return kv_bytes_per_token(eng.model)

@@ -43,6 +43,7 @@ from medusa.runtime.kvstore import KVStore
 from medusa.runtime.rows import attention_shape
 from medusa.serving.budget import knee, share_rows
 from medusa.serving.drafting import Choice, DraftPolicy
+from medusa.serving.prefixes import PrefixCache
 
 if TYPE_CHECKING:
     from medusa.serving.metrics import Metrics
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("medusa.serving")
 
 STORE_MARGIN = 256  # positions a KV store slot holds past the context window: a step's draft rows
-REUSE = 4  # finished greedy requests kept for the prefixes later prompts share with them
-MIN_SHARED = 8  # tokens a prompt shares with one of them at least for its prefill to start after them
+MIN_SHARED = 8  # tokens a prompt shares with a finished one at least for its prefill to start after them
+PREFIX_MEMORY = 256 << 20  # bytes of finished requests' keys and values kept for later prompts (at most)
 
 
 class Overloaded(MedusaError):
@@ -122,14 +123,20 @@ class Scheduler:
     running requests' KV caches may take (None: :func:`default_kv_memory`): a request waits
     while the ones running would leave too little for its prompt and ``max_new_tokens`` (a
     request alone always runs; its length was checked against the context window). Prompts are prefilled
-    :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone."""
+    :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone.
+    ``prefix_memory``: bytes of finished greedy requests' keys and values kept for later prompts
+    that begin as they did (:mod:`medusa.serving.prefixes`; None: :data:`PREFIX_MEMORY` or a
+    quarter of ``kv_memory``, the smaller; 0: none kept)."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
-                 metrics: Metrics | None = None, kv_memory: int | None = None) -> None:
+                 metrics: Metrics | None = None, kv_memory: int | None = None,
+                 prefix_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         if kv_memory is not None and kv_memory < 1:
             raise MedusaError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
+        if prefix_memory is not None and prefix_memory < 0:
+            raise MedusaError(f"prefix_memory must be a number of bytes >= 0, got {prefix_memory}")
         self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
         self.kv_per_token = kv_bytes_per_token(engine.model)
         self.engine = engine
@@ -148,8 +155,9 @@ class Scheduler:
         self.metrics = metrics  # medusa.serving.metrics: recorded here, rendered by the server
         self.steps = 0  # batched passes run (for tests and the bench)
         self.max_seen = 0  # the largest batch a pass verified
-        # finished greedy requests' states, newest last, where a shared prefix can be copied exactly
-        self._finished: deque | None = deque(maxlen=REUSE) if shares_prefixes(engine) else None
+        # finished greedy requests' keys and values, where a later prompt's shared prefix is copied exactly
+        budget = min(PREFIX_MEMORY, self.kv_memory // 4) if prefix_memory is None else prefix_memory
+        self._finished = PrefixCache(budget, self.kv_per_token, MIN_SHARED) if shares_prefixes(engine) and budget else None
         self.reused_tokens = 0  # prompt tokens copied from them instead of prefilled
 
     # -- the caller's side ----------------------------------------------------------
@@ -213,7 +221,7 @@ class Scheduler:
         if self._running:
             self._done.wait(timeout)
         if self._finished is not None:
-            self._finished.clear()  # their caches (KV store slots among them) go with them
+            self._finished.clear()
         if self.store is not None and self.engine.passes.store is self.store:
             self.engine.passes.store = None  # the engine's later sequences take buffers of their own
 
@@ -303,12 +311,7 @@ class Scheduler:
         only how fast it drafts can differ, never a token. Sampled requests prefill whole."""
         if self._finished is None or not run.sampling.greedy or run.prior is not None:
             return
-        best, shared = None, MIN_SHARED - 1
-        for state in self._finished:
-            cached = state.tokens[: min(state.valid, state.length)]
-            n = next((i for i, (a, b) in enumerate(zip(cached, run.ids)) if a != b), min(len(cached), len(run.ids)))
-            if n > shared:
-                best, shared = state, n
+        best, shared = self._finished.longest(run.ids)
         if best is not None:
             run.prior = replace(best, share=None, carry={})  # copied, never continued in place
             self.reused_tokens += min(shared, len(run.ids) - 1)
@@ -318,7 +321,7 @@ class Scheduler:
         stream = self._streams.pop(run)
         self.policy.forget(run)
         if isinstance(event, Done) and self._finished is not None and run.sampling.greedy and event.result.state is not None:
-            self._finished.append(event.result.state)
+            self._finished.add(event.result.state)
         if isinstance(event, Failed):
             log.warning("medusa: a request failed and ends with the error: %s", event.error)
             event = Failed(MedusaError(f"decoding failed: {event.error}"))

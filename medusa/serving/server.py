@@ -67,7 +67,8 @@ class Server:
 
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_batch: int = 8,
                  max_queue: int = 64, default_max_tokens: int = 256, mode: str | None = None,
-                 max_body: int = MAX_BODY, hosts: tuple[str, ...] | None = None, kv_memory: int | None = None) -> None:
+                 max_body: int = MAX_BODY, hosts: tuple[str, ...] | None = None, kv_memory: int | None = None,
+                 prefix_memory: int | None = None) -> None:
         if engine.tokenizer is None:
             raise MedusaError("the server needs the engine's tokenizer: load it with medusa.load")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
@@ -77,7 +78,7 @@ class Server:
         self.hosts = hosts
         self.metrics = Metrics(model_name)
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics,
-                                   kv_memory=kv_memory)
+                                   kv_memory=kv_memory, prefix_memory=prefix_memory)
         self.vocab = engine.model.get_input_embeddings().num_embeddings
         self.created = int(time.time())
 
