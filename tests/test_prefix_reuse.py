@@ -125,3 +125,33 @@ def kv_bytes(eng) -> int:
     from medusa.serving.scheduler import kv_bytes_per_token
 
     return kv_bytes_per_token(eng.model)
+
+
+def test_a_prompt_past_a_shared_prefix_by_a_few_tokens_runs_them_in_the_decoding_pass():
+    import medusa.serving.scheduler as scheduling
+
+    model, eng = _engine()
+    shared = list(range(10, 40))
+    b = shared + [9, 8]
+    alone = Engine(model, plan=Plan(kernels="gemv")).generate(b, max_new_tokens=10, mode="baseline")
+    for fuse_rows, fused in ((scheduling.FUSED_ROWS, True), (0, False)):
+        sched = Scheduler(eng, max_batch=2).start()
+        passes = []
+        step = sched._batch.step
+        sched._batch.step = lambda caps=None, fuse=False: passes.append(fuse) or step(caps, fuse)
+        scheduling.FUSED_ROWS, saved = fuse_rows, scheduling.FUSED_ROWS
+        try:
+            sched.submit(shared + [5, 6, 7], max_new_tokens=4, mode="baseline").wait()
+            long = sched.submit(list(range(50, 90)), max_new_tokens=40, mode="baseline", ignore_eos=True)
+            next(iter(long))  # running: the next prompt's prefill can share its pass
+            second = sched.submit(b, max_new_tokens=10, mode="baseline").wait()
+            long.wait()
+        finally:
+            scheduling.FUSED_ROWS = saved
+            sched.close(timeout=60)
+        assert any(passes) == fused
+        assert second.stats.prefill_tokens == len(b) - len(shared)
+        assert second.tokens == alone.tokens == hf_greedy(model, b, 10)[:len(alone.tokens)]
+        for copied, computed in zip(second.state.cache.layers, alone.state.cache.layers):
+            assert torch.equal(copied.keys[..., :len(b), :], computed.keys[..., :len(b), :])
+            assert torch.equal(copied.values[..., :len(b), :], computed.values[..., :len(b), :])

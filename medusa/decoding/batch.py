@@ -28,7 +28,7 @@ from medusa.decoding.generation import Done, Event, Failed, Tokens
 from medusa.decoding.passes.strategies import PassStrategy
 from medusa.decoding.request import Status
 from medusa.decoding.run import Decoding, accept
-from medusa.decoding.state import Proposal, StepOutcome
+from medusa.decoding.state import Proposal
 from medusa.runtime import hf as kv
 
 log = logging.getLogger("medusa.decoding")
@@ -51,6 +51,7 @@ class StepReport:
     kept: list[int] = field(default_factory=list)
     emitted: int = 0
     runs: list[Decoding] = field(default_factory=list)  # the verified sequences, as drafted and kept
+    prefilled: Decoding | None = None  # a sequence whose prefill ran in this step's pass (fuse)
 
 
 class Batch:
@@ -94,14 +95,22 @@ class Batch:
         self.running.append(run)
         return run, [(run, Tokens(first))] if first else []
 
+    def fusable(self, rows: int) -> bool:
+        """Whether the first waiting prompt's prefill may run in the next step's pass, as at most
+        ``rows`` rows beside the running sequences' (:meth:`Decoding.fusable`)."""
+        return bool(self.running and self.prefilling) and self.prefilling[0][0].fusable(rows)
+
     @torch.inference_mode()
-    def step(self, caps: Caps | None = None) -> StepReport:
+    def step(self, caps: Caps | None = None, fuse: bool = False) -> StepReport:
         """Propose, verify in one packed pass, accept: one step of every running sequence.
         ``caps``: the policy giving each its rows (None: each drafts its whole proposal, as alone);
-        a request's own ``max_draft`` caps it further."""
+        a request's own ``max_draft`` caps it further. ``fuse`` (where :meth:`fusable`): the first
+        waiting prompt's last rows run in the same pass, the very rows its own prefill would run,
+        and it joins the running sequences with its first token."""
         running = list(self.running)
         report = StepReport(batch=len(running))
         t0 = time.perf_counter()
+        fused = self._fused_prefill(report) if fuse else None
         wanted = caps(running) if caps is not None else [None] * len(running)
         live: list[Decoding] = []
         proposals: list[Proposal] = []
@@ -119,16 +128,21 @@ class Batch:
             live.append(run)
             proposals.append(proposal)
         report.live = len(live)
-        if live:
+        items = [(run.state.cache, run.state.length, p) for run, p in zip(live, proposals)]
+        if fused is not None:
+            items.append(fused[1:])
+        if items:
             t1 = time.perf_counter()
-            outcomes = self._verify(live, proposals)
-            share = (time.perf_counter() - t1) / len(live)
-            for run, proposal, outcome in zip(live, proposals, outcomes):
+            verified = self._verify(items, [run.least for run in live] + [1])
+            share = (time.perf_counter() - t1) / len(items)
+            if fused is not None:
+                self._fused_done(fused[0], verified.pop(), share, report)
+            for run, proposal, outcome in zip(live, proposals, verified):
                 run.stats.verify_seconds += share
                 try:
                     if isinstance(outcome, BaseException):
                         raise outcome
-                    chunk, drafted = run.advance(outcome)
+                    chunk, drafted = run.advance(accept(run.state, proposal, *outcome))
                 except Exception as exc:  # noqa: BLE001 - this request's own pass or update: it fails alone
                     self.running.remove(run)
                     report.events.append((run, _failed(run, exc)))
@@ -142,35 +156,57 @@ class Batch:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _verify(self, live: list[Decoding], proposals: list[Proposal]) -> list[StepOutcome | Exception]:
-        """Each sequence's proposal verified and accepted (or the error its own pass raised): in
-        one packed pass per group of at most :attr:`max_rows` rows; static caches one by one."""
-        out: list[StepOutcome | Exception | None] = [None] * len(live)
-        for group in self._groups(proposals):
-            pack = [i for i in group if self.passes.packs and not kv.is_static(live[i].state.cache)]
+    def _verify(self, items: list[tuple[object, int, Proposal]], least: list[int]) -> list[tuple | Exception]:
+        """Each ``(cache, start, proposal)`` verified: the pass's outputs for it (or the error its own
+        pass raised), in one packed pass per group of at most :attr:`max_rows` rows; static caches
+        one by one (``least``: each one's smallest pass)."""
+        out: list[tuple | Exception | None] = [None] * len(items)
+        for group in self._groups([p for _, _, p in items]):
+            pack = [i for i in group if self.passes.packs and not kv.is_static(items[i][0])]
             if len(pack) > 1:
-                items = [(live[i].state.cache, live[i].state.length, proposals[i]) for i in pack]
                 try:
-                    verified = self.passes.verify_many(items)
+                    verified = self.passes.verify_many([items[i] for i in pack])
                 except Exception as exc:  # noqa: BLE001 - undone; each sequence then verifies alone
                     log.warning("medusa: a packed pass of %d sequences failed (%s); they verify one by one",
                                 len(pack), exc)
                     for i in pack:
-                        kv.crop(live[i].state.cache, live[i].state.length)
+                        kv.crop(items[i][0], items[i][1])
                 else:
                     for i, v in zip(pack, verified):
-                        out[i] = _accepted(live[i], proposals[i], v)
+                        out[i] = v
             for i in group:
                 if out[i] is None:
-                    run = live[i]
+                    cache, start, proposal = items[i]
                     try:
-                        v = self.passes.verify(run.state.cache, run.state.length, proposals[i], run.least)
+                        out[i] = self.passes.verify(cache, start, proposal, least[i])
                     except Exception as exc:  # noqa: BLE001 - this request's own pass: it fails alone
-                        kv.crop(run.state.cache, run.state.length)
+                        kv.crop(cache, start)
                         out[i] = exc
-                        continue
-                    out[i] = _accepted(run, proposals[i], v)
         return out
+
+    def _fused_prefill(self, report: StepReport) -> tuple[Decoding, object, int, Proposal] | None:
+        """The first waiting prompt's rows for this step's pass (:meth:`Decoding.fused_prefill`)."""
+        run, _ = self.prefilling.pop(0)
+        try:
+            return (run, *run.fused_prefill())
+        except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+            report.events.append((run, _failed(run, exc)))
+            return None
+
+    def _fused_done(self, run: Decoding, verified, seconds: float, report: StepReport) -> None:
+        """The fused prefill's outputs: its state and first token; it runs from the next step."""
+        try:
+            if isinstance(verified, BaseException):
+                raise verified
+            first = run.fused_done(*verified[:2])
+        except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+            report.events.append((run, _failed(run, exc)))
+            return
+        run.stats.verify_seconds += seconds
+        self.running.append(run)
+        report.prefilled = run
+        if first:
+            report.events.append((run, Tokens(first)))
 
     def _groups(self, proposals: list[Proposal]) -> list[list[int]]:
         """The passes a step runs: all sequences in one, or as many as :attr:`max_rows` (the
@@ -187,13 +223,6 @@ class Batch:
             groups[-1].append(i)
             rows += n
         return groups
-
-
-def _accepted(run: Decoding, proposal: Proposal, verified) -> StepOutcome | Exception:
-    try:
-        return accept(run.state, proposal, *verified)
-    except Exception as exc:  # noqa: BLE001 - this request's own acceptance: it fails alone
-        return exc
 
 
 def _failed(run: Decoding, exc: Exception) -> Failed:

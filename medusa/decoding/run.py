@@ -19,9 +19,11 @@ from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.request import Request, Status
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import compile_tree
+from medusa.decoding.tree import TreeBuffers, chain_tree, compile_tree
 from medusa.decoding.verify import Accepted, verify
 from medusa.runtime import hf as kv
+
+_CHAINS: dict[str, dict[int, TreeBuffers]] = {}  # chain trees of fused prefills, per device
 
 
 @torch.inference_mode()
@@ -33,19 +35,7 @@ def prefill_chunks(passes: PassStrategy, chunk: int | None, ids: list[int], stat
     state. Alone and in a batch a prompt is cut at the same places, so its cache holds the same
     values. ``penalties``: the request's adjustments, applied to the first token's choice and
     kept in the state for the steps'."""
-    cache, start, share = None, 0, CacheShare()
-    if state is not None and kv.is_static(state.cache) == passes.static:
-        cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
-        start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-        start = min(start, len(ids) - 1)  # the last prompt token must be run for its logits
-        if state.share is not None and state.share.owned_by(state):
-            cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
-            # every holder trusts only the common prefix from now on, before the cache is
-            # touched: a prefill that fails (Ctrl-C, out of memory) leaves them consistent
-            share.narrow(start)
-            kv.crop(cache, start)
-        else:  # its cache was taken by another generation since: branch off a copy
-            cache = kv.copy_prefix(state.cache, start, passes.model)
+    cache, start, share = prefill_start(passes, ids, state)
     if cache is None:
         cache = passes.new_cache()
     stats.prefill_tokens = len(ids) - start
@@ -58,12 +48,49 @@ def prefill_chunks(passes: PassStrategy, chunk: int | None, ids: list[int], stat
         logits, hidden = passes.prefill(cache, new, at, max_new_tokens)
         hiddens.append(hidden)
     hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)  # [n, H]
+    return prefilled_state(passes, ids, (cache, start, share), logits[-1], hidden, sampling, penalties, state)
+
+
+def shared_start(ids: list[int], state: DecodeState | None, static: bool) -> int:
+    """How many leading tokens of ``ids`` a prefill after ``state`` (a prior turn's or a shared
+    prefix's) finds in its cache: all but the last at most, which must run for its logits."""
+    if state is None or kv.is_static(state.cache) != static:
+        return 0
+    cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
+    start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+    return min(start, len(ids) - 1)
+
+
+def prefill_start(passes: PassStrategy, ids: list[int], state: DecodeState | None) -> tuple[object, int, CacheShare]:
+    """Where a prefill of ``ids`` after ``state`` starts: ``(cache, start, share)``, the cache
+    holding the shared ``start`` positions (None: a new one is needed) and who holds it."""
+    cache, share = None, CacheShare()
+    start = shared_start(ids, state, passes.static)
+    if state is not None and kv.is_static(state.cache) == passes.static:
+        if state.share is not None and state.share.owned_by(state):
+            cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
+            # every holder trusts only the common prefix from now on, before the cache is
+            # touched: a prefill that fails (Ctrl-C, out of memory) leaves them consistent
+            share.narrow(start)
+            kv.crop(cache, start)
+        else:  # its cache was taken by another generation since: branch off a copy
+            cache = kv.copy_prefix(state.cache, start, passes.model)
+    return cache, start, share
+
+
+def prefilled_state(passes: PassStrategy, ids: list[int], where: tuple[object, int, CacheShare], last: torch.Tensor,
+                    hidden: torch.Tensor, sampling: SamplingConfig, penalties: Penalties | None,
+                    prior: DecodeState | None) -> DecodeState:
+    """The state after the prompt ``ids`` ran into ``where`` (:func:`prefill_start`'s): ``last``
+    ``[V]`` the last row's logits, ``hidden`` ``[n, H]`` the rows the prefill ran; the first token
+    chosen by ``sampling`` (after ``penalties``)."""
+    cache, start, share = where
     generator = sampling.generator(passes.device)
-    scored = logits[-1] if penalties is None else penalties.apply(logits[-1:], [])[0]
+    scored = last if penalties is None else penalties.apply(last[None], [])[0]
     root = next_token(scored, sampling, generator)
     new_state = DecodeState(cache=cache, tokens=list(ids), length=len(ids), root=root, hidden=hidden[-1],
-                            logits=logits[-1], sampling=sampling, generator=generator, prefill_hidden=hidden,
-                            share=share, carry={} if state is None else dict(state.carry), penalties=penalties,
+                            logits=last, sampling=sampling, generator=generator, prefill_hidden=hidden,
+                            share=share, carry={} if prior is None else dict(prior.carry), penalties=penalties,
                             prompt_length=len(ids))
     share.take(new_state, start)
     return new_state
@@ -91,6 +118,7 @@ class Decoding:
         self.emitted: list[int] = []
         self.reason: str | None = None
         self.state: DecodeState | None = None
+        self._fused: tuple[object, int, CacheShare] | None = None  # a prefill running in a decoding pass
         # draft without a costly drafter's levels (a batch's choice: medusa/serving/drafting.py)
         self.lean = False
         self.least = min(proposer.min_rows, max_rows or PASS_BUCKETS[-1])
@@ -123,6 +151,38 @@ class Decoding:
         self.status = Status.PREFILLING
         self.state = yield from prefill_chunks(self.passes, self.prefill_chunk, self.ids, self.prior, self.stats,
                                                self.sampling, self.max_new_tokens, self.penalties)
+
+    def fusable(self, rows: int) -> bool:
+        """Whether this sequence's prefill, not begun, may run as at most ``rows`` rows of a decoding
+        pass (:meth:`Batch.step <medusa.decoding.batch.Batch.step>`): a request reading argmaxes only,
+        on passes that compute a prompt's rows as decoding rows (one C call each), whose prompt but
+        its last few tokens is a shared prefix already in a cache (``prior``)."""
+        if self.status is not Status.WAITING or not self.argmax or not self.passes.whole_calls:
+            return False
+        start = shared_start(self.ids, self.prior, self.passes.static)
+        return start > 0 and len(self.ids) - start <= rows
+
+    def fused_prefill(self) -> tuple[object, int, Proposal]:
+        """The prompt's rows past its shared prefix as a chain a decoding pass runs: ``(cache,
+        start, proposal)``; :meth:`fused_done` takes that pass's outputs."""
+        self.status = Status.PREFILLING
+        cache, start, share = prefill_start(self.passes, self.ids, self.prior)
+        self._fused = (cache, start, share)
+        self.stats.prefill_tokens = len(self.ids) - start
+        device = self.passes.device
+        tree = chain_tree(_CHAINS.setdefault(str(device), {}), len(self.ids) - start - 1, device)
+        return cache, start, Proposal(tree=tree, tokens=torch.tensor(self.ids[start:], device=device),
+                                      is_chain=True, argmax=True)
+
+    def fused_done(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
+        """After the pass that ran :meth:`fused_prefill`'s rows (their ``logits`` ``[n, V]`` and
+        ``hidden`` ``[n, H]``): the state, as :meth:`prefill` leaves it, and the first token's chunk."""
+        where, self._fused = self._fused, None
+        self.state = prefilled_state(self.passes, self.ids, where, logits[-1], hidden, self.sampling, self.penalties,
+                                     self.prior)
+        first = self.first_chunk()
+        self.begin()
+        return first
 
     def first_chunk(self) -> list[int]:
         """After the prefill: the first token, cut by EOS or the length limit."""

@@ -8,7 +8,8 @@ alone touches the engine. Each turn of its loop
    memory budget (each request counted at its prompt plus ``max_new_tokens``; the caches are slots
    of one KV store, :func:`kv_store`), and prefills one of them (a long
    prompt in the engine's chunks, ``Engine.prefill_chunk`` tokens, one a turn, so running streams
-   keep going);
+   keep going; a greedy prompt that is a finished request's prefix but for a few tokens,
+   :data:`FUSED_ROWS` at most, runs them as rows of step 2's pass instead of a pass of its own);
 2. runs one step of every running sequence, the engine's only step (:class:`~medusa.decoding.batch.Batch`:
    proposals, one packed verification pass, acceptance), with this module's policy for the rows
    each may draft: the turn's row budget shared between them (:mod:`medusa.serving.budget`: trees
@@ -53,6 +54,7 @@ log = logging.getLogger("medusa.serving")
 STORE_MARGIN = 256  # positions a KV store slot holds past the context window: a step's draft rows
 MIN_SHARED = 8  # tokens a prompt shares with a finished one at least for its prefill to start after them
 PREFIX_MEMORY = 256 << 20  # bytes of finished requests' keys and values kept for later prompts (at most)
+FUSED_ROWS = 8  # prompt tokens past a shared prefix that run in a decoding step's pass, not a pass of their own
 
 
 class Overloaded(MedusaError):
@@ -274,16 +276,15 @@ class Scheduler:
                 if self._finish_if_cancelled(self._streams[run]):
                     batch.remove(run)
                     del self._streams[run]
-            prefilled, events = batch.prefill()
-            if prefilled is not None and self.metrics is not None:
-                stats = prefilled.stats
-                self.metrics.first_token(time.perf_counter() - self._streams[prefilled].submitted,
-                                         stats.prefill_seconds, stats.prefill_tokens, len(prefilled.emitted))
+            fuse = batch.fusable(FUSED_ROWS)  # its few rows ride in the step's pass
+            prefilled, events = (None, []) if fuse else batch.prefill()
+            self._first_token(prefilled)
             self._emit(events)
             if not batch.running:
                 return
             before = {run: run.stats.draft_seconds for run in batch.running}
-            report = batch.step(self._caps)
+            report = batch.step(self._caps, fuse=fuse)
+            self._first_token(report.prefilled)
             self._observe(report, before)
             self._emit(report.events)
             if not report.live:
@@ -294,6 +295,12 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.step_done(report.live, report.seconds, report.drafted, report.kept, report.emitted,
                                        drafting)
+
+    def _first_token(self, run: Decoding | None) -> None:
+        if run is not None and self.metrics is not None:
+            stats = run.stats
+            self.metrics.first_token(time.perf_counter() - self._streams[run].submitted, stats.prefill_seconds,
+                                     stats.prefill_tokens, len(run.emitted))
 
     def _emit(self, events) -> None:
         """Hand each ``(sequence, event)`` to its stream; a last event ends the request."""
