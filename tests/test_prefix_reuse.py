@@ -138,7 +138,7 @@ def test_a_prompt_past_a_shared_prefix_by_a_few_tokens_runs_them_in_the_decoding
         sched = Scheduler(eng, max_batch=2).start()
         passes = []
         step = sched._batch.step
-        sched._batch.step = lambda caps=None, fuse=False: passes.append(fuse) or step(caps, fuse)
+        sched._batch.step = lambda caps=None, fuse=False, seen=passes, step=step: seen.append(fuse) or step(caps, fuse)
         scheduling.FUSED_ROWS, saved = fuse_rows, scheduling.FUSED_ROWS
         try:
             sched.submit(shared + [5, 6, 7], max_new_tokens=4, mode="baseline").wait()
