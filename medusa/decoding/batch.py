@@ -27,7 +27,7 @@ import torch
 from medusa.decoding.generation import Done, Event, Failed, Tokens
 from medusa.decoding.passes.strategies import PassStrategy
 from medusa.decoding.request import Status
-from medusa.decoding.run import Decoding, accept
+from medusa.decoding.run import Decoding, accept, accept_chains, greedy_chain
 from medusa.decoding.state import Proposal
 from medusa.runtime import hf as kv
 
@@ -137,12 +137,15 @@ class Batch:
             share = (time.perf_counter() - t1) / len(items)
             if fused is not None:
                 self._fused_done(fused[0], verified.pop(), share, report)
-            for run, proposal, outcome in zip(live, proposals, verified):
+            outcomes = _accepted_chains(live, proposals, verified)
+            for run, proposal, outcome in zip(live, proposals, outcomes):
                 run.stats.verify_seconds += share
                 try:
                     if isinstance(outcome, BaseException):
                         raise outcome
-                    chunk, drafted = run.advance(accept(run.state, proposal, *outcome))
+                    if isinstance(outcome, tuple):
+                        outcome = accept(run.state, proposal, *outcome)
+                    chunk, drafted = run.advance(outcome)
                 except Exception as exc:  # noqa: BLE001 - this request's own pass or update: it fails alone
                     self.running.remove(run)
                     report.events.append((run, _failed(run, exc)))
@@ -223,6 +226,24 @@ class Batch:
             groups[-1].append(i)
             rows += n
         return groups
+
+
+def _accepted_chains(live: list[Decoding], proposals: list[Proposal], verified: list) -> list:
+    """``verified`` with the greedy chains among them accepted at once (:func:`accept_chains`: one
+    host sync for all); the others are left as they are, for :func:`accept` one by one (and for
+    all, should accepting them at once raise)."""
+    chains = [i for i, (run, p, v) in enumerate(zip(live, proposals, verified))
+              if not isinstance(v, BaseException) and greedy_chain(run.state, p)]
+    if len(chains) < 2:
+        return verified
+    try:
+        accepted = accept_chains([(live[i].state, proposals[i], verified[i]) for i in chains])
+    except Exception:  # noqa: BLE001 - accepted one by one instead, each failure its own request's
+        return verified
+    out = list(verified)
+    for i, outcome in zip(chains, accepted):
+        out[i] = outcome
+    return out
 
 
 def _failed(run: Decoding, exc: Exception) -> Failed:

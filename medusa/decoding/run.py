@@ -315,6 +315,38 @@ def accept(state: DecodeState, proposal: Proposal, logits: torch.Tensor, hidden:
     return StepOutcome(nodes=nodes, tokens=new_tokens, hidden=hidden, start=start, side_logits=side, logits=logits)
 
 
+def greedy_chain(state: DecodeState, proposal: Proposal) -> bool:
+    """Whether :func:`accept_chains` accepts ``proposal``: one chain, the plain greedy rule."""
+    return (state.sampling.greedy and state.sampling.acceptance != "typical" and state.penalties is None
+            and proposal.side is None and proposal.tree.leaves.shape[0] == 1)
+
+
+def accept_chains(steps: list[tuple[DecodeState, Proposal, tuple]]) -> list[StepOutcome]:
+    """:func:`accept` of several sequences' greedy chains (:func:`greedy_chain`) with one host sync
+    for all: each ``(state, proposal, (logits, hidden, side))``. A chain keeps its leading tokens
+    that equal the target's argmax after their parent, then adds the argmax after the last kept:
+    what :func:`~medusa.decoding.verify.verify_greedy` finds on a tree of one path."""
+    preds = [logits.argmax(dim=-1) for _, _, (logits, _, _) in steps]  # [n] each
+    flat = torch.cat(preds + [proposal.tokens for _, proposal, _ in steps]).tolist()
+    at, tokens_at, out = 0, sum(p.shape[0] for p in preds), []
+    for (state, _, (logits, hidden, side)), pred in zip(steps, preds):
+        n = pred.shape[0]
+        argmax, tokens = flat[at:at + n], flat[tokens_at:tokens_at + n]
+        at, tokens_at = at + n, tokens_at + n
+        m = 0
+        while m + 1 < n and tokens[m + 1] == argmax[m]:
+            m += 1
+        start = state.length
+        kv.crop(state.cache, start + m + 1)
+        new_tokens = tokens[1:m + 1] + [argmax[m]]
+        state.length = start + m + 1
+        state.tokens.extend(new_tokens)
+        state.root, state.hidden, state.logits = pred[m], hidden[m], logits[m]
+        out.append(StepOutcome(nodes=list(range(m + 1)), tokens=new_tokens, hidden=hidden, start=start,
+                               side_logits=side, logits=logits))
+    return out
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """An emitted token's log-probability under the target, and the ``top`` likeliest tokens at
