@@ -51,31 +51,35 @@ def prefill_chunks(passes: PassStrategy, chunk: int | None, ids: list[int], stat
     return prefilled_state(passes, ids, (cache, start, share), logits[-1], hidden, sampling, penalties, state)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def shared_start(ids: list[int], state: DecodeState | None, static: bool) -> int:
     """How many leading tokens of ``ids`` a prefill after ``state`` (a prior turn's or a shared
     prefix's) finds in its cache: all but the last at most, which must run for its logits."""
     if state is None or kv.is_static(state.cache) != static:
         return 0
     cached = state.tokens[: min(state.valid, state.length)]  # what the cache still holds for it
-    start = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-    return min(start, len(ids) - 1)
+    return min(common_prefix(cached, ids), len(ids) - 1)
 
 
 def prefill_start(passes: PassStrategy, ids: list[int], state: DecodeState | None) -> tuple[object, int, CacheShare]:
     """Where a prefill of ``ids`` after ``state`` starts: ``(cache, start, share)``, the cache
     holding the shared ``start`` positions (None: a new one is needed) and who holds it."""
-    cache, share = None, CacheShare()
+    if state is None or kv.is_static(state.cache) != passes.static:
+        return None, 0, CacheShare()
     start = shared_start(ids, state, passes.static)
-    if state is not None and kv.is_static(state.cache) == passes.static:
-        if state.share is not None and state.share.owned_by(state):
-            cache, share = state.cache, state.share  # continue in place (a chat's next turn): no copy
-            # every holder trusts only the common prefix from now on, before the cache is
-            # touched: a prefill that fails (Ctrl-C, out of memory) leaves them consistent
-            share.narrow(start)
-            kv.crop(cache, start)
-        else:  # its cache was taken by another generation since: branch off a copy
-            cache = kv.copy_prefix(state.cache, start, passes.model)
-    return cache, start, share
+    if state.share is not None and state.share.owned_by(state):
+        # continue in place (a chat's next turn): no copy. Every holder trusts only the common
+        # prefix from now on, before the cache is touched: a prefill that fails (Ctrl-C, out of
+        # memory) leaves them consistent
+        state.share.narrow(start)
+        kv.crop(state.cache, start)
+        return state.cache, start, state.share
+    # its cache was taken by another generation since: branch off a copy
+    return kv.copy_prefix(state.cache, start, passes.model), start, CacheShare()
 
 
 def prefilled_state(passes: PassStrategy, ids: list[int], where: tuple[object, int, CacheShare], last: torch.Tensor,

@@ -21,13 +21,9 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
+from medusa.decoding.run import common_prefix
 from medusa.decoding.state import DecodeState
 from medusa.runtime import hf as kv
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def compact(cache: Cache, length: int) -> Cache:
