@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "values, copied into later prompts that begin as they did (a conversation's history, a "
                    "system prompt) instead of prefilling them; 0 keeps none (default: 0.25, or a quarter of "
                    "--kv-memory if less)")
+    p.add_argument("--prefill-rows", type=int, metavar="N", help="rows of a decoding pass a new prompt's prefill "
+                   "shares with the running streams' while they decode: they get theirs, it the rest, a chunk a "
+                   "step; 0: prompts prefill in passes of their own (default: 64)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none, lowered to "
                    "what the context has left after its prompt (default: 256)")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                         mode=args.mode, max_body=args.max_body, hosts=loopback_hosts(args.host, args.port),
                         kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
-                        prefix_memory=None if args.prefix_memory is None else int(args.prefix_memory * 2**30))
+                        prefix_memory=None if args.prefix_memory is None else int(args.prefix_memory * 2**30),
+                        **({} if args.prefill_rows is None else {"prefill_rows": args.prefill_rows}))
     except MedusaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

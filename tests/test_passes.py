@@ -27,10 +27,10 @@ from medusa.decoding.passes.strategies import (
     StaticPasses,
     TracedPasses,
     make_passes,
-    use_exact,
 )
 from medusa.errors import MedusaError
 from medusa.runtime import hf as kv
+from medusa.runtime.exact import use_exact
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 

@@ -128,18 +128,21 @@ def kv_bytes(eng) -> int:
 
 
 def test_a_prompt_past_a_shared_prefix_by_a_few_tokens_runs_them_in_the_decoding_pass():
-    import medusa.serving.scheduler as scheduling
-
     model, eng = _engine()
     shared = list(range(10, 40))
     b = shared + [9, 8]
     alone = Engine(model, plan=Plan(kernels="gemv")).generate(b, max_new_tokens=10, mode="baseline")
-    for fuse_rows, fused in ((scheduling.FUSED_ROWS, True), (0, False)):
-        sched = Scheduler(eng, max_batch=2).start()
+    for rows, fused in ((64, True), (0, False)):
+        sched = Scheduler(eng, max_batch=2, prefill_rows=rows).start()
         passes = []
         step = sched._batch.step
-        sched._batch.step = lambda caps=None, fuse=False, seen=passes, step=step: seen.append(fuse) or step(caps, fuse)
-        scheduling.FUSED_ROWS, saved = fuse_rows, scheduling.FUSED_ROWS
+
+        def watched(caps=None, prefill=None, seen=passes, step=step):
+            report = step(caps, prefill)
+            seen.append(report.chunk)
+            return report
+
+        sched._batch.step = watched
         try:
             sched.submit(shared + [5, 6, 7], max_new_tokens=4, mode="baseline").wait()
             long = sched.submit(list(range(50, 90)), max_new_tokens=40, mode="baseline", ignore_eos=True)
@@ -147,9 +150,8 @@ def test_a_prompt_past_a_shared_prefix_by_a_few_tokens_runs_them_in_the_decoding
             second = sched.submit(b, max_new_tokens=10, mode="baseline").wait()
             long.wait()
         finally:
-            scheduling.FUSED_ROWS = saved
             sched.close(timeout=60)
-        assert any(passes) == fused
+        assert (len(b) - len(shared) in passes) == fused  # its two rows in one decoding pass
         assert second.stats.prefill_tokens == len(b) - len(shared)
         assert second.tokens == alone.tokens == hf_greedy(model, b, 10)[:len(alone.tokens)]
         for copied, computed in zip(second.state.cache.layers, alone.state.cache.layers):

@@ -34,12 +34,12 @@ from medusa.autotune.sizing import (
     sizable,
     sizes_from,
 )
-from medusa.decoding.passes.strategies import kernel_scope, pass_rows
+from medusa.decoding.passes.strategies import kernel_scope
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
 from medusa.models.kinds import kind
 from medusa.runtime import gemv
-from medusa.runtime.exact import set_exact
+from medusa.runtime.exact import pass_rows, set_exact
 from medusa.runtime.kernels import PackedLinears, kernels_key, onednn_available
 
 AUTOTUNE = (True, False, "cached")

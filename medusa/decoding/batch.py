@@ -30,11 +30,13 @@ from medusa.decoding.request import Status
 from medusa.decoding.run import Decoding, accept, accept_chains, greedy_chain
 from medusa.decoding.state import Proposal
 from medusa.runtime import hf as kv
+from medusa.runtime import packed
 
 log = logging.getLogger("medusa.decoding")
 
 # a policy: each running sequence's row cap this step (None: its whole proposal; 1: no draft)
 Caps = Callable[[list[Decoding]], list[int | None]]
+PREFILL_FLOOR = 16  # rows a step gives a prompt's prefill at least, whatever the proposals take
 
 
 @dataclass
@@ -51,7 +53,8 @@ class StepReport:
     kept: list[int] = field(default_factory=list)
     emitted: int = 0
     runs: list[Decoding] = field(default_factory=list)  # the verified sequences, as drafted and kept
-    prefilled: Decoding | None = None  # a sequence whose prefill ran in this step's pass (fuse)
+    prefilled: Decoding | None = None  # a sequence whose prefill ended in this step's pass
+    chunk: int = 0  # a waiting prompt's rows this step's pass ran
 
 
 class Batch:
@@ -74,6 +77,7 @@ class Batch:
     def remove(self, run: Decoding) -> None:
         """Drop ``run``, wherever it is (its caller ends it)."""
         self.prefilling = [(r, c) for r, c in self.prefilling if r is not run]
+        run.drop_prefill()
         if run in self.running:
             self.running.remove(run)
 
@@ -95,22 +99,25 @@ class Batch:
         self.running.append(run)
         return run, [(run, Tokens(first))] if first else []
 
-    def fusable(self, rows: int) -> bool:
-        """Whether the first waiting prompt's prefill may run in the next step's pass, as at most
-        ``rows`` rows beside the running sequences' (:meth:`Decoding.fusable`)."""
-        return bool(self.running and self.prefilling) and self.prefilling[0][0].fusable(rows)
+    def fusable(self) -> bool:
+        """Whether the first waiting prompt's prefill may run in the next steps' passes beside the
+        running sequences' rows (:meth:`Decoding.fusable`; it goes on so once begun)."""
+        if not self.prefilling or self.max_rows is not None:
+            return False
+        run = self.prefilling[0][0]
+        return run.fusable() and (bool(self.running) or run.status is Status.PREFILLING)
 
     @torch.inference_mode()
-    def step(self, caps: Caps | None = None, fuse: bool = False) -> StepReport:
+    def step(self, caps: Caps | None = None, prefill: int | None = None) -> StepReport:
         """Propose, verify in one packed pass, accept: one step of every running sequence.
         ``caps``: the policy giving each its rows (None: each drafts its whole proposal, as alone);
-        a request's own ``max_draft`` caps it further. ``fuse`` (where :meth:`fusable`): the first
-        waiting prompt's last rows run in the same pass, the very rows its own prefill would run,
-        and it joins the running sequences with its first token."""
+        a request's own ``max_draft`` caps it further. ``prefill`` (where :meth:`fusable`): the
+        pass's rows, of which the first waiting prompt's next chunk gets what the proposals leave
+        (:data:`PREFILL_FLOOR` at least), the very rows its own prefill would run; after its last
+        chunk it joins the running sequences with its first token."""
         running = list(self.running)
         report = StepReport(batch=len(running))
         t0 = time.perf_counter()
-        fused = self._fused_prefill(report) if fuse else None
         wanted = caps(running) if caps is not None else [None] * len(running)
         live: list[Decoding] = []
         proposals: list[Proposal] = []
@@ -129,13 +136,13 @@ class Batch:
             proposals.append(proposal)
         report.live = len(live)
         items = [(run.state.cache, run.state.length, p) for run, p in zip(live, proposals)]
-        if fused is not None:
-            items.append(fused[1:])
-        if items:
+        fused = None if prefill is None else self._fused_prefill(report, prefill - sum(map(_rows, proposals)))
+        if items or fused is not None:
             t1 = time.perf_counter()
-            verified = self._verify(items, [run.least for run in live] + [1])
-            share = (time.perf_counter() - t1) / len(items)
+            verified = self._verify(items, [run.least for run in live], None if fused is None else fused[1])
+            share = (time.perf_counter() - t1) / (len(items) + (fused is not None))
             if fused is not None:
+                report.chunk = fused[1].ids.shape[0]
                 self._fused_done(fused[0], verified.pop(), share, report)
             outcomes = _accepted_chains(live, proposals, verified)
             for run, proposal, outcome in zip(live, proposals, outcomes):
@@ -159,22 +166,31 @@ class Batch:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _verify(self, items: list[tuple[object, int, Proposal]], least: list[int]) -> list[tuple | Exception]:
+    def _verify(self, items: list[tuple[object, int, Proposal]], least: list[int],
+                chunk: packed.Chunk | None = None) -> list[tuple | Exception]:
         """Each ``(cache, start, proposal)`` verified: the pass's outputs for it (or the error its own
         pass raised), in one packed pass per group of at most :attr:`max_rows` rows; static caches
-        one by one (``least``: each one's smallest pass)."""
+        one by one (``least``: each one's smallest pass). ``chunk``: a prompt's rows in the same
+        pass (no row cap then); its outputs, or its error, come last."""
         out: list[tuple | Exception | None] = [None] * len(items)
         for group in self._groups([p for _, _, p in items]):
             pack = [i for i in group if self.passes.packs and not kv.is_static(items[i][0])]
-            if len(pack) > 1:
+            if len(pack) > 1 or (chunk is not None and pack):
                 try:
-                    verified = self.passes.verify_many([items[i] for i in pack])
+                    these = [items[i] for i in pack]
+                    verified = (self.passes.verify_many(these) if chunk is None
+                                else self.passes.verify_many(these, chunk))
                 except Exception as exc:  # noqa: BLE001 - undone; each sequence then verifies alone
                     log.warning("medusa: a packed pass of %d sequences failed (%s); they verify one by one",
                                 len(pack), exc)
                     for i in pack:
                         kv.crop(items[i][0], items[i][1])
+                    if chunk is not None:
+                        kv.crop(chunk.cache, chunk.start)
                 else:
+                    if chunk is not None:
+                        out.append(verified.pop())
+                        chunk = None
                     for i, v in zip(pack, verified):
                         out[i] = v
             for i in group:
@@ -185,27 +201,42 @@ class Batch:
                     except Exception as exc:  # noqa: BLE001 - this request's own pass: it fails alone
                         kv.crop(cache, start)
                         out[i] = exc
+        if chunk is not None:  # alone: the prompt's own prefill pass over the same rows
+            try:
+                logits, hidden = self.passes.prefill(chunk.cache, chunk.ids[None], chunk.start, 1)
+                out.append((logits if chunk.last else None, hidden))
+            except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+                out.append(exc)
         return out
 
-    def _fused_prefill(self, report: StepReport) -> tuple[Decoding, object, int, Proposal] | None:
-        """The first waiting prompt's rows for this step's pass (:meth:`Decoding.fused_prefill`)."""
-        run, _ = self.prefilling.pop(0)
+    def _fused_prefill(self, report: StepReport, rows: int) -> tuple[Decoding, packed.Chunk] | None:
+        """The first waiting prompt's next rows for this step's pass, ``rows`` (at least
+        :data:`PREFILL_FLOOR`; :meth:`Decoding.fused_prefill`)."""
+        if not self.fusable():
+            return None
+        run = self.prefilling[0][0]
         try:
-            return (run, *run.fused_prefill())
+            return run, run.fused_prefill(max(rows, PREFILL_FLOOR))
         except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+            self.remove(run)
             report.events.append((run, _failed(run, exc)))
             return None
 
     def _fused_done(self, run: Decoding, verified, seconds: float, report: StepReport) -> None:
-        """The fused prefill's outputs: its state and first token; it runs from the next step."""
+        """A chunk's outputs; after the prompt's last, its state and first token: it runs from the
+        next step."""
+        run.stats.verify_seconds += seconds
         try:
             if isinstance(verified, BaseException):
                 raise verified
-            first = run.fused_done(*verified[:2])
+            first = run.fused_done(*verified)
         except Exception as exc:  # noqa: BLE001 - this request's own prefill: it fails alone
+            self.remove(run)
             report.events.append((run, _failed(run, exc)))
             return
-        run.stats.verify_seconds += seconds
+        if first is None:
+            return
+        self.prefilling.pop(0)
         self.running.append(run)
         report.prefilled = run
         if first:
@@ -219,7 +250,7 @@ class Batch:
             return [list(range(len(proposals)))]
         groups, rows = [[]], 0
         for i, p in enumerate(proposals):
-            n = p.tokens.shape[0] + (0 if p.side is None else p.side.tokens.shape[0])
+            n = _rows(p)
             if groups[-1] and rows + n > cap:
                 groups.append([])
                 rows = 0
@@ -244,6 +275,11 @@ def _accepted_chains(live: list[Decoding], proposals: list[Proposal], verified: 
     for i, outcome in zip(chains, accepted):
         out[i] = outcome
     return out
+
+
+def _rows(proposal: Proposal) -> int:
+    """A proposal's rows in a pass: its candidates and side rows."""
+    return proposal.tokens.shape[0] + (0 if proposal.side is None else proposal.side.tokens.shape[0])
 
 
 def _failed(run: Decoding, exc: Exception) -> Failed:

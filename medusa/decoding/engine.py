@@ -23,8 +23,6 @@ from medusa.decoding.passes.strategies import (
     kernel_scope,
     make_passes,
     pass_bucket,
-    pass_rows,
-    use_exact,
 )
 from medusa.decoding.plan import Plan, check_plan, default_mode
 from medusa.decoding.proposers.factory import ProposerConfig, make_proposer
@@ -39,6 +37,7 @@ from medusa.models.kinds import kind, kinds_where
 from medusa.models.target import context_window, eos_token_ids
 from medusa.runtime import hf as kv
 from medusa.runtime import screen
+from medusa.runtime.exact import pass_rows, use_exact
 
 PREFILL_CHUNK = 256
 

@@ -19,11 +19,10 @@ from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.request import Request, Status
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
-from medusa.decoding.tree import TreeBuffers, chain_tree, compile_tree
+from medusa.decoding.tree import compile_tree
 from medusa.decoding.verify import Accepted, verify
 from medusa.runtime import hf as kv
-
-_CHAINS: dict[str, dict[int, TreeBuffers]] = {}  # chain trees of fused prefills, per device
+from medusa.runtime import packed
 
 
 @torch.inference_mode()
@@ -122,7 +121,8 @@ class Decoding:
         self.emitted: list[int] = []
         self.reason: str | None = None
         self.state: DecodeState | None = None
-        self._fused: tuple[object, int, CacheShare] | None = None  # a prefill running in a decoding pass
+        self._fused: tuple[object, int, CacheShare] | None = None  # a prefill running in decoding passes
+        self._at, self._hiddens = 0, []  # where it is, the hidden states of its rows so far
         # draft without a costly drafter's levels (a batch's choice: medusa/serving/drafting.py)
         self.lean = False
         self.least = min(proposer.min_rows, max_rows or PASS_BUCKETS[-1])
@@ -156,37 +156,45 @@ class Decoding:
         self.state = yield from prefill_chunks(self.passes, self.prefill_chunk, self.ids, self.prior, self.stats,
                                                self.sampling, self.max_new_tokens, self.penalties)
 
-    def fusable(self, rows: int) -> bool:
-        """Whether this sequence's prefill, not begun, may run as at most ``rows`` rows of a decoding
-        pass (:meth:`Batch.step <medusa.decoding.batch.Batch.step>`): a request reading argmaxes only,
-        on passes that compute a prompt's rows as decoding rows (one C call each), whose prompt but
-        its last few tokens is a shared prefix already in a cache (``prior``)."""
-        if self.status is not Status.WAITING or not self.argmax or not self.passes.whole_calls:
-            return False
-        start = shared_start(self.ids, self.prior, self.passes.static)
-        return start > 0 and len(self.ids) - start <= rows
+    def fusable(self) -> bool:
+        """Whether this sequence's prefill may run a chunk at a time as rows of decoding passes
+        (:meth:`Batch.step <medusa.decoding.batch.Batch.step>`): on passes that compute a prompt's
+        rows as decoding rows (one C call each), where it has not begun a prefill of its own."""
+        return self.passes.whole_calls and (self.status is Status.WAITING or self._fused is not None)
 
-    def fused_prefill(self) -> tuple[object, int, Proposal]:
-        """The prompt's rows past its shared prefix as a chain a decoding pass runs: ``(cache,
-        start, proposal)``; :meth:`fused_done` takes that pass's outputs."""
-        self.status = Status.PREFILLING
-        cache, start, share = prefill_start(self.passes, self.ids, self.prior)
-        self._fused = (cache, start, share)
-        self.stats.prefill_tokens = len(self.ids) - start
-        device = self.passes.device
-        tree = chain_tree(_CHAINS.setdefault(str(device), {}), len(self.ids) - start - 1, device)
-        return cache, start, Proposal(tree=tree, tokens=torch.tensor(self.ids[start:], device=device),
-                                      is_chain=True, argmax=True)
+    def fused_prefill(self, rows: int) -> packed.Chunk:
+        """The prompt's next rows, at most ``rows``, for a decoding pass (the first past its shared
+        prefix, where it has one); :meth:`fused_done` takes that pass's outputs for them."""
+        if self._fused is None:
+            self.status = Status.PREFILLING
+            cache, start, share = prefill_start(self.passes, self.ids, self.prior)
+            self._fused = (self.passes.new_cache() if cache is None else cache, start, share)
+            self._at, self._hiddens = start, []
+            self.stats.prefill_tokens = len(self.ids) - start
+        at, end = self._at, min(self._at + max(rows, 1), len(self.ids))
+        return packed.Chunk(self._fused[0], at, torch.tensor(self.ids[at:end], device=self.passes.device),
+                            end == len(self.ids))
 
-    def fused_done(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
-        """After the pass that ran :meth:`fused_prefill`'s rows (their ``logits`` ``[n, V]`` and
-        ``hidden`` ``[n, H]``): the state, as :meth:`prefill` leaves it, and the first token's chunk."""
+    def fused_done(self, logits: torch.Tensor | None, hidden: torch.Tensor) -> list[int] | None:
+        """After the pass that ran :meth:`fused_prefill`'s rows (``hidden`` ``[n, H]``; ``logits``
+        ``[1, V]``: the prompt's last row's, once it ran): None while rows are left, then the
+        state, as :meth:`prefill` leaves it, and the first token's chunk."""
+        self._hiddens.append(hidden)
+        self._at += hidden.shape[0]
+        if self._at < len(self.ids):
+            return None
         where, self._fused = self._fused, None
+        hidden = self._hiddens[0] if len(self._hiddens) == 1 else torch.cat(self._hiddens)
+        self._hiddens = []
         self.state = prefilled_state(self.passes, self.ids, where, logits[-1], hidden, self.sampling, self.penalties,
                                      self.prior)
         first = self.first_chunk()
         self.begin()
         return first
+
+    def drop_prefill(self) -> None:
+        """Let go of a prefill begun in decoding passes (its cache, a KV store slot, goes back)."""
+        self._fused, self._hiddens = None, []
 
     def first_chunk(self) -> list[int]:
         """After the prefill: the first token, cut by EOS or the length limit."""

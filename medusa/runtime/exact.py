@@ -48,6 +48,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from medusa.errors import MedusaError
 from medusa.runtime import grouped
 
 NAME = "medusa_exact"
@@ -352,3 +353,35 @@ def set_exact(model: PreTrainedModel, exact: bool) -> None:
 
 def is_exact(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation == NAME
+
+
+def pass_rows(exact: bool, max_rows: int | None) -> int | None:
+    """Rows per verification pass (None: any). Exact attention makes attention row-invariant,
+    but a device's matmul kernels may block differently past some row count, so exact passes
+    verify at most the rows the device's probe found invariant (medusa.load passes the dtype
+    pick's ``invariant_rows``) and never more than exact attention supports; larger proposals
+    keep their first nodes."""
+    if max_rows is not None and max_rows < 1:
+        raise MedusaError(f"max_rows must be at least 1, got {max_rows}")
+    return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
+
+
+def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
+    """Set ``model``'s attention batch-invariant or not and return which (this module:
+    a tree row equals its one-token pass bit for bit). None: on in half precision, where
+    kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
+    vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16). ``compile``: the
+    engine's, ``"auto"`` excluded (it never compiles off the CPU)."""
+    if exact is None:
+        exact = model.dtype in (torch.bfloat16, torch.float16)
+    device = model.get_output_embeddings().weight.device
+    # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
+    # the norms' reduction run as opaque ops (medusa/runtime/exact.py), the rest with inductor's
+    # emulated precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
+    if compile and exact and device.type != "cpu":
+        raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
+                          f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
+    # SDPA's passes of several rows group the query heads of a KV head (medusa/runtime/grouped.py)
+    if exact != is_exact(model) or (not exact and model.config._attn_implementation == "sdpa"):
+        set_exact(model, exact)
+    return exact

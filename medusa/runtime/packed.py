@@ -115,6 +115,38 @@ def _last_row(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return kv.lm_logits(model, hidden[-1:]).float()
 
 
+@dataclass
+class Chunk:
+    """A prompt's rows ``ids`` ``[n]`` after ``start`` positions of ``cache``, run as one chain
+    after other sequences' rows in a decoding pass, each row as :func:`prefill` computes it;
+    ``last``: they end the prompt (its last row's logits are wanted)."""
+
+    cache: Cache
+    start: int
+    ids: torch.Tensor
+    last: bool
+
+    def tree(self, model: PreTrainedModel) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``(start, ancestor, depth)`` of the chain, for :func:`medusa.runtime.rows.layout`; a
+        fresh cache gets its buffers first, as :func:`prefill` gives them."""
+        n, device = self.ids.shape[0], self.ids.device
+        if self.start == 0:
+            start_buffers(self.cache, model, n)
+        return self.start, torch.ones(n, n, dtype=torch.bool, device=device).tril_(), torch.arange(n, device=device)
+
+    def vocab(self, base: Callable | None, rows: int) -> Callable:
+        """The pass's logits function: the first ``rows`` rows' by ``base`` (None: the lm_head's),
+        then, where :attr:`last`, the chunk's last row's as :func:`prefill` computes it."""
+        def logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+            parts = [(base or kv.lm_logits)(model, hidden[:rows]).float()] if rows else []
+            if self.last:
+                parts.append(_last_row(model, hidden))
+            if not parts:
+                return hidden.new_empty(0, model.get_output_embeddings().weight.shape[0])
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return logits
+
+
 def extend(cache: Cache, length: int) -> None:
     """After writing into :func:`buffers`: the cache holds ``length`` positions."""
     for layer in cache.layers:  # narrow: the same views as slicing, at half the cost a call

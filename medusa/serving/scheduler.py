@@ -6,10 +6,10 @@ alone touches the engine. Each turn of its loop
 
 1. admits waiting requests while fewer than ``max_batch`` run and their KV caches fit the KV
    memory budget (each request counted at its prompt plus ``max_new_tokens``; the caches are slots
-   of one KV store, :func:`kv_store`), and prefills one of them (a long
-   prompt in the engine's chunks, ``Engine.prefill_chunk`` tokens, one a turn, so running streams
-   keep going; a greedy prompt that is a finished request's prefix but for a few tokens,
-   :data:`FUSED_ROWS` at most, runs them as rows of step 2's pass instead of a pass of its own);
+   of one KV store, :func:`kv_store`), and prefills one of them: while others run, a chunk a turn
+   as rows of step 2's pass, which gives the running sequences their rows and the prompt the rest
+   of ``prefill_rows`` (where passes run as one C call: the prompt's cache holds the same bits
+   however it is cut); else in passes of its own, ``Engine.prefill_chunk`` tokens a turn;
 2. runs one step of every running sequence, the engine's only step (:class:`~medusa.decoding.batch.Batch`:
    proposals, one packed verification pass, acceptance), with this module's policy for the rows
    each may draft: the turn's row budget shared between them (:mod:`medusa.serving.budget`: trees
@@ -54,7 +54,9 @@ log = logging.getLogger("medusa.serving")
 STORE_MARGIN = 256  # positions a KV store slot holds past the context window: a step's draft rows
 MIN_SHARED = 8  # tokens a prompt shares with a finished one at least for its prefill to start after them
 PREFIX_MEMORY = 256 << 20  # bytes of finished requests' keys and values kept for later prompts (at most)
-FUSED_ROWS = 8  # prompt tokens past a shared prefix that run in a decoding step's pass, not a pass of their own
+# rows of a decoding step's pass a waiting prompt's prefill shares with the running sequences':
+# they get theirs, it the rest (a CPU's pass of 64 rows costs per row what one of 256 does)
+PREFILL_ROWS = 64
 
 
 class Overloaded(MedusaError):
@@ -124,21 +126,25 @@ class Scheduler:
     the machine plan's pass costs, :func:`~medusa.serving.budget.knee`); ``kv_memory``: bytes the
     running requests' KV caches may take (None: :func:`default_kv_memory`): a request waits
     while the ones running would leave too little for its prompt and ``max_new_tokens`` (a
-    request alone always runs; its length was checked against the context window). Prompts are prefilled
-    :attr:`Engine.prefill_chunk` tokens a turn, the chunks the engine cuts them into alone.
-    ``prefix_memory``: bytes of finished greedy requests' keys and values kept for later prompts
+    request alone always runs; its length was checked against the context window).
+    ``prefill_rows``: rows of a turn's decoding pass a waiting prompt's prefill shares with the
+    running sequences' (:data:`PREFILL_ROWS`; 0: prompts prefill in passes of their own,
+    :attr:`Engine.prefill_chunk` tokens a turn). ``prefix_memory``: bytes of finished greedy requests' keys and values kept for later prompts
     that begin as they did (:mod:`medusa.serving.prefixes`; None: :data:`PREFIX_MEMORY` or a
     quarter of ``kv_memory``, the smaller; 0: none kept)."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, row_budget: int | None = None,
                  metrics: Metrics | None = None, kv_memory: int | None = None,
-                 prefix_memory: int | None = None) -> None:
+                 prefix_memory: int | None = None, prefill_rows: int = PREFILL_ROWS) -> None:
         if max_batch < 1 or max_queue < 0:
             raise MedusaError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         if kv_memory is not None and kv_memory < 1:
             raise MedusaError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
         if prefix_memory is not None and prefix_memory < 0:
             raise MedusaError(f"prefix_memory must be a number of bytes >= 0, got {prefix_memory}")
+        if prefill_rows < 0:
+            raise MedusaError(f"prefill_rows must be >= 0 (0: prompts prefill in passes of their own), got {prefill_rows}")
+        self.prefill_rows = prefill_rows
         self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
         self.kv_per_token = kv_bytes_per_token(engine.model)
         self.engine = engine
@@ -276,14 +282,14 @@ class Scheduler:
                 if self._finish_if_cancelled(self._streams[run]):
                     batch.remove(run)
                     del self._streams[run]
-            fuse = batch.fusable(FUSED_ROWS)  # its few rows ride in the step's pass
+            fuse = self.prefill_rows > 0 and batch.fusable()  # a chunk of it rides in the step's pass
             prefilled, events = (None, []) if fuse else batch.prefill()
             self._first_token(prefilled)
             self._emit(events)
-            if not batch.running:
+            if not batch.running and not fuse:
                 return
             before = {run: run.stats.draft_seconds for run in batch.running}
-            report = batch.step(self._caps, fuse=fuse)
+            report = batch.step(self._caps, prefill=self.prefill_rows if fuse else None)
             self._first_token(report.prefilled)
             self._observe(report, before)
             self._emit(report.events)
@@ -388,7 +394,7 @@ class Scheduler:
             choice = self._chosen.get(run)
             if choice is not None:
                 self.policy.observe(run, choice, drafted, kept, ms)
-        if self._chosen and report.live:
+        if self._chosen and report.live and not report.chunk:  # a prompt's rows would inflate the time
             self.policy.turn_took(report.seconds, report.live + sum(report.drafted), drafting_ms,
                                   sum(d > 0 for d in report.drafted))
 

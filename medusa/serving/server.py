@@ -35,7 +35,7 @@ from medusa.decoding.request import make_request
 from medusa.decoding.text import TextStream
 from medusa.errors import MedusaError
 from medusa.serving.metrics import Metrics
-from medusa.serving.scheduler import Closed, Overloaded, Scheduler, Stream
+from medusa.serving.scheduler import PREFILL_ROWS, Closed, Overloaded, Scheduler, Stream
 from medusa.serving.schema import BadRequest, ChatRequest, CompletionRequest, Unsupported, parse_body, validate
 from medusa.serving.stops import StopStrings
 
@@ -68,7 +68,7 @@ class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_batch: int = 8,
                  max_queue: int = 64, default_max_tokens: int = 256, mode: str | None = None,
                  max_body: int = MAX_BODY, hosts: tuple[str, ...] | None = None, kv_memory: int | None = None,
-                 prefix_memory: int | None = None) -> None:
+                 prefix_memory: int | None = None, prefill_rows: int = PREFILL_ROWS) -> None:
         if engine.tokenizer is None:
             raise MedusaError("the server needs the engine's tokenizer: load it with medusa.load")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
@@ -78,7 +78,7 @@ class Server:
         self.hosts = hosts
         self.metrics = Metrics(model_name)
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics,
-                                   kv_memory=kv_memory, prefix_memory=prefix_memory)
+                                   kv_memory=kv_memory, prefix_memory=prefix_memory, prefill_rows=prefill_rows)
         self.vocab = engine.model.get_input_embeddings().num_embeddings
         self.created = int(time.time())
 

@@ -30,9 +30,9 @@ import torch
 
 from medusa.decoding.passes.build_args import build_parser, parse_args, sizes_text
 from medusa.decoding.passes.saved import build_lock, lock_holder
-from medusa.decoding.passes.strategies import PassStrategy, kernel_scope, make_passes, use_exact
+from medusa.decoding.passes.strategies import PassStrategy, kernel_scope, make_passes
 from medusa.errors import MedusaError
-from medusa.runtime.exact import is_exact
+from medusa.runtime.exact import is_exact, use_exact
 
 
 @dataclass

@@ -33,7 +33,6 @@ from medusa.errors import MedusaError
 from medusa.models.target import context_window
 from medusa.runtime import gemv, native, packed, rows
 from medusa.runtime import hf as kv
-from medusa.runtime.exact import EXACT_MAX_ROWS, is_exact, set_exact
 from medusa.runtime.files import cache_root
 from medusa.runtime.kernels import PackedLinears, onednn_available, split_kernels
 from medusa.runtime.kvstore import KVStore
@@ -68,38 +67,6 @@ def pad_pass(tokens: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor, 
     grown = torch.eye(size, dtype=torch.bool, device=ancestor.device)
     grown[:n, :n] = ancestor
     return (torch.cat([tokens, tokens.new_zeros(size - n)]), torch.cat([depth, depth.new_zeros(size - n)]), grown)
-
-
-def pass_rows(exact: bool, max_rows: int | None) -> int | None:
-    """Rows per verification pass (None: any). Exact attention makes attention row-invariant,
-    but a device's matmul kernels may block differently past some row count, so exact passes
-    verify at most the rows the device's probe found invariant (medusa.load passes the dtype
-    pick's ``invariant_rows``) and never more than exact attention supports; larger proposals
-    keep their first nodes."""
-    if max_rows is not None and max_rows < 1:
-        raise MedusaError(f"max_rows must be at least 1, got {max_rows}")
-    return min(max_rows or EXACT_MAX_ROWS, EXACT_MAX_ROWS) if exact else max_rows
-
-
-def use_exact(model: PreTrainedModel, exact: bool | None, compile: bool | str) -> bool:
-    """Set ``model``'s attention batch-invariant or not and return which (medusa/runtime/exact.py:
-    a tree row equals its one-token pass bit for bit). None: on in half precision, where
-    kernels' row-count-dependent rounding flips near-ties; off in float32, whose linear kernels
-    vary with the row count anyway (docs/exactness.md#exactness-in-bfloat16). ``compile``: the
-    engine's, ``"auto"`` excluded (it never compiles off the CPU)."""
-    if exact is None:
-        exact = model.dtype in (torch.bfloat16, torch.float16)
-    device = model.get_output_embeddings().weight.device
-    # A compiled exact pass is bit-identical to the eager one on the CPU only: attention and
-    # the norms' reduction run as opaque ops (medusa/runtime/exact.py), the rest with inductor's
-    # emulated precision casts (kv.compile_options). CUDA graphs cannot capture attention's per-pass plan.
-    if compile and exact and device.type != "cpu":
-        raise MedusaError(f"compile=True with exact attention (a bfloat16/float16 target) runs on the CPU only, "
-                          f"not {device.type}: load the target in float32 (dtype='float32') or drop compile")
-    # SDPA's passes of several rows group the query heads of a KV head (medusa/runtime/grouped.py)
-    if exact != is_exact(model) or (not exact and model.config._attn_implementation == "sdpa"):
-        set_exact(model, exact)
-    return exact
 
 
 def kernel_scope(model: PreTrainedModel, kernels: str, draft: PreTrainedModel | None = None, heads=None):
@@ -228,25 +195,39 @@ class PassStrategy:
         """A pass's ``vocab`` argument: the screen where every proposal in it reads only argmaxes."""
         return {"vocab": self.screen.logits} if self.screen is not None and all(p.argmax for p in proposals) else {}
 
-    def verify_many(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
+    def verify_many(self, items: Sequence[tuple[object, int, Proposal]], prefill: packed.Chunk | None = None,
+                    ) -> list[Verified | Outputs | None]:
         """:meth:`verify` of each ``(cache, start, proposal)`` in one packed pass (only where
         :attr:`packs`): each sequence's rows see its own cache, as alone (one attention call per
-        layer for all rows where :attr:`one_call`, else per sequence with the mask it gets alone)."""
-        return self._packed(items)
+        layer for all rows where :attr:`one_call`, else per sequence with the mask it gets alone).
+        ``prefill`` (where :attr:`whole_calls`): a prompt's next rows in the same pass, after the
+        sequences', the bits :meth:`prefill` computes; its outputs come last: the logits ``[1, V]``
+        of its last row (None before the prompt's last chunk) and its hidden states ``[n, H]``."""
+        return self._packed(items, prefill)
 
-    def _packed(self, items: Sequence[tuple[object, int, Proposal]]) -> list[Verified]:
+    def _packed(self, items: Sequence[tuple[object, int, Proposal]], prefill: packed.Chunk | None = None,
+                ) -> list[Verified | Outputs | None]:
         trees, tokens, positions = [], [], []
         for _, start, proposal in items:
             toks, depth, ancestor = _rows(proposal)
             trees.append((start, ancestor, depth))
             tokens.append(toks)
             positions.append(start + depth)
+        vocab = self._vocab([p for _, _, p in items])
+        if prefill is not None:  # a chain after the sequences' rows: logits for its last row only
+            vocab = {"vocab": prefill.vocab(vocab.get("vocab"), sum(t.shape[0] for t in tokens))}
+            trees.append(prefill.tree(self.model))
+            tokens.append(prefill.ids)
+            positions.append(prefill.start + trees[-1][2])
+            items = [*items, (prefill.cache, prefill.start, None)]
         layout = None
         if self.one_call:
             try:
                 layout = rows.layout_for(self.model, trees)
             except ValueError:  # a tree deeper than a sliding window: per sequence, masked
                 layout = None
+        if prefill is not None and layout is None:
+            raise ValueError("a prompt's rows share a decoding pass only with the one-call attention")
         segments, at = [], 0
         for (cache, _, _), (start, ancestor, depth), toks in zip(items, trees, tokens):
             mask = None if layout is not None else kv.tree_attention_mask(self.model, start, ancestor, depth,
@@ -255,9 +236,12 @@ class PassStrategy:
             at += toks.shape[0]
         logits, hidden = packed.forward(self.model, torch.cat(tokens)[None], torch.cat(positions)[None], segments,
                                         layers=self.features, layout=layout, through=self.forward,
-                                        starts=[start for start, _, _ in trees],
-                                        **self._vocab([p for _, _, p in items]))
-        return [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items)]
+                                        starts=[start for start, _, _ in trees], **vocab)
+        out = [_split(p, logits[s.rows], hidden[s.rows]) for s, (_, _, p) in zip(segments, items) if p is not None]
+        if prefill is not None:
+            last = segments[-1].rows
+            out.append((logits[last.start:] if prefill.last else None, hidden[last]))
+        return out
 
     def warm(self, sizes: Sequence[int], progress: Callable[[int, float], None] | None = None) -> list[int]:
         """Compile (or load, where saved) the pass of each of ``sizes``; the sizes done."""
