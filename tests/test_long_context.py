@@ -62,7 +62,34 @@ def test_trees_and_chains_shrink_as_the_context_grows():
     # timings from before contexts were timed: one size for every length
     old = sizes_from({k: v for k, v in ENTRY.items() if k != "cost_by_context"}, CURVES, None, False)
     assert old.eagle.longer == () and old.hybrid.longer == ()
-    assert LENGTHS[-1] >= 4096  # sized up to the longest context the goals name
+    assert LENGTHS[-1] >= 8000  # sized up to the longest context the goals name
+
+
+def test_long_contexts_are_timed_on_a_filled_cache_as_after_a_prefill():
+    """The plan times passes after 4k and 8k tokens on a cache whose positions past the first 64
+    hold random keys and values: a row attends to all of them (its cost grows with them), the
+    prefilled ones stay, and the timer runs every size."""
+    from medusa.autotune.timing import FILL_AFTER, _fill, measure_cost
+    from medusa.runtime import hf as kv
+    from medusa.runtime import rows
+    from medusa.runtime.kernels import PackedLinears
+
+    model = tiny_model("llama")
+    assert rows.supported(model) is None  # one-call passes: the cache is filled, not prefilled
+    cache = kv.new_cache()
+    ids = torch.arange(5, 5 + FILL_AFTER)[None]
+    with torch.inference_mode():
+        kv.forward(model, ids, torch.arange(FILL_AFTER)[None], cache, None, logits_rows=slice(-1, None))
+        before = [layer.keys.clone() for layer in cache.layers]
+        _fill(cache, model, FILL_AFTER, 700, 600)
+    assert cache.get_seq_length() == 600
+    for layer, kept in zip(cache.layers, before):
+        assert torch.equal(layer.keys[..., :FILL_AFTER, :], kept)  # the prefill's own positions kept
+        filled = layer.keys[..., FILL_AFTER:, :]
+        assert filled.std() > 0.2 * kept.std() and filled.std() < 5 * kept.std()  # at the scale of real ones
+    with PackedLinears(model, kernels="gemv"):
+        cost = measure_cost(model, [1, 4], prefix=1500, reps=1, filled=True)
+    assert set(cost) == {1, 4} and all(ms > 0 for ms in cost.values())
 
 
 def test_trees_at_long_contexts_follow_the_acceptance_measured_there():
@@ -70,7 +97,8 @@ def test_trees_at_long_contexts_follow_the_acceptance_measured_there():
 
     from medusa.autotune.sizing import context_bucket
 
-    assert [context_bucket(n) for n in (300, 384, 900, 1536, 3100, 9000)] == [None, 512, 1024, 2048, 4096, 4096]
+    lengths = (300, 384, 900, 1536, 3100, 5999, 6000, 9000)
+    assert [context_bucket(n) for n in lengths] == [None, 512, 1024, 2048, 4096, 4096, 8000, 8000]
     short = sizes_from(ENTRY, CURVES, max_rows=None, compiled=False)
     assert short.eagle.at(1000).nodes == 1  # the short prompts' acceptance: one node still pays at 1k
     # the heads keep little after ~1k tokens: plain decoding from 768 on, in both modes

@@ -43,11 +43,13 @@ from medusa.runtime import hf as kv
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)  # new tokens per pass, timed
 PREFIX = 256  # cached tokens before the timed passes (a prompt and part of an answer)
 # longer contexts the same passes are timed after: a row attends to every cached token, so the
-# rows beyond the first cost more there (docs/performance.md#a-pass-at-long-context)
-CONTEXTS = (1024, 2048)
+# rows beyond the first cost more there (docs/performance.md#a-pass-at-long-context); the cached
+# positions are random keys and values written into the cache (timing.measure_cost's ``filled``)
+CONTEXTS = (1024, 2048, 4096, 8000)
+LONG_REPS = 5  # timed rounds at contexts of 4096 tokens and more (a round there takes a second)
 # the context lengths trees are sized for beside PREFIX (the cost between and beyond the timed
 # contexts linear in the length, as attention's is); a size applies from 3/4 of its length on
-LENGTHS = (512, 1024, 2048, 4096)
+LENGTHS = (512, 1024, 2048, 4096, 8000)
 # Timed rounds per pass size and per draft shape: enough that sizings in a row on one machine
 # pick the same hybrid tree, which 7 rounds did not (docs/performance.md#where-a-decode-steps-time-goes).
 REPS = 13
@@ -149,7 +151,8 @@ def measure_sizes(model, heads, scope, max_rows: int | None, shapes: list[tuple[
     longest = getattr(kv.text_config(model), "max_position_embeddings", None) or PREFIX + max(sizes)
     with scope:
         cost = measure_cost(model, sizes, prefix=PREFIX, reps=REPS)
-        by_context = {str(c): {str(n): ms for n, ms in measure_cost(model, sizes, prefix=c, reps=REPS).items()}
+        by_context = {str(c): {str(n): ms for n, ms in measure_cost(model, sizes, prefix=c, filled=True,
+                                                                   reps=REPS if c < 4096 else LONG_REPS).items()}
                       for c in CONTEXTS if c + max(sizes) <= longest}
         draft = drafting_ms(heads, model, shapes)
     return {"cost_ms": {str(n): ms for n, ms in cost.items()}, "draft_ms": draft, "cost_by_context": by_context}
