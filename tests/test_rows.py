@@ -153,3 +153,44 @@ def test_rows_over_several_key_chunks_match_and_keep_their_bits():
     assert torch.allclose(alone, masked, atol=1e-5, rtol=1e-5)
     assert torch.equal(batched[2:], alone)
     assert torch.equal(later[0], alone[4])
+
+
+def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: rows.Layout) -> torch.Tensor:
+    """attention.c over one sequence's keys and values ``[1, H, S, D]`` for queries ``[1, H, n, D]``
+    (one query head per KV head): ``[n, H, D]``."""
+    import ctypes
+
+    from medusa.runtime import gemv
+
+    _, heads, n, dim = q.shape
+    k_at, v_at = (ctypes.c_int64 * 1)(keys.data_ptr()), (ctypes.c_int64 * 1)(values.data_ptr())
+    strides = (ctypes.c_int64 * 2)(keys.stride(1), keys.stride(2))
+    out = torch.empty(n, heads, dim)
+    done = gemv.library().medusa_rows_attention(
+        q.data_ptr(), q.stride(1), q.stride(2), n, heads, heads, dim, dim ** -0.5, ctypes.addressof(k_at),
+        ctypes.addressof(v_at), ctypes.addressof(strides), ctypes.addressof(strides) + 8, plan.seg.data_ptr(),
+        plan.lo.data_ptr(), plan.hi.data_ptr(), plan.start.data_ptr(), plan.extra.data_ptr(), out.data_ptr(),
+        torch.get_num_threads())
+    assert done == 0
+    return out
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_queries_weighed_together_keep_the_bits_each_gets_alone(dim):
+    """Where several queries see the same block of keys, attention.c weighs the values for up to six
+    of them at once (heads of 64 or 128 on AVX-512), each query's sums still taken in its own key
+    order: eight chained rows over 700 cached tokens (two key chunks) give each row the bits of its
+    own call, where it is the only query of its KV head and weighs alone, and float64's values."""
+    past, n, heads = 700, 8, 4
+    gen = torch.Generator().manual_seed(dim)
+    keys, values = (torch.randn(1, heads, past + n, dim, generator=gen) for _ in range(2))
+    q = torch.randn(1, heads, n, dim, generator=gen)
+    together = _kernel(q, keys, values, rows.layout([(past, torch.ones(n, n, dtype=torch.bool).tril_(),
+                                                      torch.arange(n))]))
+    for i in range(n):  # row i alone sees the same keys: the prefix and its ancestors, in order
+        alone = _kernel(q[:, :, i:i + 1].contiguous(), keys, values,
+                        rows.layout([(past + i, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))]))
+        assert torch.equal(alone[0], together[i]), i
+        k, v = keys[0, :, :past + i + 1].double(), values[0, :, :past + i + 1].double()
+        weights = torch.softmax(q[0, :, i:i + 1].double() @ k.transpose(1, 2) * dim ** -0.5, dim=-1)
+        assert torch.allclose(together[i].double(), (weights @ v)[:, 0], atol=1e-5), i

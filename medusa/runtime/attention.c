@@ -111,6 +111,26 @@ AI void weigh_c(avec* acc, const float* p, const float* V, int64_t pos_stride, i
   }
 }
 
+/* weigh_c for ``Q`` queries at once over the same keys (o[x] += p[x][j] * v_j for j in [a, e), in
+ * that order: each query's arithmetic is weigh_c's): each value vector is loaded once for the Q
+ * queries, whose sums stay in registers (Q * c of them: at most 24 with AVX-512's 32). */
+AI void weigh_q(float* const* o, const float* const* p, const float* V, int64_t pos_stride, int a, int e, int Q,
+                int c) {
+  avec acc[6][8], v[8];
+  for (int x = 0; x < Q; x++)
+    for (int d = 0; d < c; d++) acc[x][d] = aload(o[x] + d * ALANES);
+  for (int j = a; j < e; j++) {
+    const float* vj = V + (int64_t)j * pos_stride;
+    for (int d = 0; d < c; d++) v[d] = aload(vj + d * ALANES);
+    for (int x = 0; x < Q; x++) {
+      avec w = asplat(p[x][j]);
+      for (int d = 0; d < c; d++) acc[x][d] = afma(w, v[d], acc[x][d]);
+    }
+  }
+  for (int x = 0; x < Q; x++)
+    for (int d = 0; d < c; d++) astore(o[x] + d * ALANES, acc[x][d]);
+}
+
 static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
   avec acc[8];
   for (int d = 0; d < c; d++) acc[d] = aload(o + d * ALANES);
@@ -119,6 +139,22 @@ static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, 
   else
     weigh_c(acc, p, V, pos_stride, a, e, c);
   for (int d = 0; d < c; d++) astore(o + d * ALANES, acc[d]);
+}
+
+/* weigh for the ``n`` queries whose rows see every key of [a, e): in groups sharing each value
+ * vector where the registers hold them (AVX-512, heads of 64 or 128), else one by one */
+static void weigh_many(float* const* o, const float* const* p, int n, const float* V, int64_t pos_stride, int a,
+                       int e, int c) {
+  int x = 0;
+#if ALANES == 16
+  if (c == 4) {
+    for (; x + 6 <= n; x += 6) weigh_q(o + x, p + x, V, pos_stride, a, e, 6, 4);
+    for (; x + 3 <= n; x += 3) weigh_q(o + x, p + x, V, pos_stride, a, e, 3, 4);
+  } else if (c == 8) {
+    for (; x + 2 <= n; x += 2) weigh_q(o + x, p + x, V, pos_stride, a, e, 2, 8);
+  }
+#endif
+  for (; x < n; x++) weigh(o[x], p[x], V, pos_stride, a, e, c);
 }
 
 /* The keys of a row's list with index in [ka, kb) (its chunk), for every query of block ``b`` on
@@ -197,19 +233,32 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
     slot[D + 1] = alanes_sum(total);
     memset(acc + (size_t)x * D, 0, sizeof(float) * D);
   }
-  /* weighted values in each row's key order: the contiguous runs block by block, then the extras */
+  /* weighted values in each row's key order: the contiguous runs block by block (the queries of
+   * the rows that see a whole block together), then the extras */
+  float** wo = malloc(sizeof(float*) * (size_t)nq);
+  const float** wp = malloc(sizeof(float*) * (size_t)nq);
   for (int j0 = jmin; j0 < jmax; j0 += ALANES) {
-    int m = jmax - j0 < ALANES ? jmax - j0 : ALANES;
+    int m = jmax - j0 < ALANES ? jmax - j0 : ALANES, nw = 0;
     for (int i = 0; i < b.rows; i++) {
       int r = b.row0 + i, run = hi[r] - lo[r];
       int ra = lo[r] + ka, re = lo[r] + (run < kb ? run : kb);
       int a = j0 > ra ? j0 : ra, e = j0 + m < re ? j0 + m : re;
       if (a >= e) continue;
       for (int h = 0; h < G; h++) {
-        weigh(acc + (size_t)(i * G + h) * D, S + (size_t)(i * G + h) * width - ra, V, pos_stride, a, e, c);
+        float* o = acc + (size_t)(i * G + h) * D;
+        const float* p = S + (size_t)(i * G + h) * width - ra;
+        if (a == j0 && e == j0 + m) {
+          wo[nw] = o;
+          wp[nw++] = p;
+        } else {
+          weigh(o, p, V, pos_stride, a, e, c);
+        }
       }
     }
+    weigh_many(wo, wp, nw, V, pos_stride, j0, j0 + m, c);
   }
+  free(wo);
+  free(wp);
   for (int i = 0; i < b.rows; i++) {
     int r = b.row0 + i, run = hi[r] - lo[r], ne = extra_start[r + 1] - extra_start[r];
     int x0 = ka > run ? ka - run : 0, x1 = (kb < run + ne ? kb : run + ne) - run;
