@@ -65,6 +65,19 @@ def _run(eng: Engine, requests: list[dict], budget: int, others_new: int = 30, d
     return runs, [tokens[id(r)] for r in runs], chunks
 
 
+def watch_chunks(sched: Scheduler) -> list[int]:
+    """The prompt rows each of ``sched``'s steps runs in its pass, as they run."""
+    seen, step = [], sched._batch.step
+
+    def watched(caps=None, prefill=None):
+        report = step(caps, prefill)
+        seen.append(report.chunk)
+        return report
+
+    sched._batch.step = watched
+    return seen
+
+
 @pytest.mark.parametrize("settings", [dict(max_new_tokens=20, mode="hybrid", ignore_eos=True),
                                       dict(max_new_tokens=20, mode="baseline", temperature=0.8, seed=3,
                                            ignore_eos=True)], ids=["greedy", "sampled"])
@@ -122,15 +135,7 @@ def test_the_scheduler_prefills_a_long_prompt_beside_a_running_stream(eng):
     model = eng.model
     for rows in (20, 0):
         sched = Scheduler(eng, max_batch=2, prefill_rows=rows).start()
-        seen = []
-        step = sched._batch.step
-
-        def watched(caps=None, prefill=None, step=step, seen=seen):
-            report = step(caps, prefill)
-            seen.append(report.chunk)
-            return report
-
-        sched._batch.step = watched
+        seen = watch_chunks(sched)
         try:
             running = sched.submit(OTHERS[0], max_new_tokens=40, mode="baseline", ignore_eos=True)
             next(iter(running))  # decoding: the next prompt's prefill shares its passes

@@ -5,6 +5,7 @@ prefill gives, on a tiny real model and the gemv kernels built here."""
 from __future__ import annotations
 
 import torch
+from test_chunked_prefill import watch_chunks
 from tiny import hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
@@ -134,15 +135,7 @@ def test_a_prompt_past_a_shared_prefix_by_a_few_tokens_runs_them_in_the_decoding
     alone = Engine(model, plan=Plan(kernels="gemv")).generate(b, max_new_tokens=10, mode="baseline")
     for rows, fused in ((64, True), (0, False)):
         sched = Scheduler(eng, max_batch=2, prefill_rows=rows).start()
-        passes = []
-        step = sched._batch.step
-
-        def watched(caps=None, prefill=None, seen=passes, step=step):
-            report = step(caps, prefill)
-            seen.append(report.chunk)
-            return report
-
-        sched._batch.step = watched
+        passes = watch_chunks(sched)
         try:
             sched.submit(shared + [5, 6, 7], max_new_tokens=4, mode="baseline").wait()
             long = sched.submit(list(range(50, 90)), max_new_tokens=40, mode="baseline", ignore_eos=True)
