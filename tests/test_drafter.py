@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter layer in one C call (medusa/runtime/drafter.py, decoder.c), built here with
+"""The EAGLE-3 and EAGLE drafter layers in one C call (medusa/runtime/drafter.py, decoder.c), built here with
 the real C compiler, against the heads' own modules on a tiny real Llama target."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tiny import hf_greedy, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
 from medusa.models.eagle3_heads import init_eagle3_for
-from medusa.models.eagle_heads import additive_mask
+from medusa.models.eagle_heads import additive_mask, init_eagle_for
 from medusa.runtime import drafter
 from medusa.runtime import hf as kv
 from medusa.runtime.kernels import PackedLinears
@@ -18,18 +18,27 @@ from medusa.runtime.kernels import PackedLinears
 
 def pairs(heads, n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    features = torch.randn(n, heads.fc.in_features, generator=g).to(heads.fc.weight.dtype)
+    width = heads.fc.in_features if heads.kind == "eagle3" else heads.config.hidden_size
+    features = torch.randn(n, width, generator=g).to(heads.fc.weight.dtype)
     return features, torch.randint(3, heads.config.vocab_size, (n,), generator=g)
 
 
+def new_heads(model, kind: str):
+    if kind == "eagle3":
+        return init_eagle3_for(model, 3)
+    return init_eagle_for(model, 3, init="random", layout="eagle1" if kind == "eagle1" else "norms")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "eagle1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_layer_in_one_call_is_the_heads_modules(dtype):
+def test_the_layer_in_one_call_is_the_heads_modules(kind, dtype):
     """A prompt's pairs fed causally, then a draft level whose rows see the context, a drafted
     ancestor (not the pair before them) and themselves: outputs and the cached keys equal the
     modules' to float32 rounding (float32 heads), to bfloat16 rounding (bfloat16 heads: the modules
-    compute in bfloat16, the C layer in float32 on the same weights)."""
+    compute in bfloat16, the C layer in float32 on the same weights). EAGLE heads in both layouts
+    (with the input and final norms, and EAGLE-1's without)."""
     model = tiny_model("llama")
-    heads = init_eagle3_for(model, 3).to(dtype)
+    heads = new_heads(model, kind).to(dtype)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     past = 40
     features, tokens = pairs(heads, past + 3, 0)
@@ -60,6 +69,36 @@ def test_the_layer_in_one_call_is_the_heads_modules(dtype):
     assert drafter.table(heads) is None  # outside the packed copies the modules draft
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_several_sequences_in_one_call_are_the_bits_of_a_call_each(kind):
+    """Two sequences' rows (caches of 40 and 25 pairs, a causal prompt and a tree level) in one C
+    call: every output and every cached pair bit for bit what a call per sequence gives."""
+    model = tiny_model("llama")
+    heads = new_heads(model, kind)
+    lengths = (40, 25)
+    with torch.inference_mode(), PackedLinears(model, heads, kernels="gemv"):
+        table = drafter.table(heads)
+        apart = [drafter.DraftCache(table.kv_heads, table.dim) for _ in lengths]
+        joint = [drafter.DraftCache(table.kv_heads, table.dim) for _ in lengths]
+        data = [pairs(heads, n + 2, seed) for seed, n in enumerate(lengths)]
+        calls = []
+        for (features, tokens), n in zip(data, lengths):
+            calls.append([(features[:n], tokens[:n], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_())])
+            level = torch.zeros(2, n + 2, dtype=torch.bool)
+            level[:, :n - 1] = True  # each row: the context but its last pair, then itself
+            level[0, n] = level[1, n + 1] = True
+            calls[-1].append((features[n:], tokens[n:], torch.tensor([n, n]), level))
+        for round_ in range(2):
+            alone = [drafter.step(heads, table, f, t, p, cache, v)
+                     for (f, t, p, v), cache in zip([c[round_] for c in calls], apart)]
+            together = drafter.step_many(heads, table, [(f, t, p, cache, v) for (f, t, p, v), cache
+                                                        in zip([c[round_] for c in calls], joint)])
+            assert all(torch.equal(a, b) for a, b in zip(alone, together))
+        for a, b in zip(apart, joint):
+            assert a.length == b.length and torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
+            assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
+
+
 def test_a_layout_names_each_rows_run_and_its_other_positions():
     visible = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
     plan = drafter.layout_of(visible)
@@ -88,22 +127,24 @@ def test_the_cache_crops_slides_and_hands_its_pairs_to_the_modules():
     assert kv.cache_length(module) == 272 and keys[0] == 20 and keys[269] == 289 and keys[270:].tolist() == [7, 7]
 
 
-def test_decoding_with_the_one_call_drafter_is_the_targets_greedy(monkeypatch):
-    """An engine on the gemv kernels drafts EAGLE-3 trees through the C layer (float32 heads: the
-    same drafts as the modules, so the same steps); its tokens are the target's greedy ones."""
+@pytest.mark.parametrize("mode", ["eagle3", "eagle"])
+def test_decoding_with_the_one_call_drafter_is_the_targets_greedy(monkeypatch, mode):
+    """An engine on the gemv kernels drafts EAGLE-3 and EAGLE trees through the C layer (float32
+    heads: the same drafts as the modules, so the same steps); its tokens are the target's greedy ones."""
     model = tiny_model("llama")
-    heads = init_eagle3_for(model, 3)  # lm_head starts as the target's rows: its drafts are often right
+    # heads that start as the target's own rows or last layer: their drafts are often right
+    heads = init_eagle3_for(model, 3) if mode == "eagle3" else init_eagle_for(model, 3)
     eng = Engine(model, heads=heads, plan=Plan(kernels="gemv"))
     calls = []
     real = drafter.step
     monkeypatch.setattr(drafter, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7]
-    runs = [eng.generate(p, max_new_tokens=20, mode="eagle3") for p in prompts]
+    runs = [eng.generate(p, max_new_tokens=20, mode=mode) for p in prompts]
     assert calls  # the C layer drafted
     for p, run in zip(prompts, runs):
         assert run.tokens == hf_greedy(model, p, 20)[:len(run.tokens)]
     monkeypatch.setenv("MEDUSA_ONE_CALL_DRAFTER", "0")
-    modules = [eng.generate(p, max_new_tokens=20, mode="eagle3") for p in prompts]
+    modules = [eng.generate(p, max_new_tokens=20, mode=mode) for p in prompts]
     assert [r.tokens for r in modules] == [r.tokens for r in runs]
     assert sum(r.stats.steps for r in modules) == pytest.approx(sum(r.stats.steps for r in runs), abs=2)
 
@@ -112,5 +153,8 @@ def test_other_heads_say_why_not(monkeypatch):
     model = tiny_model("llama")
     heads = init_eagle3_for(model, 3)
     assert drafter.supported(heads) is None
+    assert drafter.supported(init_eagle_for(model, 3)) is None
+    assert "biases" in drafter.supported(init_eagle_for(tiny_model("qwen2"), 3))  # q/k/v biases: the modules
+    assert "Gemma3DecoderLayer" in drafter.supported(init_eagle_for(tiny_model("gemma3"), 3))
     monkeypatch.setenv("MEDUSA_ONE_CALL_DRAFTER", "0")
     assert "MEDUSA_ONE_CALL_DRAFTER=0" in drafter.supported(heads)

@@ -38,7 +38,7 @@ from medusa.decoding.passes.strategies import kernel_scope
 from medusa.decoding.plan import DEFAULT_REASON, Decision, Plan
 from medusa.errors import MedusaError
 from medusa.models.kinds import kind
-from medusa.runtime import gemv
+from medusa.runtime import drafter, gemv
 from medusa.runtime.exact import pass_rows, set_exact
 from medusa.runtime.kernels import PackedLinears, kernels_key, onednn_available
 
@@ -48,6 +48,11 @@ DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 def _name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _drafting(heads) -> str:
+    """How ``heads``' layer drafts here, part of the sizes' cache key: its timed cost depends on it."""
+    return "drafter one-call" if heads is not None and drafter.supported(heads) is None else "drafter modules"
 
 
 class Planner:
@@ -200,7 +205,7 @@ class Planner:
                 return measure_sizes(lm, heads, kernel_scope(lm, plan.kernels, None, heads), max_rows, sorted(curves))
 
         name = key("sizes", lm.device, lm, _name(lm.dtype), kernels_key(plan.kernels), f"rows {max_rows}",
-                   heads_fingerprint(heads), f"contexts {','.join(map(str, CONTEXTS))}")
+                   heads_fingerprint(heads), f"contexts {','.join(map(str, CONTEXTS))}", _drafting(heads))
         entry, cached = self.entry(name, ("cost_ms", "draft_ms"), measure)
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))

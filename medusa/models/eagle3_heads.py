@@ -186,6 +186,7 @@ class Eagle3Heads(FusedDrafter):
     target layers whose inputs are fused; ``config.draft_vocab_size`` the rows of ``lm_head``."""
 
     kind = "eagle3"
+    one_call = "wide"  # medusa/runtime/drafter.py's C call: the layer reads [embedding ; feature]
 
     def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
         super().__init__()

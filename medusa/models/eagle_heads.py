@@ -85,6 +85,7 @@ class EagleHeads(OnTarget, nn.Module):
     """
 
     kind = "eagle"
+    one_call = "fused"  # medusa/runtime/drafter.py's C call: fc fuses the pair, then a stock layer
 
     def __init__(self, config: HeadsConfig, target: PreTrainedModel) -> None:
         super().__init__()

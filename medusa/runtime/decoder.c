@@ -161,24 +161,30 @@ static void product(int half, const float* x, int n, int K, const void* P, int N
     medusa_gemv(x, n, K, (const float*)P, N, y, threads);
 }
 
-/* One EAGLE-3 drafter layer (medusa/runtime/drafter.py) for T rows of pairs (g, emb): the fused
- * feature g[T, H] and the token's embedding emb[T, H], float32. Per row:
- *   hn = rmsnorm(g) * w_hidden;  x = [rmsnorm(emb) * w_in ; hn] (2H);  qkv = x @ [Wq; Wk; Wv]^T;
- *   q, k rotated by cos/sin;  k, v written to the head's cache at positions start .. start+T-1;
+/* One drafter layer (medusa/runtime/drafter.py) for T rows of one or more sequences (segments):
+ * the rows' input g[T, H] and, for an EAGLE-3 layer, the tokens' embeddings emb[T, H] (float32).
+ * EAGLE-3 (emb given): hn = rmsnorm(g) * w_hidden;  x = [rmsnorm(emb) * w_in ; hn] (2H wide);
+ * EAGLE (emb NULL: g is the fused pair, a stock decoder layer): x = rmsnorm(g) * w_in, or g itself
+ * where w_in is 0 (EAGLE-1's layer has no input norm);  then per row:
+ *   qkv = x @ [Wq; Wk; Wv]^T;  q, k rotated by cos/sin;  k, v written to the row's segment's cache;
  *   a = attention of q over the row's cached keys (the layout: lo/hi run, then extra positions);
  *   r = (hn if norm_before_residual else g) + a @ Wo^T;  h = rmsnorm(r) * w_post;
  *   out = r + (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T   (the pre-norm output: the next draft's feature).
  * w: addresses of w_in, w_hidden, w_post (float32 [H]), then the packed qkv, o, gate/up and down
- * weights (float32, or bfloat16 with ``half``). dims: heads, kv_heads, D, inter. cache: the key
- * and value buffers' addresses, head and position strides. Returns 0, or -1 for shapes it does not take. */
-int medusa_eagle3_layer(const float* g, const float* emb, int T, int H, const int32_t* dims, float eps, float scale,
-                        const int64_t* w, int half, int norm_before_residual, const float* cos, const float* sin,
-                        const int64_t* cache, int start, const int32_t* lo, const int32_t* hi,
-                        const int32_t* extra_start, const int32_t* extra_pos, float* out, int threads) {
-  int heads = dims[0], kv = dims[1], D = dims[2], inter = dims[3];
-  int N = (heads + 2 * kv) * D, A = heads * D;
-  if (H % ALANES || D % 2 || D > 512 || T < 1) return -1;
-  float* x = malloc(sizeof(float) * (size_t)T * 2 * H);
+ * weights (float32, or bfloat16 with ``half``). dims: heads, kv_heads, D, inter, nseg. caches
+ * [4][nseg]: each segment's key and value buffer addresses, head and position strides; segment s's
+ * rows are row0[s] .. row0[s]+nrows[s]-1, written at its positions start[s] ..; row_seg[T] names
+ * each row's segment. Every product reads its weights once for all rows of all segments.
+ * Returns 0, or -1 for shapes it does not take. */
+int medusa_draft_layer(const float* g, const float* emb, int T, int H, const int32_t* dims, float eps, float scale,
+                       const int64_t* w, int half, int norm_before_residual, const float* cos, const float* sin,
+                       const int64_t* caches, const int32_t* row0, const int32_t* nrows, const int32_t* start,
+                       const int32_t* row_seg, const int32_t* lo, const int32_t* hi, const int32_t* extra_start,
+                       const int32_t* extra_pos, float* out, int threads) {
+  int heads = dims[0], kv = dims[1], D = dims[2], inter = dims[3], nseg = dims[4];
+  int N = (heads + 2 * kv) * D, A = heads * D, W = emb ? 2 * H : H;
+  if (H % ALANES || D % 2 || D > 512 || T < 1 || nseg < 1) return -1;
+  float* x = malloc(sizeof(float) * (size_t)T * W);
   float* qkv = malloc(sizeof(float) * (size_t)T * N);
   float* att = malloc(sizeof(float) * (size_t)T * A);
   float* res = malloc(sizeof(float) * (size_t)T * H);
@@ -189,23 +195,28 @@ int medusa_eagle3_layer(const float* g, const float* emb, int T, int H, const in
   const void *qkv_w = (const void*)(intptr_t)w[3], *o_w = (const void*)(intptr_t)w[4];
   const void *gu_w = (const void*)(intptr_t)w[5], *down_w = (const void*)(intptr_t)w[6];
   for (int r = 0; r < T; r++) {
-    float* xr = x + (int64_t)r * 2 * H;
-    rmsnorm(emb + (int64_t)r * H, w_in, H, eps, xr);
-    rmsnorm(g + (int64_t)r * H, w_hidden, H, eps, xr + H);
+    float* xr = x + (int64_t)r * W;
+    const float* gr = g + (int64_t)r * H;
+    if (emb) {
+      rmsnorm(emb + (int64_t)r * H, w_in, H, eps, xr);
+      rmsnorm(gr, w_hidden, H, eps, xr + H);
+    } else if (w_in) {
+      rmsnorm(gr, w_in, H, eps, xr);
+    } else {
+      memcpy(xr, gr, sizeof(float) * H);
+    }
   }
-  product(half, x, T, 2 * H, qkv_w, N, qkv, threads);
+  product(half, x, T, W, qkv_w, N, qkv, threads);
   for (int r = 0; r < T; r++)
     rotate(qkv + (int64_t)r * N, heads + kv, D, cos + (int64_t)r * D, sin + (int64_t)r * D); /* q's heads, then k's */
-  int32_t row0 = 0, nrows = T, at = start;
-  int64_t dst_k = cache[0], dst_v = cache[1], dst_head = cache[2], dst_pos = cache[3];
-  medusa_write_rows(qkv + A, qkv + A + kv * D, D, N, kv, D, 1, &row0, &nrows, &at, &dst_k, &dst_v, &dst_head, &dst_pos);
-  int32_t* segs = calloc((size_t)T, sizeof(int32_t));
-  int rc = medusa_rows_attention(qkv, D, N, T, heads, kv, D, scale, &dst_k, &dst_v, &dst_head, &dst_pos, segs, lo, hi,
+  const int64_t *dst_k = caches, *dst_v = caches + nseg, *dst_head = caches + 2 * nseg, *dst_pos = caches + 3 * nseg;
+  medusa_write_rows(qkv + A, qkv + A + kv * D, D, N, kv, D, nseg, row0, nrows, start, dst_k, dst_v, dst_head, dst_pos);
+  int rc = medusa_rows_attention(qkv, D, N, T, heads, kv, D, scale, dst_k, dst_v, dst_head, dst_pos, row_seg, lo, hi,
                                  extra_start, extra_pos, att, threads);
   if (rc == 0) {
     product(half, att, T, A, o_w, H, res, threads);
     for (int r = 0; r < T; r++) {
-      const float* base = norm_before_residual ? x + (int64_t)r * 2 * H + H : g + (int64_t)r * H;
+      const float* base = emb && norm_before_residual ? x + (int64_t)r * W + H : g + (int64_t)r * H;
       for (int i = 0; i < H; i++) res[(int64_t)r * H + i] += base[i];
       rmsnorm(res + (int64_t)r * H, w_post, H, eps, h + (int64_t)r * H);
     }
@@ -215,7 +226,6 @@ int medusa_eagle3_layer(const float* g, const float* emb, int T, int H, const in
     product(half, act, T, inter, down_w, H, out, threads);
     for (int64_t i = 0; i < (int64_t)T * H; i++) out[i] += res[i];
   }
-  free(segs);
   free(x);
   free(qkv);
   free(att);

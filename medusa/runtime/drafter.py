@@ -1,4 +1,5 @@
-"""An EAGLE-3 drafter layer in one C call (``decoder.c``'s ``medusa_eagle3_layer``), on the heads' own weights.
+"""A drafter layer in one C call (``decoder.c``'s ``medusa_draft_layer``), on the heads' own weights:
+EAGLE-3 heads' layer, and EAGLE heads' (a stock Llama-style decoder layer after their ``fc``).
 
 Why: drafting runs the heads' one decoder layer on a handful of rows several times a step (each
 level of the draft tree, and the update with what the target accepted), and through the modules
@@ -6,16 +7,18 @@ each call spends longer on the layer's small operations and the calls around the
 products (docs/performance.md#a-drafter-layer-in-one-call). Here the layer's norms, products (the packed
 copies a live :class:`~medusa.runtime.kernels.PackedLinears` holds, bfloat16 or float32, on the
 gemv kernels), rotary embedding, cache writes, attention (:mod:`medusa.runtime.rows`'s kernel,
-each row over the pairs it sees) and MLP run in one call, in float32.
+each row over the pairs it sees) and MLP run in one call, in float32. EAGLE heads' ``fc`` and final
+norm stay modules around it (one product, one norm).
 
 The heads' cache is a :class:`DraftCache` (float32 key/value buffers); masks become the attention
 kernel's layout (:func:`layout_of`). Drafts only propose: the target verifies every token, so the
 float32 arithmetic here (against the modules' bfloat16) changes which drafts are tried, never the
 output (tests/test_drafter.py checks both paths agree to bfloat16 rounding).
 
-Where: :class:`~medusa.models.eagle3_heads.Eagle3Heads` on a CPU whose heads' linear layers run
-on the gemv kernels (``kernels="gemv"``, entered), with Llama-style rotary and no biases
-(:func:`table` returns None otherwise and the proposer keeps the modules).
+Where: :class:`~medusa.models.eagle3_heads.Eagle3Heads` and :class:`~medusa.models.eagle_heads.EagleHeads`
+(a Llama-style layer) on a CPU whose heads' linear layers run on the gemv kernels
+(``kernels="gemv"``, entered), with unscaled rotary and no biases (:func:`table` returns None
+otherwise and the proposer keeps the modules).
 """
 
 from __future__ import annotations
@@ -103,25 +106,47 @@ class _Table:
     """The heads' layer as the C call reads it, for the packed copies live now."""
 
     def __init__(self, heads) -> None:
-        layer = heads.layers[0]
+        layer = _layer(heads)
         attn, mlp = layer.self_attn, layer.mlp
         packed = [_packed(attn.q_proj, True), _packed(attn.o_proj, False), _packed(mlp.gate_proj, True),
                   _packed(mlp.down_proj, False)]
         if any(p is None for p in packed) or len({p.dtype for p in packed}) != 1:
             raise LookupError("the heads' layer is not on live gemv packed copies")
-        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
-        self.norms = [n.weight.detach().float().contiguous() for n in norms]
+        self.wide = _how(heads) == "wide"  # the layer reads [embedding ; feature], 2H wide
+        if self.wide:
+            norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
+        else:  # EAGLE-1's layout has no input norm (an nn.Identity): the C layer reads the fused pair as is
+            first = None if isinstance(layer.input_layernorm, nn.Identity) else layer.input_layernorm
+            norms = [first, None, layer.post_attention_layernorm]
+        self.norms = [None if n is None else n.weight.detach().float().contiguous() for n in norms]
         self.keep = packed
-        self.weights = torch.tensor([t.data_ptr() for t in self.norms + packed], dtype=torch.int64)
+        self.weights = torch.tensor([0 if t is None else t.data_ptr() for t in self.norms + packed], dtype=torch.int64)
         self.half = int(packed[0].dtype == torch.bfloat16)
-        config = heads.layer_config
+        config = attn.config
         heads_, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.dim = getattr(config, "head_dim", None) or config.hidden_size // heads_
-        self.dims = torch.tensor([heads_, kv_heads, self.dim, config.intermediate_size], dtype=torch.int32)
+        self.dim = attn.head_dim
         self.kv_heads = kv_heads
-        self.eps = layer.input_layernorm.variance_epsilon
+        self.eps = layer.post_attention_layernorm.variance_epsilon
         self.scale = attn.scaling
-        self.residual_norm = int(layer.norm_before_residual)
+        self.residual_norm = int(getattr(layer, "norm_before_residual", False))
+        self.heads = heads_
+        self.inter = mlp.gate_proj.out_features
+
+
+# the decoder layers (and their norms) whose computation the C call repeats: a norm before
+# attention and one before the MLP, nothing else
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")  # Qwen2's only where unbiased
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+def _how(heads) -> str:
+    """How the C call runs ``heads``' layer (the heads class's ``one_call``): "wide" (the layer reads
+    [embedding ; feature]), "fused" (the heads' fc fuses the pair, then a stock layer), or "" (not)."""
+    return getattr(heads, "one_call", "")
+
+
+def _layer(heads) -> nn.Module:
+    return heads.layers[0] if _how(heads) == "wide" else heads.layer
 
 
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -132,29 +157,37 @@ def supported(heads) -> str | None:
     ``MEDUSA_ONE_CALL_DRAFTER=0`` in the environment turns it off (to compare with the modules)."""
     if os.environ.get("MEDUSA_ONE_CALL_DRAFTER", "1") == "0":
         return "MEDUSA_ONE_CALL_DRAFTER=0: the heads' modules draft"
-    if getattr(heads, "kind", None) != "eagle3" or heads.fc.weight.device.type != "cpu":
-        return "one-call drafting runs EAGLE-3 heads on a CPU"
-    layer = heads.layers[0]
-    config = heads.layer_config
-    if config.attention_bias or getattr(config, "mlp_bias", False) or config.hidden_act != "silu":
+    how = _how(heads)
+    if not how or heads.fc.weight.device.type != "cpu":
+        return "one-call drafting runs EAGLE-3 and EAGLE heads on a CPU"
+    layer = _layer(heads)
+    first = layer.input_layernorm
+    if how == "fused" and (type(layer).__name__ not in LAYERS or heads.fc.bias is not None or not (
+            isinstance(first, nn.Identity) or type(first).__name__ in NORMS)):
+        return f"one-call drafting takes a Llama-style layer without a biased fc, not {type(layer).__name__}"
+    attn, mlp = layer.self_attn, layer.mlp
+    config = attn.config
+    if any(getattr(m, "bias", None) is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                          mlp.gate_proj, mlp.up_proj, mlp.down_proj)) \
+            or config.hidden_act != "silu":
         return "the heads' layer has biases or another activation"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
         return "the heads' rotary embedding is scaled"
     if gemv.unavailable_reason() is not None:
         return gemv.unavailable_reason()
-    if heads.config.hidden_size % gemv.library().medusa_attention_lanes() or layer.self_attn.head_dim % 2:
+    if heads.config.hidden_size % gemv.library().medusa_attention_lanes() or attn.head_dim % 2:
         return "not a shape the one-call drafter takes"
-    return rows.supported_shape(config.num_attention_heads, config.num_key_value_heads, layer.self_attn.head_dim)
+    return rows.supported_shape(config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
 
 
 def table(heads) -> _Table | None:
     """The heads' C table while their linears run on live gemv packed copies, else None (the modules
     draft). Called at every draft level: a table built under the live packing is reused, and the
     checks of :func:`supported` run only when one is built."""
-    if os.environ.get("MEDUSA_ONE_CALL_DRAFTER", "1") == "0" or getattr(heads, "kind", None) != "eagle3":
+    if os.environ.get("MEDUSA_ONE_CALL_DRAFTER", "1") == "0" or not _how(heads):
         return None
-    layer = heads.layers[0]
+    layer = _layer(heads)
     return held_table(_tables, heads, layer.self_attn.q_proj, layer.mlp.down_proj, _checked_table)
 
 
@@ -169,24 +202,59 @@ def step(heads, t: _Table, features: torch.Tensor, tokens: torch.Tensor, positio
          visible: torch.Tensor) -> torch.Tensor:
     """EagleHeads' interface on the C layer: ``features`` ``[T, L*H or H]``, ``tokens`` and ``positions``
     ``[T]``, ``visible`` ``[T, cache.length + T]`` (the cache positions each row sees, its own new pair
-    included). The rows' pairs are appended to ``cache``. Returns the pre-norm outputs ``[T, H]`` (float32)."""
-    g = heads.fuse(features).float().contiguous()
-    emb = heads.target.get_input_embeddings()(tokens).float().contiguous()
-    cos, sin = heads.rotary(g[None], positions[None])
+    included). The rows' pairs are appended to ``cache``. Returns what the heads' modules return
+    ``[T, H]`` (float32): EAGLE-3's pre-norm outputs, EAGLE's layer output (after the target's final
+    norm unless the layout is EAGLE-1's)."""
+    return step_many(heads, t, [(features, tokens, positions, cache, visible)])[0]
+
+
+def step_many(heads, t: _Table, calls: list[tuple]) -> list[torch.Tensor]:
+    """:func:`step` for several sequences' rows in one C call, ``calls`` of ``(features, tokens,
+    positions, cache, visible)`` with a cache each: every product reads the layer's weights once for
+    all of them. A row's result is the same bits as in a call of its own (the products and the
+    attention compute each row from its own values in a fixed order)."""
+    target = heads.target
+    features = torch.cat([f for f, _, _, _, _ in calls])
+    tokens = torch.cat([x.reshape(-1) for _, x, _, _, _ in calls])
+    positions = torch.cat([p.reshape(-1) for _, _, p, _, _ in calls])
+    if t.wide:
+        g = heads.fuse(features).float().contiguous()
+        emb = target.get_input_embeddings()(tokens).float().contiguous()
+        cos, sin = heads.rotary(g[None], positions[None])
+    else:  # EAGLE: the fused pair [f ; embed(x)] through fc, as the modules compute it
+        emb = target.get_input_embeddings()(tokens).to(heads.fc.weight.dtype)
+        g = heads.fc(torch.cat([features.to(emb.dtype), emb], dim=-1)).float().contiguous()
+        emb = None
+        cos, sin = target.get_decoder().rotary_emb(g[None], positions[None])
     cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
     n, h = g.shape
-    start = cache.length
-    cache.reserve(start + n)
-    plan = layout_of(visible)
+    sizes = [f.shape[0] for f, _, _, _, _ in calls]
+    plans = [layout_of(visible) for _, _, _, _, visible in calls]
+    for (_, _, _, cache, _), rows_ in zip(calls, sizes):
+        cache.reserve(cache.length + rows_)
+    caches = torch.tensor([[c.keys.data_ptr() for _, _, _, c, _ in calls], [c.values.data_ptr() for _, _, _, c, _ in calls],
+                           [c.keys.stride(0) for _, _, _, c, _ in calls], [c.keys.stride(1) for _, _, _, c, _ in calls]],
+                          dtype=torch.int64)
+    row0 = torch.tensor([0, *sizes[:-1]], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    nrows = torch.tensor(sizes, dtype=torch.int32)
+    start = torch.tensor([c.length for _, _, _, c, _ in calls], dtype=torch.int32)
+    seg = torch.repeat_interleave(torch.arange(len(calls), dtype=torch.int32), nrows)
+    extra_start = torch.cat([plans[0].start[:1]] + [p.start[1:] + sum(q.extra.shape[0] for q in plans[:i])
+                                                     for i, p in enumerate(plans)]).to(torch.int32)
+    lo, hi = torch.cat([p.lo for p in plans]), torch.cat([p.hi for p in plans])
+    extra = torch.cat([p.extra for p in plans])
     out = torch.empty(n, h, dtype=torch.float32)
-    k, v = cache.keys, cache.values
-    addresses = torch.tensor([k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1)], dtype=torch.int64)
-    rc = gemv.library().medusa_eagle3_layer(g.data_ptr(), emb.data_ptr(), n, h, t.dims.data_ptr(), t.eps, t.scale,
-                                            t.weights.data_ptr(), t.half, t.residual_norm, cos.data_ptr(),
-                                            sin.data_ptr(), addresses.data_ptr(), start, plan.lo.data_ptr(),
-                                            plan.hi.data_ptr(), plan.start.data_ptr(), plan.extra.data_ptr(),
-                                            out.data_ptr(), torch.get_num_threads())
+    dims = torch.tensor([t.heads, t.kv_heads, t.dim, t.inter, len(calls)], dtype=torch.int32)
+    rc = gemv.library().medusa_draft_layer(
+        g.data_ptr(), None if emb is None else emb.data_ptr(), n, h, dims.data_ptr(), t.eps, t.scale,
+        t.weights.data_ptr(), t.half, t.residual_norm, cos.data_ptr(), sin.data_ptr(), caches.data_ptr(),
+        row0.data_ptr(), nrows.data_ptr(), start.data_ptr(), seg.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+        extra_start.data_ptr(), extra.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"the one-call drafter does not take {n} rows of {h} features")
-    cache.length = start + n
-    return out
+    for (_, _, _, cache, _), rows_ in zip(calls, sizes):
+        cache.length += rows_
+    if not t.wide and not heads.eagle1:
+        norm = target.get_decoder().norm
+        out = norm(out.to(norm.weight.dtype)).float()
+    return list(out.split(sizes))

@@ -137,10 +137,10 @@ def _load(path: Path) -> ctypes.CDLL:
                                    ctypes.c_void_p, ctypes.c_int]
     lib.medusa_decoder.restype = ctypes.c_int
     lib.medusa_decoder_fields.restype = ctypes.c_int
-    lib.medusa_eagle3_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                        ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                        *[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int]
-    lib.medusa_eagle3_layer.restype = ctypes.c_int
+    lib.medusa_draft_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                       *[ctypes.c_void_p] * 12, ctypes.c_int]
+    lib.medusa_draft_layer.restype = ctypes.c_int
     _check(lib)
     return lib
 
