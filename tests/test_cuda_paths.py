@@ -12,6 +12,7 @@ from tiny import tiny_model
 from tiny_heads import random_heads
 
 from medusa.api import SHIPPED_EAGLE3_HEADS, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, shipped_heads_for
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 from medusa.models.eagle_heads import EagleHeads
 from medusa.models.heads_config import HeadsConfig
@@ -72,7 +73,7 @@ def test_eagle_drafting_reads_nothing_back_until_every_level_is_queued():
     heads.to("meta")
     proposer = EagleProposer(heads, torch.device("meta"), DynamicTree(nodes=9, depth=4, topk=3))
     proposer.last = torch.empty(model.config.hidden_size, device="meta")
-    parents, tokens, scores = proposer._draft(root=0, depth=4)
+    parents, tokens, scores = shared.alone(proposer._draft(root=0, depth=4))
     assert [p.shape for p in parents] == [(3,)] * 3
     assert [t.shape for t in tokens] == [(3,), (9,), (9,), (9,)] and [s.shape for s in scores] == [(3,), (9,), (9,), (9,)]
     assert proposer.cache.get_seq_length() == 9  # three expanded levels of three pairs

@@ -129,14 +129,14 @@ def test_the_engine_switches_sizes_at_their_lengths_and_stays_exact(arch):
         proposer = engine.proposer(mode)
         assert (proposer.max_rows, proposer.min_rows) == ((7 if mode == "eagle" else 10), 1)
         steps: list[tuple[int, int]] = []
-        propose = proposer.propose
+        drafting = proposer.steps  # (the engine drafts through the proposer's coroutine)
 
-        def spy(state, propose=propose, steps=steps):
-            proposal = propose(state)
+        def spy(state, drafting=drafting, steps=steps):
+            proposal = yield from drafting(state)
             steps.append((state.length, proposal.tree.num_nodes))
             return proposal
 
-        proposer.propose = spy
+        proposer.steps = spy
         res = engine.generate(prompt, max_new_tokens=60, mode=proposer)
         assert res.tokens == ref, mode
         before = [rows for length, rows in steps if length < len(prompt) + 20]

@@ -54,10 +54,11 @@ def test_a_request_whose_own_step_fails_ends_alone_and_the_others_finish(running
         prompts = [engine.tokenizer(q)["input_ids"] for q in QUESTIONS[:3]]
         streams = [sched.submit(p, max_new_tokens=24, temperature=0) for p in prompts]
 
-        def broken(cap=None):
+        def broken(cap=None):  # the request's drafting (a coroutine, as the batch drives it) raises
             raise RuntimeError("this request's proposer broke")
+            yield
 
-        streams[1].run.propose = broken
+        streams[1].run.propose_steps = broken
         with pytest.raises(Exception, match="this request's proposer broke"):
             streams[1].wait()
         for i in (0, 2):

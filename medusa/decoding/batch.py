@@ -26,6 +26,7 @@ import torch
 
 from medusa.decoding.generation import Done, Event, Failed, Tokens
 from medusa.decoding.passes.strategies import PassStrategy
+from medusa.decoding.proposers import shared
 from medusa.decoding.request import Status
 from medusa.decoding.run import Decoding, accept, accept_chains, greedy_chain
 from medusa.decoding.state import Proposal
@@ -121,12 +122,13 @@ class Batch:
         wanted = caps(running) if caps is not None else [None] * len(running)
         live: list[Decoding] = []
         proposals: list[Proposal] = []
-        for run, cap in zip(running, wanted):
-            try:
-                proposal = run.propose(within(cap, run.request.max_draft))
-            except Exception as exc:  # noqa: BLE001 - this request's own drafting: it fails alone
+        # every sequence's drafting at once: their heads' calls shared (medusa/decoding/proposers/shared.py)
+        drafted = shared.together([run.propose_steps(within(cap, run.request.max_draft))
+                                   for run, cap in zip(running, wanted)])
+        for run, proposal in zip(running, drafted):
+            if isinstance(proposal, BaseException):  # this request's own drafting: it fails alone
                 self.running.remove(run)
-                report.events.append((run, _failed(run, exc)))
+                report.events.append((run, _failed(run, proposal)))
                 continue
             if proposal is None:
                 self.running.remove(run)

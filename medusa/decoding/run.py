@@ -15,7 +15,9 @@ import torch
 from medusa.decoding.generation import GenerationResult, GenerationStats
 from medusa.decoding.passes.strategies import PASS_BUCKETS, PassStrategy
 from medusa.decoding.penalties import Penalties
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.autoregressive import Autoregressive
+from medusa.decoding.proposers.shared import Steps
 from medusa.decoding.request import Request, Status
 from medusa.decoding.sampling import SamplingConfig, next_token
 from medusa.decoding.state import CacheShare, DecodeState, Proposal, Proposer, StepOutcome
@@ -215,18 +217,34 @@ class Decoding:
     def propose(self, rows_cap: int | None = None) -> Proposal | None:
         """This step's proposal (within ``rows_cap`` rows: a batch's share), or None when the
         generation is over (:attr:`reason` says why)."""
+        return shared.alone(self.propose_steps(rows_cap))
+
+    def propose_steps(self, rows_cap: int | None = None) -> Steps:
+        """:meth:`propose` as a coroutine asking for its heads' calls (medusa/decoding/proposers/shared.py:
+        a batch answers its sequences' asks together); the time of its own work and its share of
+        the calls that answered it go to ``stats.draft_seconds``."""
         if self.reason is None:
             self.reason = self._stop_reason()
         if self.reason is not None:
             return None
-        t1 = time.perf_counter()
-        proposal = self._propose(self.max_new_tokens - len(self.emitted), rows_cap)
-        if self.argmax:
-            proposal = replace(proposal, argmax=True)
-        self.stats.draft_seconds += time.perf_counter() - t1
-        return proposal
+        steps, t1 = self._propose(self.max_new_tokens - len(self.emitted), rows_cap), time.perf_counter()
+        try:
+            ask = next(steps)
+            while True:
+                self.stats.draft_seconds += time.perf_counter() - t1
+                t1 = None  # (waiting for the answer: not this sequence's time)
+                answer = yield ask
+                t1 = time.perf_counter()
+                self.stats.draft_seconds += ask.seconds
+                ask = steps.throw(answer) if isinstance(answer, BaseException) else steps.send(answer)
+        except StopIteration as stop:
+            proposal = stop.value
+        finally:
+            if t1 is not None:
+                self.stats.draft_seconds += time.perf_counter() - t1
+        return replace(proposal, argmax=True) if self.argmax else proposal
 
-    def _propose(self, room: int, rows_cap: int | None = None) -> Proposal:
+    def _propose(self, room: int, rows_cap: int | None = None) -> Steps:
         """The proposer's tree for this step, within ``room`` tokens left and the context, and
         within ``rows_cap`` rows (a batch's share): 1 row drafts nothing at all, fewer rows draft
         no deeper than they can verify."""
@@ -240,7 +258,7 @@ class Decoding:
         cap = self.max_rows if rows_cap is None else min(rows_cap, self.max_rows or rows_cap)
         if rows_cap is not None:
             state.budget = min(state.budget, rows_cap)  # a chain of rows_cap rows is rows_cap - 1 deep
-        proposal = self.proposer.propose(state)
+        proposal = yield from self.proposer.steps(state)
         n = proposal.tokens.shape[0]
         rows = n if proposal.side is None else n + proposal.side.tokens.shape[0]
         if cap is not None and rows > cap:

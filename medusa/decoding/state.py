@@ -182,6 +182,14 @@ class Proposer(abc.ABC):
     def propose(self, state: DecodeState) -> Proposal:
         """This step's candidates: a tree rooted at ``state.root`` and its tokens."""
 
+    def steps(self, state: DecodeState):
+        """:meth:`propose` as a coroutine that yields each call of its heads it can share with other
+        sequences' (an ``Ask``: medusa/decoding/proposers/shared.py drives it) and returns the
+        proposal. Default: it asks nothing."""
+        proposal = self.propose(state)
+        yield from ()
+        return proposal
+
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         """Called after each verified step with what was accepted (default: nothing)."""
         return None

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest
+from medusa.decoding.proposers.shared import Ask, Steps
 from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, tree_key
@@ -237,12 +239,15 @@ class EagleProposer(HeadsProposer):
 
     def _feed(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
         """Append pairs ``(features[i], tokens[i])`` at positions ``first + i``."""
+        shared.alone(self._feed_steps(features, tokens, first))
+
+    def _feed_steps(self, features: torch.Tensor, tokens: list[int], first: int) -> Steps:
         n = len(tokens)
         past = self.length - self.start
         visible = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
         visible[:, past:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-        out = self._layer(features, torch.tensor(tokens, device=self.device),
-                          torch.arange(first, first + n, device=self.device), visible)
+        out, _ = yield Ask(self, (features, torch.tensor(tokens, device=self.device),
+                                  torch.arange(first, first + n, device=self.device), visible))
         self.length = first + n
         self.last = out[-1]
 
@@ -262,13 +267,19 @@ class EagleProposer(HeadsProposer):
 
     def _restart(self, features: torch.Tensor, tokens: list[int], first: int) -> None:
         """A fresh cache of the pairs ``(features[i], tokens[i])`` at positions ``first + i``."""
+        shared.alone(self._restart_steps(features, tokens, first))
+
+    def _restart_steps(self, features: torch.Tensor, tokens: list[int], first: int) -> Steps:
         self.cache = self._new_cache()
         self.start = self.length = first
-        self._feed(features, tokens, first)
+        yield from self._feed_steps(features, tokens, first)
 
     def _catch_up(self) -> None:
         """Feed the deferred pairs in one call: within a window only its last pairs, into a fresh
         cache (the older ones would have slid out before this step)."""
+        shared.alone(self._catch_up_steps())
+
+    def _catch_up_steps(self) -> Steps:
         if not self.pending:
             return
         if len(self.pending) == 1:  # a drafting step's own pairs (every step, alone): no copy
@@ -280,24 +291,30 @@ class EagleProposer(HeadsProposer):
         self.pending = []
         if self.window is not None and features.shape[0] >= self.window:
             cut = features.shape[0] - self.window
-            self._restart(features[cut:], tokens[cut:], first + cut)
+            yield from self._restart_steps(features[cut:], tokens[cut:], first + cut)
             return
-        self._feed(features, tokens, first)
+        yield from self._feed_steps(features, tokens, first)
         self._slide()
 
     # -- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
+        return shared.alone(self.steps(state))
+
+    @torch.inference_mode()
+    def steps(self, state: DecodeState) -> Steps:
+        """:meth:`propose` asking for its heads' calls (medusa/decoding/proposers/shared.py): the
+        update's pairs, then each level of the tree, shared with other sequences' in a batch."""
         size = self._size_for(state).at(state.length)  # smaller at long contexts (the draft shape's topk is the same)
         depth = state.max_depth(size.depth)  # no deeper than the tokens left to emit
         if size.nodes == 0 or depth == 0 or state.lean:  # drafting does not pay here; or one token is left
             self.ranked, self.scores = [], []
             return Proposal(tree=_compiled(()).to(self.device), tokens=state.root.view(1), is_chain=True)
-        self._catch_up()
+        yield from self._catch_up_steps()
         if draws(state.sampling, self.draw):  # levels as deep as sized, within its nodes
             width = max(size.topk, 1) if self.by_temperature else self.draw  # (calibrated: siblings as sized)
             return self._drawn(state, min(depth, max(1, size.nodes // width)), width)
-        parents, tokens, scores = self._draft(state.length, depth)
+        parents, tokens, scores = yield from self._draft(state.length, depth)
         self._crop()
         # the drafting's host sync: what was drafted, once every level is queued
         token_list, score_list = torch.cat(tokens).tolist(), torch.cat(scores).tolist()
@@ -350,14 +367,14 @@ class EagleProposer(HeadsProposer):
         self._crop()
         return laws
 
-    def _draft(self, root: int, depth: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Grow the draft to ``depth`` levels: ``(parents, tokens, scores)``, per level the
+    def _draft(self, root: int, depth: int) -> Steps:
+        """Grow the draft to ``depth`` levels, returning ``(parents, tokens, scores)``, per level the
         nodes' draft tokens and cumulative log-probabilities; level d's nodes are the ``topk``
         ranked children of each node of level d-1 listed in ``parents[d - 2]`` (level 1: of
         the root). Fixed shapes and no host sync: ``topk`` nodes at level 1, ``topk * topk``
         below, and the ``topk`` best of a level are expanded by one head pass over them."""
-        k, vocab, past = self.size.topk, self.heads.draft_vocab, root - self.start
-        logp = torch.log_softmax(self.heads.logits(self.last, vocab).float(), dim=-1)  # [V or S]
+        k, past = self.size.topk, root - self.start
+        _, logp = yield Ask(self, features=self.last, scored=True)  # [V or S]
         vocab = self.heads.draft_vocab  # read after scoring: logits() keeps it on the projection's device
         top = logp.topk(k)
         tokens = [top.indices if vocab is None else vocab[top.indices]]  # [k]
@@ -372,9 +389,9 @@ class EagleProposer(HeadsProposer):
             visible[:, :past] = True  # the accepted context
             visible.scatter_(1, past + ancestors[best], True)  # the node's ancestors' pairs
             visible[rows, past + drafted + rows] = True  # and its own
-            out = self._layer(features[best], tokens[-1][best], torch.full((k,), root + d - 1, device=self.device),
-                              visible)  # [k, H]
-            top = torch.log_softmax(self.heads.logits(out, vocab).float(), dim=-1).topk(k, dim=-1)  # [k, k]
+            out, logp = yield Ask(self, (features[best], tokens[-1][best],
+                                         torch.full((k,), root + d - 1, device=self.device), visible), scored=True)
+            top = logp.topk(k, dim=-1)  # [k, k]: out [k, H], the next level's features
             tokens.append((top.indices if vocab is None else vocab[top.indices]).flatten())  # parent-major
             scores.append((top.values + scores[-1][best][:, None]).flatten())
             features = out.repeat_interleave(k, 0)

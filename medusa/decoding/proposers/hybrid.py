@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.lookahead import LookaheadProposer, cached_tree
+from medusa.decoding.proposers.shared import Steps
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree, graft, spelled
 
@@ -70,12 +72,16 @@ class Hybrid(Proposer):
             self.lookahead.begin(state)
 
     def propose(self, state: DecodeState) -> Proposal:
+        return shared.alone(self.steps(state))
+
+    def steps(self, state: DecodeState) -> Steps:
+        """:meth:`propose` asking for the heads' calls as the heads proposer's own :meth:`steps` do."""
         limit = None if self.chain_at is None else self.chain_at(state.length)
         sized = getattr(self.heads, "chain_for", None)  # a drawn request's chain, sized with its temperature
         here = None if sized is None else sized(state)
         if here is not None:
             limit = here if limit is None else min(limit, here)
-        guessed = self.heads.propose(state)
+        guessed = yield from self.heads.steps(state)
         if limit == 0 and not self.jacobi:  # sized without a chain at this context length
             return guessed
         copied = self.lookup.propose(state, limit)

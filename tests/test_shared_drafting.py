@@ -1,0 +1,144 @@
+"""A batch's sequences draft together (medusa/decoding/proposers/shared.py): each round of their
+EAGLE or EAGLE-3 heads' calls runs as one C layer call over every sequence's rows, and every
+sequence drafts the very trees it drafts alone (so takes the same steps to the same tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import hf_greedy, tiny_model
+
+from medusa.decoding.batch import Batch
+from medusa.decoding.engine import Engine
+from medusa.decoding.generation import Failed, Tokens
+from medusa.decoding.plan import Plan
+from medusa.decoding.proposers import shared
+from medusa.decoding.proposers.eagle import DynamicTree
+from medusa.decoding.request import make_request
+from medusa.decoding.run import Decoding
+from medusa.models.eagle3_heads import init_eagle3_for
+from medusa.models.eagle_heads import init_eagle_for
+from medusa.runtime import drafter
+
+PROMPTS = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7, list(range(10, 40))]
+N = 20
+
+
+def engine(kind: str) -> Engine:
+    model = tiny_model("llama")
+    # heads that start as the target's own rows or last layer: their drafts are often right
+    heads = init_eagle3_for(model, 3) if kind == "eagle3" else init_eagle_for(model, 3)
+    size = DynamicTree(nodes=6, depth=3, topk=2)
+    return Engine(model, heads=heads, plan=Plan(kernels="gemv", eagle=size, hybrid=size))
+
+
+def record_proposals(monkeypatch) -> dict[int, list[list[int]]]:
+    """Each decoding's proposals (their tokens), step by step, keyed by the decoding."""
+    seen: dict[int, list[list[int]]] = {}
+    steps = Decoding.propose_steps
+
+    def watched(self, rows_cap=None):
+        proposal = yield from steps(self, rows_cap)
+        if proposal is not None:
+            seen.setdefault(id(self), []).append(proposal.tokens.tolist())
+        return proposal
+
+    monkeypatch.setattr(Decoding, "propose_steps", watched)
+    return seen
+
+
+def batched(eng: Engine, runs: list[Decoding]) -> tuple[list[list[int]], list[Failed]]:
+    """``runs`` prefilled, then decoded in one batch (each drafts its whole proposal)."""
+    batch, tokens, failed = Batch(eng.passes, eng.max_rows), {id(r): [] for r in runs}, []
+    with eng.owned():
+        for run in runs:
+            batch.add(run)
+            while run not in batch.running:
+                for r, event in batch.prefill()[1]:
+                    tokens[id(r)] += event.ids if isinstance(event, Tokens) else []
+        while batch:
+            for r, event in batch.step().events:
+                if isinstance(event, Tokens):
+                    tokens[id(r)] += event.ids
+                elif isinstance(event, Failed):
+                    failed.append(event)
+    return [tokens[id(r)] for r in runs], failed
+
+
+def greedy(eng: Engine, prompt: list[int], tokens: list[int]) -> bool:
+    """``tokens`` are the target's greedy continuation (transformers' ``generate`` stops at EOS;
+    these requests ignore it)."""
+    ref = hf_greedy(eng.model, prompt, N)
+    return len(tokens) == N and tokens[:len(ref)] == ref
+
+
+def decodings(eng: Engine, mode: str) -> list[Decoding]:
+    return [eng.decoding(make_request(p, max_new_tokens=N, mode=mode, ignore_eos=True)) for p in PROMPTS]
+
+
+def shared_calls(monkeypatch, fail=None) -> list[int]:
+    """How many sequences each C layer call ran (``fail(calls)``: raise in it instead)."""
+    segments: list[int] = []
+    step_many = drafter.step_many
+
+    def counted(heads, t, calls):
+        segments.append(len(calls))
+        if fail is not None and fail(calls):
+            raise RuntimeError("this call broke")
+        return step_many(heads, t, calls)
+
+    monkeypatch.setattr(drafter, "step_many", counted)
+    return segments
+
+
+@pytest.mark.parametrize("kind, mode", [("eagle3", "eagle3"), ("eagle3", "hybrid"), ("eagle", "eagle")])
+def test_a_batch_drafts_in_one_layer_call_a_round_and_the_trees_each_drafts_alone(monkeypatch, kind, mode):
+    eng = engine(kind)
+    seen = record_proposals(monkeypatch)
+    alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
+    alone_trees = list(seen.values())
+    seen.clear()
+    segments = shared_calls(monkeypatch)
+    runs = decodings(eng, mode)
+    tokens, failed = batched(eng, runs)
+    assert not failed
+    for prompt, got, want in zip(PROMPTS, tokens, alone):
+        assert got == want and greedy(eng, prompt, got)
+    assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
+    assert max(segments) == len(PROMPTS)  # the three sequences' rows in one call
+
+
+def test_a_failed_shared_call_is_undone_and_each_sequence_drafts_on_its_own(monkeypatch):
+    """A shared call that raises: its pairs leave the caches, each sequence's call runs alone,
+    and every request still gets its own tokens."""
+    eng = engine("eagle3")
+    segments = shared_calls(monkeypatch, fail=lambda calls: len(calls) > 1 and len(segments) % 3 == 0)
+    tokens, failed = batched(eng, decodings(eng, "eagle3"))
+    assert not failed and segments.count(1) >= 2  # the broken calls were redone one sequence at a time
+    for prompt, got in zip(PROMPTS, tokens):
+        assert greedy(eng, prompt, got)
+
+
+def test_a_sequence_whose_drafting_fails_ends_alone(monkeypatch):
+    """One sequence's heads call raises inside the shared round: that request fails, the others
+    draft on without it and finish with their own tokens."""
+    eng = engine("eagle3")
+    runs = decodings(eng, "eagle3")
+    # its heads' calls fail once its prompt's pairs are in (they go in alone, before the batch steps)
+    shared_calls(monkeypatch, fail=lambda calls: any(c[3] is runs[1].proposer.cache and c[3].length for c in calls))
+    tokens, failed = batched(eng, runs)
+    assert len(failed) == 1 and "this call broke" in str(failed[0].error)
+    for i in (0, 2):
+        assert greedy(eng, PROMPTS[i], tokens[i])
+
+
+def test_together_returns_each_coroutines_error_alone():
+    def fine(x):
+        yield from ()
+        return x
+
+    def broken():
+        raise ValueError("drafting broke")
+        yield
+
+    results = shared.together([fine(1), broken(), fine(3)])
+    assert results[0] == 1 and results[2] == 3 and isinstance(results[1], ValueError)
