@@ -143,6 +143,9 @@ def test_the_engine_switches_sizes_at_their_lengths_and_stays_exact(arch):
         after = [rows for length, rows in steps if length >= len(prompt) + 20]
         assert before and after and max(before) > 1, steps
         assert max(after) == 1, steps  # past the switch: no tree, no chain, plain decoding's one row
+        drafting = proposer if mode == "eagle" else proposer.heads
+        # and the head rests: no size drafts from there on, so no pairs are fed to it
+        assert not drafting.active and drafting.length <= len(prompt) + 20 + size.depth, drafting.length
         # never more rows than the size for that length allows (root, nodes, chain)
         assert all(rows <= 1 + size.at(length).nodes + (size.at(length).chain if mode == "hybrid" else 0)
                    for length, rows in steps)

@@ -34,11 +34,14 @@ def engine(kind: str) -> Engine:
 def record_proposals(monkeypatch) -> dict[int, list[list[int]]]:
     """Each decoding's proposals (their tokens), step by step, keyed by the decoding."""
     seen: dict[int, list[list[int]]] = {}
+    held: list[Decoding] = []  # (alive while watched: a freed decoding's id could name the next one)
     steps = Decoding.propose_steps
 
     def watched(self, rows_cap=None):
         proposal = yield from steps(self, rows_cap)
         if proposal is not None:
+            if id(self) not in seen:
+                held.append(self)
             seen.setdefault(id(self), []).append(proposal.tokens.tolist())
         return proposal
 

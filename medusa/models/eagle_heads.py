@@ -39,8 +39,10 @@ from transformers.cache_utils import Cache
 
 from medusa.errors import MedusaError
 from medusa.models.heads_config import HeadsConfig, checked_draft_vocab
+from medusa.runtime import gemv
 from medusa.runtime import hf as kv
 from medusa.runtime.int8 import Int8Rows, int8_available, int8_linears
+from medusa.runtime.kernels import gemv_copy
 from medusa.runtime.ngrams import NgramTable
 
 
@@ -106,6 +108,7 @@ class EagleHeads(OnTarget, nn.Module):
         self._draft_weight: torch.Tensor | None = None
         self.int8 = False  # drafting on int8 copies of the weights (:meth:`to_int8`)
         self._draft_int8: tuple[torch.Tensor, Int8Rows] | None = None  # the draft vocabulary's rows, as int8
+        self._draft_gemv: tuple[torch.Tensor, torch.Tensor] | None = None  # and packed for the gemv kernels
         # Calibrated dynamic-tree sizes by device type: {"cpu": {"nodes": N, "depth": D, "topk": k}}.
         self.dynamic: dict[str, dict[str, int]] = {}
         # What calibration measured per device and dtype (calibration.json's "measured"): the
@@ -242,7 +245,8 @@ class EagleHeads(OnTarget, nn.Module):
     def logits(self, features: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H] -> [..., V]`` (``[..., S]`` over the ids ``vocab``; the draft vocabulary's
         rows are cached in the head's own dtype, so bfloat16 heads beside a float32 target score
-        in bfloat16) through the target's frozen ``lm_head``."""
+        in bfloat16; where the target's product runs the gemv kernels, those rows do too, packed
+        once, with float32 sums) through the target's frozen ``lm_head``."""
         lm_head = self.target.get_output_embeddings()
         if vocab is None:
             return lm_head(features.to(lm_head.weight.dtype))
@@ -255,6 +259,10 @@ class EagleHeads(OnTarget, nn.Module):
                 if self._draft_int8 is None or self._draft_int8[0] is not w:
                     self._draft_int8 = (w, Int8Rows.of(w))
                 return self._draft_int8[1].matmul(features)
+            if w.device.type == "cpu" and gemv_copy(lm_head, 1) is not None:  # the target's product runs gemv now
+                if self._draft_gemv is None or self._draft_gemv[0] is not w:
+                    self._draft_gemv = (w, gemv.pack(w))  # the rows' product on the same kernels
+                return gemv.product(features, self._draft_gemv[1], w.shape[0])
         else:
             w = lm_head.weight[vocab]
         return features.to(w.dtype) @ w.T

@@ -403,6 +403,9 @@ class EagleProposer(HeadsProposer):
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
         if not self.active:
             return
+        if not self._drafts_from(state):  # sized to draft nothing from here on: the head rests
+            self.active, self.pending = False, []
+            return
         # pairs (f_p, x_{p+1}) for the root and every accepted node, with the target's features
         nodes = torch.tensor(outcome.nodes, device=self.device)
         self.pending.append((outcome.hidden[nodes], list(outcome.tokens), outcome.start))
@@ -412,6 +415,11 @@ class EagleProposer(HeadsProposer):
                 self._catch_up()  # (at most two windows wait)
             return
         self._catch_up()
+
+    def _drafts_from(self, state: DecodeState) -> bool:
+        """Whether a size of this request drafts at its length or at a longer one (contexts only grow)."""
+        size = self._size_for(state)
+        return size.at(state.length).nodes > 0 or any(s.nodes for start, s in size.longer if start > state.length)
 
     def _slide(self) -> None:
         """The oldest pairs leave the head's cache past its window."""
