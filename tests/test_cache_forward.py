@@ -88,3 +88,25 @@ def test_buffered_cache_grows_crops_and_rewrites_like_a_fresh_pass():
         assert isinstance(layer, kv.BufferedLayer)
         torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_a_held_buffered_layer_makes_its_views_when_read_and_crops_without_them():
+    """After a one-call pass writes a layer's buffers in place (``hold``), its keys and values are
+    the buffers' first positions when read; a crop of a held layer only shortens what is held, and
+    setting the views while held first makes them (nothing written is lost)."""
+    cache = kv.new_cache()
+    cache.update(torch.arange(2 * 4 * 8.0).view(1, 2, 4, 8), -torch.arange(2 * 4 * 8.0).view(1, 2, 4, 8), 0)
+    layer = cache.layers[0]
+    layer._kbuf[..., 4:7, :] = 100.0  # a pass writes three more positions in place
+    layer._vbuf[..., 4:7, :] = -100.0
+    layer.hold(7)
+    assert "held" in layer.__dict__ and layer.__dict__["_keys"].shape[-2] == 4  # no view made yet
+    assert cache.get_seq_length() == 7 and torch.equal(layer.keys, layer._kbuf[..., :7, :])
+    layer.hold(7)
+    kv.crop(cache, 5)  # held: only the length changes
+    assert layer.__dict__["held"] == 5 and torch.equal(layer.values, layer._vbuf[..., :5, :])
+    layer.hold(6)
+    layer.keys = layer.keys[..., :6, :]  # a setter while held: both views made first
+    assert layer.values.shape[-2] == 6 and layer.__dict__["held"] is None
+    kv.crop(cache, 3)  # an ordinary crop of made views
+    assert cache.get_seq_length() == 3 and torch.equal(layer.keys, torch.arange(2 * 4 * 8.0).view(1, 2, 4, 8)[..., :3, :])

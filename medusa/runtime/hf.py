@@ -29,51 +29,10 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
 
 from medusa.errors import MedusaError
-
-
-class BufferedLayer(DynamicLayer):
-    """A full-length cache layer backed by a reusable buffer.
-
-    ``keys``/``values`` are always views ``buffer[..., :length, :]``, so everything that
-    reads a ``DynamicLayer`` (transformers' masks, ``get_seq_length``, our ``crop`` and
-    ``keep_nodes``) works unchanged. ``update`` writes the new entries in place after
-    ``length``, doubling the buffer when it is full: amortised O(new tokens) per step.
-    """
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._kbuf: torch.Tensor | None = None
-        self._vbuf: torch.Tensor | None = None
-
-    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        kbuf = self._kbuf
-        if kbuf is not None and kbuf.shape[-2] >= needed and kbuf.shape[:-2] == key_states.shape[:-2]:
-            return
-        capacity = max(needed, 2 * (kbuf.shape[-2] if kbuf is not None else 0), 256)
-        length = self.get_seq_length()
-        new_k = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
-        new_v = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
-        if length:
-            new_k[..., :length, :] = self.keys
-            new_v[..., :length, :] = self.values
-        self._kbuf, self._vbuf = new_k, new_v
-        self.keys, self.values = new_k[..., :length, :], new_v[..., :length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start = self.get_seq_length()
-        end = start + key_states.shape[-2]
-        self._reserve(key_states, value_states, end)
-        self._kbuf[..., start:end, :] = key_states
-        self._vbuf[..., start:end, :] = value_states
-        self.keys = self._kbuf[..., :end, :]
-        self.values = self._vbuf[..., :end, :]
-        return self.keys, self.values
+from medusa.runtime.buffered import BufferedLayer
 
 
 def new_cache(buffered: bool = True) -> DynamicCache:
@@ -140,7 +99,13 @@ def _layers(cache: Cache):
 def crop(cache: Cache, length: int) -> None:
     """Keep the first ``length`` positions (a view: no copy; a static cache just forgets
     the slots after ``length``, which later passes overwrite and masks hide)."""
-    for layer in _layers(cache):
+    for layer in cache.layers:
+        held = layer.__dict__.get("held")
+        if held is not None:  # a held buffered layer: its views stay unmade
+            layer.hold(min(held, length))
+            continue
+        if not getattr(layer, "is_initialized", False) or layer.keys is None:
+            continue
         if isinstance(layer, StaticLayer):
             with torch.inference_mode():  # the counter may be an inference tensor
                 layer.cumulative_length.fill_(length)
