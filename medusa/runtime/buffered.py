@@ -8,6 +8,25 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 
+class _View:
+    """A layer's ``keys`` or ``values``: made from its buffer where a length is held, first."""
+
+    def __init__(self, slot: str) -> None:
+        self.slot = slot
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        if layer.__dict__.get("held") is not None:
+            layer._views()
+        return layer.__dict__.get(self.slot)
+
+    def __set__(self, layer, value: torch.Tensor | None) -> None:
+        if layer.__dict__.get("held") is not None:
+            layer._views()
+        layer.__dict__[self.slot] = value
+
+
 class BufferedLayer(DynamicLayer):
     """A full-length cache layer backed by a reusable buffer.
 
@@ -20,29 +39,8 @@ class BufferedLayer(DynamicLayer):
     # ``keys``/``values`` live in the instance dict; after :meth:`hold` (a one-call pass wrote the
     # buffers in place, or a crop cut a held length) they are made when first read, not at every
     # step for every layer of every sequence
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self.__dict__.get("held") is not None:
-            self._views()
-        return self.__dict__.get("_keys")
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if self.__dict__.get("held") is not None:
-            self._views()
-        self.__dict__["_keys"] = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self.__dict__.get("held") is not None:
-            self._views()
-        return self.__dict__.get("_values")
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if self.__dict__.get("held") is not None:
-            self._views()
-        self.__dict__["_values"] = value
+    keys = _View("_keys")
+    values = _View("_values")
 
     def hold(self, length: int) -> None:
         """The buffers' first ``length`` positions are the cache (written in place): the views
