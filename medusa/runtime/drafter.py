@@ -214,9 +214,10 @@ def step_many(heads, t: _Table, calls: list[tuple]) -> list[torch.Tensor]:
     all of them. A row's result is the same bits as in a call of its own (the products and the
     attention compute each row from its own values in a fixed order)."""
     target = heads.target
-    features = torch.cat([f for f, _, _, _, _ in calls])
-    tokens = torch.cat([x.reshape(-1) for _, x, _, _, _ in calls])
-    positions = torch.cat([p.reshape(-1) for _, _, p, _, _ in calls])
+    one = len(calls) == 1  # (a sequence on its own, the usual call: nothing to join)
+    features = calls[0][0] if one else torch.cat([f for f, _, _, _, _ in calls])
+    tokens = calls[0][1].reshape(-1) if one else torch.cat([x.reshape(-1) for _, x, _, _, _ in calls])
+    positions = calls[0][2].reshape(-1) if one else torch.cat([p.reshape(-1) for _, _, p, _, _ in calls])
     if t.wide:
         g = heads.fuse(features).float().contiguous()
         emb = target.get_input_embeddings()(tokens).float().contiguous()
@@ -229,32 +230,39 @@ def step_many(heads, t: _Table, calls: list[tuple]) -> list[torch.Tensor]:
     cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
     n, h = g.shape
     sizes = [f.shape[0] for f, _, _, _, _ in calls]
-    plans = [layout_of(visible) for _, _, _, _, visible in calls]
-    for (_, _, _, cache, _), rows_ in zip(calls, sizes):
+    caches = [c for _, _, _, c, _ in calls]
+    for cache, rows_ in zip(caches, sizes):
         cache.reserve(cache.length + rows_)
-    caches = torch.tensor([[c.keys.data_ptr() for _, _, _, c, _ in calls], [c.values.data_ptr() for _, _, _, c, _ in calls],
-                           [c.keys.stride(0) for _, _, _, c, _ in calls], [c.keys.stride(1) for _, _, _, c, _ in calls]],
-                          dtype=torch.int64)
-    row0 = torch.tensor([0, *sizes[:-1]], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    nrows = torch.tensor(sizes, dtype=torch.int32)
-    start = torch.tensor([c.length for _, _, _, c, _ in calls], dtype=torch.int32)
-    seg = torch.repeat_interleave(torch.arange(len(calls), dtype=torch.int32), nrows)
-    extra_start = torch.cat([plans[0].start[:1]] + [p.start[1:] + sum(q.extra.shape[0] for q in plans[:i])
-                                                     for i, p in enumerate(plans)]).to(torch.int32)
-    lo, hi = torch.cat([p.lo for p in plans]), torch.cat([p.hi for p in plans])
-    extra = torch.cat([p.extra for p in plans])
+    buffers = torch.tensor([[c.keys.data_ptr() for c in caches], [c.values.data_ptr() for c in caches],
+                            [c.keys.stride(0) for c in caches], [c.keys.stride(1) for c in caches]], dtype=torch.int64)
+    # each segment's row0, rows and first position, a row at a time
+    segments = torch.tensor([[sum(sizes[:i]) for i in range(len(calls))], sizes, [c.length for c in caches]],
+                            dtype=torch.int32)
+    plan = _joined([layout_of(visible) for _, _, _, _, visible in calls])
     out = torch.empty(n, h, dtype=torch.float32)
     dims = torch.tensor([t.heads, t.kv_heads, t.dim, t.inter, len(calls)], dtype=torch.int32)
     rc = gemv.library().medusa_draft_layer(
         g.data_ptr(), None if emb is None else emb.data_ptr(), n, h, dims.data_ptr(), t.eps, t.scale,
-        t.weights.data_ptr(), t.half, t.residual_norm, cos.data_ptr(), sin.data_ptr(), caches.data_ptr(),
-        row0.data_ptr(), nrows.data_ptr(), start.data_ptr(), seg.data_ptr(), lo.data_ptr(), hi.data_ptr(),
-        extra_start.data_ptr(), extra.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        t.weights.data_ptr(), t.half, t.residual_norm, cos.data_ptr(), sin.data_ptr(), buffers.data_ptr(),
+        segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), plan.seg.data_ptr(),
+        plan.lo.data_ptr(), plan.hi.data_ptr(), plan.start.data_ptr(), plan.extra.data_ptr(), out.data_ptr(),
+        torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"the one-call drafter does not take {n} rows of {h} features")
-    for (_, _, _, cache, _), rows_ in zip(calls, sizes):
+    for cache, rows_ in zip(caches, sizes):
         cache.length += rows_
     if not t.wide and not heads.eagle1:
         norm = target.get_decoder().norm
         out = norm(out.to(norm.weight.dtype)).float()
     return list(out.split(sizes))
+
+
+def _joined(plans: list[rows.Layout]) -> rows.Layout:
+    """Sequences' layouts as one: segment ``i``'s rows, their runs and extra positions after the others'."""
+    if len(plans) == 1:
+        return plans[0]
+    seg = torch.cat([torch.full_like(p.seg, i) for i, p in enumerate(plans)])
+    offsets = torch.tensor([0] + [p.extra.shape[0] for p in plans[:-1]]).cumsum(0).tolist()
+    start = torch.cat([plans[0].start[:1]] + [p.start[1:] + o for p, o in zip(plans, offsets)]).to(torch.int32)
+    return rows.Layout(seg, torch.cat([p.lo for p in plans]), torch.cat([p.hi for p in plans]), start,
+                       torch.cat([p.extra for p in plans]))
