@@ -325,8 +325,13 @@ def test_stats_say_where_the_steps_time_went():
     model = tiny_model("llama")
     eng = Engine(model, heads=random_heads(model, 0))
     proposer = eng.proposer("medusa")
-    propose, update = proposer.propose, proposer.update
-    proposer.propose = lambda state: (time.sleep(0.02), propose(state))[1]
+    steps, update = proposer.steps, proposer.update
+
+    def slow_steps(state):  # (decoding drafts through the proposer's coroutine)
+        time.sleep(0.02)
+        return (yield from steps(state))
+
+    proposer.steps = slow_steps
     proposer.update = lambda state, outcome: (time.sleep(0.01), update(state, outcome))[1]
     st = eng.generate([5, 17, 33, 9], max_new_tokens=12, mode=proposer).stats
     assert st.steps > 0

@@ -1,12 +1,16 @@
 """A batch's sequences draft together (medusa/decoding/proposers/shared.py): each round of their
-EAGLE or EAGLE-3 heads' calls runs as one C layer call over every sequence's rows, and every
-sequence drafts the very trees it drafts alone (so takes the same steps to the same tokens)."""
+EAGLE or EAGLE-3 heads' calls runs as one C layer call over every sequence's rows, Medusa heads'
+top-k as one call over every sequence's hidden state, and every sequence drafts the very trees it
+drafts alone (so takes the same steps to the same tokens)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny import hf_greedy, tiny_model
+from tiny_heads import random_heads
 
+from medusa.autotune.planner import adopt_draft_dtype
 from medusa.decoding.batch import Batch
 from medusa.decoding.engine import Engine
 from medusa.decoding.generation import Failed, Tokens
@@ -17,6 +21,7 @@ from medusa.decoding.request import make_request
 from medusa.decoding.run import Decoding
 from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
+from medusa.models.heads import MedusaHeads
 from medusa.runtime import drafter
 
 PROMPTS = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7, list(range(10, 40))]
@@ -145,3 +150,100 @@ def test_together_returns_each_coroutines_error_alone():
 
     results = shared.together([fine(1), broken(), fine(3)])
     assert results[0] == 1 and results[2] == 3 and isinstance(results[1], ValueError)
+
+
+MEDUSA_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def medusa_engine(kernels: str = "gemv") -> Engine:
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3)
+    heads.set_draft_vocab(list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17])
+    adopt_draft_dtype(heads, "bfloat16")  # as the shipped Medusa heads draft beside a float32 target
+    return Engine(model, heads=heads, tree=MEDUSA_TREE, plan=Plan(kernels=kernels))
+
+
+def shared_topk(monkeypatch, fail=None) -> list[int]:
+    """How many sequences each shared Medusa top-k call scored (``fail(hidden)``: raise in it)."""
+    sizes: list[int] = []
+    many = MedusaHeads.topk_many
+
+    def counted(self, hidden, k, num_heads):
+        sizes.append(hidden.shape[0])
+        if fail is not None and fail(hidden):
+            raise RuntimeError("this call broke")
+        return many(self, hidden, k, num_heads)
+
+    monkeypatch.setattr(MedusaHeads, "topk_many", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("mode", ["medusa", "hybrid"])
+def test_medusa_heads_score_a_batch_in_one_call_and_draft_the_trees_each_drafts_alone(monkeypatch, mode):
+    eng = medusa_engine()
+    seen = record_proposals(monkeypatch)
+    alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
+    alone_trees = list(seen.values())
+    seen.clear()
+    sizes = shared_topk(monkeypatch)
+    runs = decodings(eng, mode)
+    tokens, failed = batched(eng, runs)
+    assert not failed
+    for prompt, got, want in zip(PROMPTS, tokens, alone):
+        assert got == want and greedy(eng, prompt, got)
+    assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
+    assert max(sizes) == len(PROMPTS)  # the three sequences' heads in one call
+    assert any(len(tree) > 1 for trees in alone_trees for tree in trees)  # the heads drafted
+
+
+def test_medusa_top_k_of_many_rows_is_each_rows_own_on_the_gemv_kernels():
+    eng = medusa_engine()
+    heads, hidden = eng.heads, torch.randn(5, eng.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with eng.kernel_scope(), torch.inference_mode():
+        assert heads.shares_rows()
+        together = heads.logits(hidden, range(3), heads.draft_vocab)  # [3, 5, S]
+        for i in range(5):
+            assert torch.equal(together[:, i], heads.logits(hidden[i], range(3), heads.draft_vocab))
+        assert torch.equal(heads.topk_many(hidden, 2, 3), torch.stack([heads.topk(h, 2, num_heads=3) for h in hidden]))
+    with torch.inference_mode():  # outside the scope: torch's product, the same scores to rounding
+        assert not heads.shares_rows()
+        torch.testing.assert_close(heads.logits(hidden, range(3), heads.draft_vocab).float(), together.float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_medusa_heads_off_the_gemv_kernels_score_each_sequence_alone(monkeypatch):
+    """Where a product's rows may round differently together (torch's kernels), each sequence's
+    heads run on their own: the same tokens, no shared call."""
+    eng = medusa_engine(kernels="default")
+    sizes = shared_topk(monkeypatch)
+    tokens, failed = batched(eng, decodings(eng, "medusa"))
+    assert not failed and sizes == []
+    for prompt, got in zip(PROMPTS, tokens):
+        assert greedy(eng, prompt, got)
+
+
+def test_a_failed_shared_top_k_scores_each_sequence_alone(monkeypatch):
+    eng = medusa_engine()
+    sizes = shared_topk(monkeypatch, fail=lambda hidden: len(sizes) % 2 == 1)
+    tokens, failed = batched(eng, decodings(eng, "medusa"))
+    assert not failed and len(sizes) >= 2  # every other shared call broke and was redone one by one
+    for prompt, got in zip(PROMPTS, tokens):
+        assert greedy(eng, prompt, got)
+
+
+def test_a_sequence_whose_medusa_heads_fail_ends_alone(monkeypatch):
+    eng = medusa_engine()
+    runs = decodings(eng, "medusa")
+    shared_topk(monkeypatch, fail=lambda hidden: True)  # so each sequence's heads run on their own
+    single = MedusaHeads.topk
+
+    def topk(self, hidden, k, num_heads=None):
+        if runs[1].state is not None and torch.equal(hidden, runs[1].state.hidden):
+            raise RuntimeError("its heads broke")
+        return single(self, hidden, k, num_heads=num_heads)
+
+    monkeypatch.setattr(MedusaHeads, "topk", topk)
+    tokens, failed = batched(eng, runs)
+    assert len(failed) == 1 and "its heads broke" in str(failed[0].error)
+    for i in (0, 2):
+        assert greedy(eng, PROMPTS[i], tokens[i])

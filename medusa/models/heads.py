@@ -22,6 +22,8 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.models.heads_config import HeadsConfig, checked_draft_vocab, save_heads
+from medusa.runtime import gemv
+from medusa.runtime.kernels import gemv_copy
 from medusa.runtime.ngrams import NgramTable
 
 
@@ -67,6 +69,7 @@ class MedusaHeads(nn.Module):
         # vocabulary (see set_draft_vocab); None scores all of it.
         self.draft_vocab: torch.Tensor | None = None
         self._draft_weight: torch.Tensor | None = None
+        self._draft_gemv: tuple[torch.Tensor, torch.Tensor] | None = None  # those rows packed for the gemv kernels
         # Calibrated trees by device type ("cpu", "cuda"), from calibration.json.
         self.trees: dict[str, list[tuple[int, ...]]] = {}
         # The folder's n-gram table of the target's answers (mode hybrid's chain where the text has no match).
@@ -158,6 +161,10 @@ class MedusaHeads(nn.Module):
         if vocab is not None:
             if vocab is self.draft_vocab:
                 rows = self._draft_weights()  # [1 or K, S, H]
+                packed = self._gemv_rows(rows)
+                if packed is not None:  # every head's rows (every input's) in one product, each row on its own
+                    flat = gemv.product(feats.reshape(-1, feats.shape[-1]), packed, rows.shape[1])
+                    return flat.reshape(*feats.shape[:-1], rows.shape[1])
                 weights = [rows[0 if self.proj is None else i] for i in idx]
             else:
                 weights = [self.projection_weight(0 if self.proj is None else i)[vocab] for i in idx]  # n x [S, H]
@@ -168,6 +175,31 @@ class MedusaHeads(nn.Module):
         # is called as a module so that sharded (ZeRO-3) weights are gathered for it.
         dtype = self.projection_weight(0).dtype  # raises the one-line error for unbound heads
         return self._lm_head[0](feats.to(dtype))
+
+    def _gemv_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The shared projection's draft rows packed for the gemv kernels where the target's
+        product runs them now (the engine's kernel scope on a CPU), else None. On those kernels each
+        row of a product is computed on its own, the same bits whatever other rows it is with, so
+        several sequences' heads score in one product (medusa/decoding/proposers/shared.py)."""
+        if self.proj is not None or not self._lm_head or rows.device.type != "cpu":
+            return None
+        if gemv_copy(self._lm_head[0], 1) is None:
+            return None
+        if self._draft_gemv is None or self._draft_gemv[0] is not rows:
+            self._draft_gemv = (rows, gemv.pack(rows[0]))
+        return self._draft_gemv[1]
+
+    def shares_rows(self) -> bool:
+        """Whether :meth:`topk_many` gives each input the bits it gets alone (its draft scores run
+        on the gemv kernels now: :meth:`_gemv_rows`)."""
+        return self.draft_vocab is not None and self._gemv_rows(self._draft_weights()) is not None
+
+    @torch.no_grad()
+    def topk_many(self, hidden: torch.Tensor, k: int, num_heads: int) -> torch.Tensor:
+        """``[B, H] -> [B, num_heads, k]``: :meth:`topk` of each row, in one call."""
+        logits = self.logits(hidden, range(num_heads), self.draft_vocab)  # [n, B, V or S]
+        top = logits.topk(k, dim=-1).indices.transpose(0, 1)
+        return top if self.draft_vocab is None else self.draft_vocab[top]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [K, ..., V]`` logits of every head."""

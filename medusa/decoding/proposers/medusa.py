@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest
+from medusa.decoding.proposers.shared import Steps
 from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import TreeBuffers, compile_tree
@@ -74,6 +76,11 @@ class MedusaProposer(HeadsProposer):
         pass
 
     def propose(self, state: DecodeState) -> Proposal:
+        return shared.alone(self.steps(state))
+
+    def steps(self, state: DecodeState) -> Steps:
+        """:meth:`propose` asking for the heads' top-k (medusa/decoding/proposers/shared.py: a batch's
+        sequences score in one call where each gets its own bits there)."""
         drawn = draws(state.sampling, self.draw)
         depth, width = self._drawn_shape(state) if drawn else (state.max_depth(self.tree.max_depth), 0)
         if depth == 0:  # a calibrated tree may say heads do not pay here, or one token is left
@@ -81,7 +88,7 @@ class MedusaProposer(HeadsProposer):
         if drawn:
             return self._drawn(state, depth, width)
         tree, candidate_index, is_chain = self._layout(depth)
-        top = self.heads.topk(state.hidden, self.width, num_heads=tree.max_depth)  # [D, width]
+        top = yield shared.Ask(self, features=state.hidden, topk=(self.width, tree.max_depth))  # [D, width]
         tokens = torch.cat([state.root.view(1), top.reshape(-1)[candidate_index]])
         return Proposal(tree=tree, tokens=tokens, is_chain=is_chain)
 

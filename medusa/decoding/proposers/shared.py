@@ -8,7 +8,9 @@ proposer's asks as they come (a sequence on its own: ``propose``); :func:`togeth
 coroutines of a batch's sequences in lockstep and answers each round's asks of the same heads with
 one call of their layer (medusa/runtime/drafter.py's ``step_many``: every product reads the
 weights once for all the sequences' rows) and one scoring product, where one call runs the layer
-(the one-call drafter); elsewhere each ask runs as it would alone.
+(the one-call drafter); elsewhere each ask runs as it would alone. Medusa heads ask once a step,
+for each head's top-k on the last hidden state: a round's asks are one call over all the states
+where the heads score on the gemv kernels (:func:`_top`).
 
 The answers are the same bits either way: the C layer and the packed products compute each row
 from its own values in a fixed order, so a sequence drafts the same tree alone or beside others.
@@ -38,6 +40,9 @@ class Ask:
     features: torch.Tensor | None = None
     scored: bool = False
     seconds: float = 0.0
+    # Medusa heads' call instead: ``(k, n)``, the top ``k`` token ids of each of the first ``n``
+    # heads on ``features`` ``[H]``; the answer is their ``[n, k]`` ids
+    topk: tuple[int, int] | None = None
 
     def rows(self) -> int:
         return self.layer[0].shape[0] if self.layer is not None else 1
@@ -106,6 +111,8 @@ def _answer(asks: list[Ask]) -> list:
     its own, where that call fails), the others' through their own proposers, then one scoring
     product (each scored on its own where it fails)."""
     heads = asks[0].proposer.heads
+    if asks[0].topk is not None:
+        return _top(heads, asks)
     outs: list = [None] * len(asks)
     layered = [i for i, a in enumerate(asks) if a.layer is not None]
     table = drafter.table(heads) if len(layered) > 1 else None
@@ -142,3 +149,23 @@ def _answer(asks: list[Ask]) -> list:
             if len(part) == 1:
                 outs[part[0]] = exc
     return [outs[i] if isinstance(outs[i], BaseException) else (outs[i], logps[i]) for i in range(len(asks))]
+
+
+def _top(heads, asks: list[Ask]) -> list:
+    """Medusa heads' top-k asks: one call for all of them (as many heads as the deepest asks for,
+    each ask's own cut from it) where each input gets its own bits there (``heads.shares_rows``),
+    else, or where that call fails, each on its own."""
+    if len(asks) > 1 and len({a.topk[0] for a in asks}) == 1 and heads.shares_rows():
+        try:
+            k, n = asks[0].topk[0], max(a.topk[1] for a in asks)
+            top = heads.topk_many(torch.stack([a.features for a in asks]), k, n)  # [B, n, k]
+            return [t[:a.topk[1]] for a, t in zip(asks, top)]
+        except Exception:  # noqa: BLE001 - each again on its own below, failing alone
+            pass
+    out: list = []
+    for a in asks:
+        try:
+            out.append(heads.topk(a.features, a.topk[0], num_heads=a.topk[1]))
+        except Exception as exc:  # noqa: BLE001 - this sequence's own call
+            out.append(exc)
+    return out
