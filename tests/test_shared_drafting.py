@@ -1,6 +1,7 @@
 """A batch's sequences draft together (medusa/decoding/proposers/shared.py): each round of their
 EAGLE or EAGLE-3 heads' calls runs as one C layer call over every sequence's rows, Medusa heads'
-top-k as one call over every sequence's hidden state, and every sequence drafts the very trees it
+top-k as one call over every sequence's hidden state, block heads' drafter passes as one pass
+over every sequence's block, and every sequence drafts the very trees it
 drafts alone (so takes the same steps to the same tokens)."""
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.generation import Failed, Tokens
 from medusa.decoding.plan import Plan
 from medusa.decoding.proposers import shared
+from medusa.decoding.proposers.block import BlockProposer
 from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.request import make_request
 from medusa.decoding.run import Decoding
+from medusa.models.block_heads import BlockHeads, init_block_for
 from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
@@ -245,5 +248,82 @@ def test_a_sequence_whose_medusa_heads_fail_ends_alone(monkeypatch):
     monkeypatch.setattr(MedusaHeads, "topk", topk)
     tokens, failed = batched(eng, runs)
     assert len(failed) == 1 and "its heads broke" in str(failed[0].error)
+    for i in (0, 2):
+        assert greedy(eng, PROMPTS[i], tokens[i])
+
+
+def block_engine(kernels: str = "gemv") -> Engine:
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    heads = init_block_for(model, 4, vocab=torch.arange(0, 96, 3))
+    size = DynamicTree(nodes=7, depth=4, topk=2)
+    return Engine(model, heads=heads, plan=Plan(kernels=kernels, eagle=size, hybrid=size))
+
+
+def shared_blocks(monkeypatch, fail=None) -> list[int]:
+    """How many sequences each shared block drafter pass ran (``fail(roots)``: raise in it)."""
+    sizes: list[int] = []
+    many = BlockHeads.draft_many
+
+    def counted(self, roots, positions, ctxs, valid):
+        sizes.append(roots.shape[0])
+        if fail is not None and fail(roots):
+            raise RuntimeError("this call broke")
+        return many(self, roots, positions, ctxs, valid)
+
+    monkeypatch.setattr(BlockHeads, "draft_many", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("mode", ["block", "hybrid"])
+def test_block_heads_draft_a_batch_in_one_pass_and_the_trees_each_drafts_alone(monkeypatch, mode):
+    eng = block_engine()
+    seen = record_proposals(monkeypatch)
+    alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
+    alone_trees = list(seen.values())
+    seen.clear()
+    sizes = shared_blocks(monkeypatch)
+    runs = decodings(eng, mode)
+    tokens, failed = batched(eng, runs)
+    assert not failed
+    for prompt, got, want in zip(PROMPTS, tokens, alone):
+        assert got == want and greedy(eng, prompt, got)
+    assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
+    assert max(sizes) == len(PROMPTS)  # the three sequences' blocks in one pass
+    assert any(len(tree) > 1 for trees in alone_trees for tree in trees)  # the heads drafted
+
+
+def test_block_heads_off_the_gemv_kernels_draft_each_sequence_alone(monkeypatch):
+    eng = block_engine(kernels="default")
+    sizes = shared_blocks(monkeypatch)
+    tokens, failed = batched(eng, decodings(eng, "block"))
+    assert not failed and sizes == []
+    for prompt, got in zip(PROMPTS, tokens):
+        assert greedy(eng, prompt, got)
+
+
+def test_a_failed_shared_block_pass_drafts_each_sequence_alone(monkeypatch):
+    eng = block_engine()
+    sizes = shared_blocks(monkeypatch, fail=lambda roots: len(sizes) % 2 == 1)
+    tokens, failed = batched(eng, decodings(eng, "block"))
+    assert not failed and len(sizes) >= 2  # every other shared pass broke and was redone one by one
+    for prompt, got in zip(PROMPTS, tokens):
+        assert greedy(eng, prompt, got)
+
+
+def test_a_sequence_whose_block_pass_fails_ends_alone(monkeypatch):
+    eng = block_engine()
+    runs = decodings(eng, "block")
+    shared_blocks(monkeypatch, fail=lambda roots: True)  # so each sequence's pass runs on its own
+    logits = BlockProposer._logits
+
+    def broken(self, root, position, depth=None):
+        if self is runs[1].proposer:
+            raise RuntimeError("its pass broke")
+        return logits(self, root, position, depth)
+
+    monkeypatch.setattr(BlockProposer, "_logits", broken)
+    tokens, failed = batched(eng, runs)
+    assert len(failed) == 1 and "its pass broke" in str(failed[0].error)
     for i in (0, 2):
         assert greedy(eng, PROMPTS[i], tokens[i])

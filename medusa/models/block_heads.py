@@ -62,6 +62,7 @@ from transformers.models.llama.modeling_llama import (
 from medusa.errors import MedusaError
 from medusa.models.eagle3_heads import FusedDrafter, fused_config
 from medusa.models.heads_config import HeadsConfig
+from medusa.runtime.kernels import gemv_copy
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -120,10 +121,13 @@ class BlockHeads(FusedDrafter):
         """The target's own input embedding (Gemma's scale included), in the heads' dtype."""
         return self.target.get_input_embeddings()(tokens).to(self.fc.weight.dtype)
 
-    def _attend(self, layer: LlamaDecoderLayer, h: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
-                cos_sin: tuple[torch.Tensor, torch.Tensor], visible: torch.Tensor) -> torch.Tensor:
+    def _attend(self, layer: LlamaDecoderLayer, h: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor] | list,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], visible: torch.Tensor | list) -> torch.Tensor:
         """One decoder layer over block rows ``h`` ``[B, n, H]``; keys/values are the context's
-        ``[B, kv, Tc, d]`` then the rows' own; ``visible`` ``[B, 1, n or 1, Tc + n]`` bool."""
+        ``[B, kv, Tc, d]`` then the rows' own; ``visible`` ``[B, 1, n or 1, Tc + n]`` bool. Or, for
+        several sequences' own buffers (:meth:`draft_many`), ``ctx`` a list of ``B`` such pairs and
+        ``visible`` of their masks, each ``[1, ...]``: the products over all rows, the attention
+        per sequence, as it runs alone."""
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (*x.shape[:2], -1, attn.head_dim)
@@ -132,13 +136,16 @@ class BlockHeads(FusedDrafter):
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *cos_sin)
         groups = attn.num_key_value_groups
-        k = repeat_kv(torch.cat([ctx[0], k], dim=2), groups)  # [B, heads, Tc + n, d]
-        v = repeat_kv(torch.cat([ctx[1], v], dim=2), groups)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scaling)  # [B, heads, n, d]
+        parts = [(ctx, visible, slice(None))] if isinstance(ctx[0], torch.Tensor) else [
+            (c, m, slice(b, b + 1)) for b, (c, m) in enumerate(zip(ctx, visible))]
+        out = torch.cat([F.scaled_dot_product_attention(
+            q[at], repeat_kv(torch.cat([c[0], k[at]], dim=2), groups),  # [B, heads, Tc + n, d]
+            repeat_kv(torch.cat([c[1], v[at]], dim=2), groups), attn_mask=m, scale=attn.scaling)
+            for c, m, at in parts])  # [B, heads, n, d]
         h = h + attn.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def _run(self, h: torch.Tensor, positions: torch.Tensor, ctx: KV, visible: torch.Tensor) -> torch.Tensor:
+    def _run(self, h: torch.Tensor, positions: torch.Tensor, ctx: KV | list, visible: torch.Tensor | list) -> torch.Tensor:
         """Block rows ``[B, n, H]`` at ``positions`` ``[B, n]`` through every layer -> ``[B, n, S]``."""
         if len(ctx) != len(self.layers):
             raise MedusaError(f"block heads have {len(self.layers)} layers but got context keys for {len(ctx)}: "
@@ -167,6 +174,26 @@ class BlockHeads(FusedDrafter):
             ctx_valid = torch.ones((b, tc), dtype=torch.bool, device=root.device)
         visible = torch.cat([ctx_valid.to(torch.bool), torch.ones((b, k), dtype=torch.bool, device=root.device)], dim=1)
         return self._run(h, positions, ctx, visible[:, None, None, :])
+
+    def draft_many(self, roots: torch.Tensor, positions: torch.Tensor, ctxs: list[KV],
+                   valid: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`draft` for several sequences with context buffers of their own: ``roots``,
+        ``positions`` ``[B]``, ``ctxs[b]`` sequence ``b``'s per-layer buffers ``[1, kv_heads, Tc_b,
+        head_dim]``, ``valid[b]`` ``[1, Tc_b]`` -> ``[B, k, S]``. The products run on every
+        sequence's rows at once, the attention per sequence as :meth:`draft` runs it: where the
+        products compute each row on its own (:meth:`shares_rows`) a sequence gets its bits alone."""
+        k = self.block_size
+        h = self._block_inputs(roots)  # [B, k, H]
+        at = positions[:, None] + torch.arange(k, device=roots.device)  # [B, k]
+        ones = torch.ones((1, k), dtype=torch.bool, device=roots.device)
+        masks = [torch.cat([m.to(torch.bool), ones], dim=1)[:, None, None, :] for m in valid]
+        return self._run(h, at, [[c[i] for c in ctxs] for i in range(len(self.layers))], masks)
+
+    def shares_rows(self) -> bool:
+        """Whether :meth:`draft_many` gives each sequence the bits :meth:`draft` gives it alone:
+        where the engine's kernel scope runs the products on the gemv kernels (a float32 target on
+        a CPU), which compute each row on its own whatever else is in the product."""
+        return gemv_copy(self.target.get_output_embeddings(), 1) is not None
 
     def train_logits(self, fused: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Every block of a batch in one pass: ``fused`` ``[B, T, H]``, ``input_ids`` ``[B, T]``,

@@ -32,8 +32,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.drawn import draw, drawn_proposal, draws, nearest, siblings_paths
 from medusa.decoding.proposers.eagle import DynamicTree, _compiled, select
+from medusa.decoding.proposers.shared import Steps
 from medusa.decoding.sampling import probabilities
 from medusa.decoding.state import DecodeState, HeadsProposer, Proposal, StepOutcome
 from medusa.decoding.tree import chain, tree_key
@@ -195,7 +197,11 @@ class BlockProposer(HeadsProposer):
         ids ``[depth, topk]`` and cumulative draft log-probabilities ``[depth, topk]`` of the
         candidate nodes (:func:`block_paths`' order). No host sync: every shape is fixed by the
         buffer's capacity, ``k`` and ``topk``."""
-        top = torch.log_softmax(self._logits(root, position).float(), dim=-1).topk(self.topk, dim=-1)  # [depth, topk]
+        return self._ranks(self._logits(root, position))
+
+    def _ranks(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draft_step`'s candidates from the pass's logits ``[depth, S]``."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)  # [depth, topk]
         chain_logp = top.values[:, 0].cumsum(0)  # [depth] the top-1 chain's cumulative score
         above = torch.cat([chain_logp.new_zeros(1), chain_logp[:-1]])  # [depth] the parent's
         return self.heads.to_target(top.indices), above[:, None] + top.values
@@ -203,12 +209,20 @@ class BlockProposer(HeadsProposer):
     def _logits(self, root: torch.Tensor, position: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """One drafter pass over the context buffer: ``[depth, S]`` logits over the draft
         vocabulary (``depth``: the first that many positions of the block; default the draft's)."""
-        capacity = self.kv[0][0].shape[2]
-        valid = torch.arange(capacity, device=self.device)[None] < self.used  # [1, C]
-        return self.heads.draft(root.view(1), position, self.kv, valid)[0, : self.depth if depth is None else depth]
+        return self.heads.draft(root.view(1), position, self.kv, self.valid())[0, : self.depth if depth is None else depth]
+
+    def valid(self) -> torch.Tensor:
+        """``[1, C]``: which slots of the context buffer hold verified positions."""
+        return torch.arange(self.kv[0][0].shape[2], device=self.device)[None] < self.used
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Proposal:
+        return shared.alone(self.steps(state))
+
+    @torch.inference_mode()
+    def steps(self, state: DecodeState) -> Steps:
+        """:meth:`propose` asking for its drafter pass (medusa/decoding/proposers/shared.py: a batch's
+        sequences' passes share their products where each gets its own bits there)."""
         drawn = draws(state.sampling, self.draw)
         sized = nearest(self.by_temperature, state.sampling) if drawn else None
         if sized is not None:  # a chain as deep as calibrated at the request's temperature
@@ -222,7 +236,8 @@ class BlockProposer(HeadsProposer):
         if drawn:  # each depth's candidates drawn from its distribution
             return self._drawn(state, min(depth, max(1, nodes // self.draw)), self.draw)
         position = torch.full((1,), state.length, device=self.device)
-        ids, scores = self.draft_step(state.root, position)
+        logits = yield shared.Ask(self, block=(state.root, position))  # [k, S]
+        ids, scores = self._ranks(logits[: self.depth])
         if self.topk == 1:  # the chain: no host read, the engine's step sync reads the ids
             n = min(nodes, depth)
             self.ranked, self.scores = chain(n), []

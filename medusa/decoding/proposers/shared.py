@@ -10,7 +10,8 @@ one call of their layer (medusa/runtime/drafter.py's ``step_many``: every produc
 weights once for all the sequences' rows) and one scoring product, where one call runs the layer
 (the one-call drafter); elsewhere each ask runs as it would alone. Medusa heads ask once a step,
 for each head's top-k on the last hidden state: a round's asks are one call over all the states
-where the heads score on the gemv kernels (:func:`_top`).
+where the heads score on the gemv kernels (:func:`_top`); block heads' drafter passes share their
+products the same way (:func:`_blocks`).
 
 The answers are the same bits either way: the C layer and the packed products compute each row
 from its own values in a fixed order, so a sequence drafts the same tree alone or beside others.
@@ -43,6 +44,9 @@ class Ask:
     # Medusa heads' call instead: ``(k, n)``, the top ``k`` token ids of each of the first ``n``
     # heads on ``features`` ``[H]``; the answer is their ``[n, k]`` ids
     topk: tuple[int, int] | None = None
+    # block heads' call instead: ``(root, position)``, one drafter pass over the proposer's context
+    # buffer; the answer is its ``[k, S]`` logits
+    block: tuple | None = None
 
     def rows(self) -> int:
         return self.layer[0].shape[0] if self.layer is not None else 1
@@ -113,6 +117,8 @@ def _answer(asks: list[Ask]) -> list:
     heads = asks[0].proposer.heads
     if asks[0].topk is not None:
         return _top(heads, asks)
+    if asks[0].block is not None:
+        return _blocks(heads, asks)
     outs: list = [None] * len(asks)
     layered = [i for i, a in enumerate(asks) if a.layer is not None]
     table = drafter.table(heads) if len(layered) > 1 else None
@@ -169,3 +175,23 @@ def _top(heads, asks: list[Ask]) -> list:
         except Exception as exc:  # noqa: BLE001 - this sequence's own call
             out.append(exc)
     return out
+
+
+def _blocks(heads, asks: list[Ask]) -> list:
+    """Block heads' drafter passes: one :meth:`draft_many` over every sequence's block where each
+    gets its own bits there (``heads.shares_rows``), else, or where it fails, each on its own."""
+    if len(asks) > 1 and heads.shares_rows():
+        try:
+            roots = torch.stack([a.block[0].reshape(()) for a in asks])
+            positions = torch.cat([a.block[1] for a in asks])
+            out = heads.draft_many(roots, positions, [a.proposer.kv for a in asks], [a.proposer.valid() for a in asks])
+            return list(out)
+        except Exception:  # noqa: BLE001 - each again on its own below, failing alone
+            pass
+    done: list = []
+    for a in asks:
+        try:
+            done.append(a.proposer._logits(*a.block, heads.block_size))
+        except Exception as exc:  # noqa: BLE001 - this sequence's own pass
+            done.append(exc)
+    return done
