@@ -103,19 +103,26 @@ def shared_calls(monkeypatch, fail=None) -> list[int]:
 
 @pytest.mark.parametrize("kind, mode", [("eagle3", "eagle3"), ("eagle3", "hybrid"), ("eagle", "eagle")])
 def test_a_batch_drafts_in_one_layer_call_a_round_and_the_trees_each_drafts_alone(monkeypatch, kind, mode):
-    eng = engine(kind)
+    segments, _ = alone_then_together(monkeypatch, engine(kind), mode, lambda: shared_calls(monkeypatch))
+    assert max(segments) == len(PROMPTS)  # the three sequences' rows in one call
+
+
+def alone_then_together(monkeypatch, eng: Engine, mode: str, count) -> tuple[list[int], list]:
+    """Each prompt decoded alone, then all three in one batch: the same tokens (the target's
+    greedy ones) and the same proposals step for step. Returns what ``count()`` (called before
+    the batch) recorded, and the proposals."""
     seen = record_proposals(monkeypatch)
     alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
     alone_trees = list(seen.values())
     seen.clear()
-    segments = shared_calls(monkeypatch)
+    counted = count()
     runs = decodings(eng, mode)
     tokens, failed = batched(eng, runs)
     assert not failed
     for prompt, got, want in zip(PROMPTS, tokens, alone):
         assert got == want and greedy(eng, prompt, got)
     assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
-    assert max(segments) == len(PROMPTS)  # the three sequences' rows in one call
+    return counted, alone_trees
 
 
 def test_a_failed_shared_call_is_undone_and_each_sequence_drafts_on_its_own(monkeypatch):
@@ -166,35 +173,40 @@ def medusa_engine(kernels: str = "gemv") -> Engine:
     return Engine(model, heads=heads, tree=MEDUSA_TREE, plan=Plan(kernels=kernels))
 
 
-def shared_topk(monkeypatch, fail=None) -> list[int]:
-    """How many sequences each shared Medusa top-k call scored (``fail(hidden)``: raise in it)."""
+def block_engine(kernels: str = "gemv") -> Engine:
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    heads = init_block_for(model, 4, vocab=torch.arange(0, 96, 3))
+    size = DynamicTree(nodes=7, depth=4, topk=2)
+    return Engine(model, heads=heads, plan=Plan(kernels=kernels, eagle=size, hybrid=size))
+
+
+# each kind whose heads answer a batch in one call: its engine, and the call (heads class, method)
+ONE_CALL = {"medusa": (medusa_engine, MedusaHeads, "topk_many"), "block": (block_engine, BlockHeads, "draft_many")}
+
+
+def shared_counts(monkeypatch, kind: str, fail=None) -> list[int]:
+    """How many sequences each shared call of ``kind``'s heads ran (``fail(inputs)``: raise in it)."""
+    _, cls, name = ONE_CALL[kind]
     sizes: list[int] = []
-    many = MedusaHeads.topk_many
+    call = getattr(cls, name)
 
-    def counted(self, hidden, k, num_heads):
-        sizes.append(hidden.shape[0])
-        if fail is not None and fail(hidden):
+    def counted(self, inputs, *args):
+        sizes.append(inputs.shape[0])
+        if fail is not None and fail(inputs):
             raise RuntimeError("this call broke")
-        return many(self, hidden, k, num_heads)
+        return call(self, inputs, *args)
 
-    monkeypatch.setattr(MedusaHeads, "topk_many", counted)
+    monkeypatch.setattr(cls, name, counted)
     return sizes
 
 
-@pytest.mark.parametrize("mode", ["medusa", "hybrid"])
-def test_medusa_heads_score_a_batch_in_one_call_and_draft_the_trees_each_drafts_alone(monkeypatch, mode):
-    eng = medusa_engine()
-    seen = record_proposals(monkeypatch)
-    alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
-    alone_trees = list(seen.values())
-    seen.clear()
-    sizes = shared_topk(monkeypatch)
-    runs = decodings(eng, mode)
-    tokens, failed = batched(eng, runs)
-    assert not failed
-    for prompt, got, want in zip(PROMPTS, tokens, alone):
-        assert got == want and greedy(eng, prompt, got)
-    assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
+@pytest.mark.parametrize("kind, mode", [("medusa", "medusa"), ("medusa", "hybrid"), ("block", "block"),
+                                        ("block", "hybrid")])
+def test_medusa_and_block_heads_answer_a_batch_in_one_call_and_draft_the_trees_each_drafts_alone(
+        monkeypatch, kind, mode):
+    sizes, alone_trees = alone_then_together(monkeypatch, ONE_CALL[kind][0](), mode,
+                                             lambda: shared_counts(monkeypatch, kind))
     assert max(sizes) == len(PROMPTS)  # the three sequences' heads in one call
     assert any(len(tree) > 1 for trees in alone_trees for tree in trees)  # the heads drafted
 
@@ -214,116 +226,52 @@ def test_medusa_top_k_of_many_rows_is_each_rows_own_on_the_gemv_kernels():
                                    rtol=2e-2, atol=2e-2)
 
 
-def test_medusa_heads_off_the_gemv_kernels_score_each_sequence_alone(monkeypatch):
+@pytest.mark.parametrize("kind", ["medusa", "block"])
+def test_off_the_gemv_kernels_each_sequences_heads_run_alone(monkeypatch, kind):
     """Where a product's rows may round differently together (torch's kernels), each sequence's
     heads run on their own: the same tokens, no shared call."""
-    eng = medusa_engine(kernels="default")
-    sizes = shared_topk(monkeypatch)
-    tokens, failed = batched(eng, decodings(eng, "medusa"))
+    eng = ONE_CALL[kind][0](kernels="default")
+    sizes = shared_counts(monkeypatch, kind)
+    tokens, failed = batched(eng, decodings(eng, kind))
     assert not failed and sizes == []
     for prompt, got in zip(PROMPTS, tokens):
         assert greedy(eng, prompt, got)
 
 
-def test_a_failed_shared_top_k_scores_each_sequence_alone(monkeypatch):
-    eng = medusa_engine()
-    sizes = shared_topk(monkeypatch, fail=lambda hidden: len(sizes) % 2 == 1)
-    tokens, failed = batched(eng, decodings(eng, "medusa"))
+@pytest.mark.parametrize("kind", ["medusa", "block"])
+def test_a_failed_shared_call_runs_each_sequences_heads_alone(monkeypatch, kind):
+    eng = ONE_CALL[kind][0]()
+    sizes = shared_counts(monkeypatch, kind, fail=lambda inputs: len(sizes) % 2 == 1)
+    tokens, failed = batched(eng, decodings(eng, kind))
     assert not failed and len(sizes) >= 2  # every other shared call broke and was redone one by one
     for prompt, got in zip(PROMPTS, tokens):
         assert greedy(eng, prompt, got)
 
 
-def test_a_sequence_whose_medusa_heads_fail_ends_alone(monkeypatch):
-    eng = medusa_engine()
-    runs = decodings(eng, "medusa")
-    shared_topk(monkeypatch, fail=lambda hidden: True)  # so each sequence's heads run on their own
-    single = MedusaHeads.topk
+@pytest.mark.parametrize("kind", ["medusa", "block"])
+def test_a_sequence_whose_own_heads_call_fails_ends_alone(monkeypatch, kind):
+    eng = ONE_CALL[kind][0]()
+    runs = decodings(eng, kind)
+    shared_counts(monkeypatch, kind, fail=lambda inputs: True)  # so each sequence's heads run on their own
+    if kind == "medusa":  # its top-k, told apart by its hidden state
+        single = MedusaHeads.topk
 
-    def topk(self, hidden, k, num_heads=None):
-        if runs[1].state is not None and torch.equal(hidden, runs[1].state.hidden):
-            raise RuntimeError("its heads broke")
-        return single(self, hidden, k, num_heads=num_heads)
+        def own(self, hidden, k, num_heads=None):
+            if runs[1].state is not None and torch.equal(hidden, runs[1].state.hidden):
+                raise RuntimeError("its heads broke")
+            return single(self, hidden, k, num_heads=num_heads)
 
-    monkeypatch.setattr(MedusaHeads, "topk", topk)
+        monkeypatch.setattr(MedusaHeads, "topk", own)
+    else:  # its drafter pass, told apart by its proposer
+        logits = BlockProposer._logits
+
+        def own(self, root, position, depth=None):
+            if self is runs[1].proposer:
+                raise RuntimeError("its heads broke")
+            return logits(self, root, position, depth)
+
+        monkeypatch.setattr(BlockProposer, "_logits", own)
     tokens, failed = batched(eng, runs)
     assert len(failed) == 1 and "its heads broke" in str(failed[0].error)
-    for i in (0, 2):
-        assert greedy(eng, PROMPTS[i], tokens[i])
-
-
-def block_engine(kernels: str = "gemv") -> Engine:
-    model = tiny_model("llama")
-    torch.manual_seed(1)
-    heads = init_block_for(model, 4, vocab=torch.arange(0, 96, 3))
-    size = DynamicTree(nodes=7, depth=4, topk=2)
-    return Engine(model, heads=heads, plan=Plan(kernels=kernels, eagle=size, hybrid=size))
-
-
-def shared_blocks(monkeypatch, fail=None) -> list[int]:
-    """How many sequences each shared block drafter pass ran (``fail(roots)``: raise in it)."""
-    sizes: list[int] = []
-    many = BlockHeads.draft_many
-
-    def counted(self, roots, positions, ctxs, valid):
-        sizes.append(roots.shape[0])
-        if fail is not None and fail(roots):
-            raise RuntimeError("this call broke")
-        return many(self, roots, positions, ctxs, valid)
-
-    monkeypatch.setattr(BlockHeads, "draft_many", counted)
-    return sizes
-
-
-@pytest.mark.parametrize("mode", ["block", "hybrid"])
-def test_block_heads_draft_a_batch_in_one_pass_and_the_trees_each_drafts_alone(monkeypatch, mode):
-    eng = block_engine()
-    seen = record_proposals(monkeypatch)
-    alone = [eng.generate(p, max_new_tokens=N, mode=mode, ignore_eos=True).tokens for p in PROMPTS]
-    alone_trees = list(seen.values())
-    seen.clear()
-    sizes = shared_blocks(monkeypatch)
-    runs = decodings(eng, mode)
-    tokens, failed = batched(eng, runs)
-    assert not failed
-    for prompt, got, want in zip(PROMPTS, tokens, alone):
-        assert got == want and greedy(eng, prompt, got)
-    assert [seen[id(r)] for r in runs] == alone_trees  # tree for tree, step for step
-    assert max(sizes) == len(PROMPTS)  # the three sequences' blocks in one pass
-    assert any(len(tree) > 1 for trees in alone_trees for tree in trees)  # the heads drafted
-
-
-def test_block_heads_off_the_gemv_kernels_draft_each_sequence_alone(monkeypatch):
-    eng = block_engine(kernels="default")
-    sizes = shared_blocks(monkeypatch)
-    tokens, failed = batched(eng, decodings(eng, "block"))
-    assert not failed and sizes == []
-    for prompt, got in zip(PROMPTS, tokens):
-        assert greedy(eng, prompt, got)
-
-
-def test_a_failed_shared_block_pass_drafts_each_sequence_alone(monkeypatch):
-    eng = block_engine()
-    sizes = shared_blocks(monkeypatch, fail=lambda roots: len(sizes) % 2 == 1)
-    tokens, failed = batched(eng, decodings(eng, "block"))
-    assert not failed and len(sizes) >= 2  # every other shared pass broke and was redone one by one
-    for prompt, got in zip(PROMPTS, tokens):
-        assert greedy(eng, prompt, got)
-
-
-def test_a_sequence_whose_block_pass_fails_ends_alone(monkeypatch):
-    eng = block_engine()
-    runs = decodings(eng, "block")
-    shared_blocks(monkeypatch, fail=lambda roots: True)  # so each sequence's pass runs on its own
-    logits = BlockProposer._logits
-
-    def broken(self, root, position, depth=None):
-        if self is runs[1].proposer:
-            raise RuntimeError("its pass broke")
-        return logits(self, root, position, depth)
-
-    monkeypatch.setattr(BlockProposer, "_logits", broken)
-    tokens, failed = batched(eng, runs)
-    assert len(failed) == 1 and "its pass broke" in str(failed[0].error)
     for i in (0, 2):
         assert greedy(eng, PROMPTS[i], tokens[i])
