@@ -26,6 +26,7 @@ from medusa.models.eagle3_heads import init_eagle3_for
 from medusa.models.eagle_heads import init_eagle_for
 from medusa.models.heads import MedusaHeads
 from medusa.runtime import drafter
+from medusa.runtime.kernels import PackedLinears
 
 PROMPTS = [[5, 17, 33, 9, 41, 12], [9, 8, 7] * 7, list(range(10, 40))]
 N = 20
@@ -275,3 +276,17 @@ def test_a_sequence_whose_own_heads_call_fails_ends_alone(monkeypatch, kind):
     assert len(failed) == 1 and "its heads broke" in str(failed[0].error)
     for i in (0, 2):
         assert greedy(eng, PROMPTS[i], tokens[i])
+
+
+def test_medusa_scores_that_train_stay_on_torchs_product():
+    """The gemv kernels have no backward: with the target's products on them and gradients on,
+    the heads' draft scores run torch's product, and the gradient reaches the heads."""
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3)
+    heads.set_draft_vocab(list(range(0, 96, 2)))
+    hidden = torch.randn(2, model.config.hidden_size)
+    with PackedLinears(model, kernels="gemv"):
+        with torch.no_grad():
+            assert heads.shares_rows()  # drafting there scores on the kernels
+        heads.logits(hidden, range(2), heads.draft_vocab).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.blocks[1].parameters())

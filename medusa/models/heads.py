@@ -181,8 +181,8 @@ class MedusaHeads(nn.Module):
         product runs them now (the engine's kernel scope on a CPU), else None. On those kernels each
         row of a product is computed on its own, the same bits whatever other rows it is with, so
         several sequences' heads score in one product (medusa/decoding/proposers/shared.py)."""
-        if self.proj is not None or not self._lm_head or rows.device.type != "cpu":
-            return None
+        if self.proj is not None or not self._lm_head or rows.device.type != "cpu" or torch.is_grad_enabled():
+            return None  # (the kernels have no backward: a product that trains stays torch's)
         if gemv_copy(self._lm_head[0], 1) is None:
             return None
         if self._draft_gemv is None or self._draft_gemv[0] is not rows:
