@@ -259,7 +259,8 @@ class EagleHeads(OnTarget, nn.Module):
                 if self._draft_int8 is None or self._draft_int8[0] is not w:
                     self._draft_int8 = (w, Int8Rows.of(w))
                 return self._draft_int8[1].matmul(features)
-            if w.device.type == "cpu" and gemv_copy(lm_head, 1) is not None:  # the target's product runs gemv now
+            # the target's product runs gemv now (and nothing trains through it: the kernels have no backward)
+            if w.device.type == "cpu" and not torch.is_grad_enabled() and gemv_copy(lm_head, 1) is not None:
                 if self._draft_gemv is None or self._draft_gemv[0] is not w:
                     self._draft_gemv = (w, gemv.pack(w))  # the rows' product on the same kernels
                 return gemv.product(features, self._draft_gemv[1], w.shape[0])
