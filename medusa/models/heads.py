@@ -194,12 +194,9 @@ class MedusaHeads(nn.Module):
         on the gemv kernels now: :meth:`_gemv_rows`)."""
         return self.draft_vocab is not None and self._gemv_rows(self._draft_weights()) is not None
 
-    @torch.no_grad()
     def topk_many(self, hidden: torch.Tensor, k: int, num_heads: int) -> torch.Tensor:
         """``[B, H] -> [B, num_heads, k]``: :meth:`topk` of each row, in one call."""
-        logits = self.logits(hidden, range(num_heads), self.draft_vocab)  # [n, B, V or S]
-        top = logits.topk(k, dim=-1).indices.transpose(0, 1)
-        return top if self.draft_vocab is None else self.draft_vocab[top]
+        return self.topk(hidden, k, num_heads=num_heads).transpose(0, 1)  # (topk takes [..., H])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [K, ..., V]`` logits of every head."""
@@ -207,7 +204,7 @@ class MedusaHeads(nn.Module):
 
     @torch.no_grad()
     def topk(self, hidden: torch.Tensor, k: int | list[int], num_heads: int | None = None) -> torch.Tensor:
-        """``[H] -> [K, max(k)]`` ids of each head's most likely tokens, best first.
+        """``[H] -> [K, max(k)]`` (``[..., H] -> [K, ..., max(k)]``) ids of each head's most likely tokens, best first.
 
         ``k`` may be a list giving how many candidates each head needs (a tree rarely
         needs as many from deep heads as from the first); ``num_heads`` limits how many
