@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from test_hub import populate_hf_cache
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 
 import medusa
 from medusa.decoding.engine import Engine
@@ -170,14 +170,14 @@ def test_block_folder_round_trips_through_the_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     ids = prompt(8)
-    reference = Engine(model, heads=heads).generate(ids, max_new_tokens=20, mode="block")
+    reference = Engine(model, heads=heads, proposer_config=DRAFTING).generate(ids, max_new_tokens=20, mode="block")
     for source in (tmp_path / "h", "tester/tiny-block"):
         back = load_heads(source, model) if source == tmp_path / "h" else load_heads_from(source, model)
         assert isinstance(back, BlockHeads) and back.block_size == 5
         assert torch.equal(back.draft_vocab, torch.arange(10, 80))
         for k, v in heads.state_dict().items():
             assert torch.equal(v, back.state_dict()[k]), k
-        res = Engine(model, heads=back).generate(ids, max_new_tokens=20, mode="block")
+        res = Engine(model, heads=back, proposer_config=DRAFTING).generate(ids, max_new_tokens=20, mode="block")
         assert res.tokens == reference.tokens and res.stats.accepted == reference.stats.accepted
 
 

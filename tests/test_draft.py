@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny import ARCHS, hf_greedy, tiny_model
+from tiny import ARCHS, DRAFTING, hf_greedy, tiny_model
 from tiny_heads import VOCAB, target_folder, word_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -51,7 +51,7 @@ def test_draft_greedy_equals_target_greedy(arch):
              ("noisy", noisy_copy(target, 0.02), 3, True), ("unrelated", tiny_model(arch, seed=7), 2, False)]
     for name, draft, k, adaptive in cases:
         eng = Engine(target, draft=draft, proposer_config=ProposerConfig(draft_tokens=k, adaptive_draft=adaptive,
-                                                                          draft_confidence=0.0))  # full chains
+                                                                          draft_confidence=0.0, check_drafting=False))  # full chains
         res = eng.generate(PROMPT, max_new_tokens=n, mode="draft")
         assert res.tokens == ref, name
         if name == "itself":
@@ -63,7 +63,7 @@ def test_draft_greedy_equals_target_greedy(arch):
 def test_adaptive_draft_length_grows_and_shrinks():
     target = tiny_model("llama")
     ref = hf_greedy(target, PROMPT, 30)
-    eng = Engine(target)
+    eng = Engine(target, proposer_config=DRAFTING)
     grow = DraftModel(target, eng.device, num_tokens=1, adaptive=True, max_tokens=7)
     assert eng.generate(PROMPT, max_new_tokens=30, mode=grow).tokens == ref
     assert grow.k == 7  # a perfect draft grows k by 2 per step up to the cap
@@ -76,7 +76,7 @@ def test_adaptive_draft_length_grows_and_shrinks():
 def test_confidence_ends_chains_early_without_changing_the_output():
     target = tiny_model("llama")
     ref = hf_greedy(target, PROMPT, 30)
-    eng = Engine(target)
+    eng = Engine(target, proposer_config=DRAFTING)
     # a threshold no draft token reaches: every chain stops after its first token
     always = DraftModel(target, eng.device, num_tokens=4, confidence=1.01)
     res = eng.generate(PROMPT, max_new_tokens=30, mode=always)
@@ -96,7 +96,7 @@ def sequential_cache(model, tokens):
 def test_draft_cache_stays_in_sync_after_partial_acceptance(arch):
     target = tiny_model(arch)
     draft = noisy_copy(target, 0.02)
-    eng = Engine(target)
+    eng = Engine(target, proposer_config=DRAFTING)
     k = 4
     proposer = DraftModel(draft, eng.device, num_tokens=k)
     gen = eng.stream(PROMPT, max_new_tokens=60, mode=proposer)

@@ -6,7 +6,7 @@ target's own; the dtype is picked by measuring the draft vocabulary's scoring, o
 import pytest
 import torch
 from test_eagle import noisy_eagle
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 from tiny_heads import random_heads, target_folder
 
 import medusa
@@ -41,7 +41,7 @@ def test_bfloat16_heads_beside_a_float32_target_keep_its_greedy_output(arch, ker
     eagle = noisy_eagle(model)
     adopt_draft_dtype(eagle, "bfloat16")
     assert eagle.fc.weight.dtype == torch.bfloat16
-    eagle_engine = Engine(model, heads=eagle, plan=Plan(kernels=kernels))
+    eagle_engine = Engine(model, heads=eagle, plan=Plan(kernels=kernels), proposer_config=DRAFTING)
     for mode in ("eagle", "hybrid"):
         res = eagle_engine.generate(PROMPT, max_new_tokens=n, mode=mode)
         assert res.tokens == ref, mode
@@ -51,10 +51,10 @@ def test_bfloat16_heads_beside_a_float32_target_keep_its_greedy_output(arch, ker
 def test_bfloat16_eagle_heads_draft_what_float32_heads_mostly_draft(one_thread):
     """The same heads in bf16 rank tokens almost as in fp32: most steps propose the same tree."""
     model = tiny_model("llama")
-    ref = Engine(model, heads=noisy_eagle(model)).generate(PROMPT, max_new_tokens=40, mode="eagle")
+    ref = Engine(model, heads=noisy_eagle(model), proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=40, mode="eagle")
     half = noisy_eagle(model)
     adopt_draft_dtype(half, "bfloat16")
-    res = Engine(model, heads=half).generate(PROMPT, max_new_tokens=40, mode="eagle")
+    res = Engine(model, heads=half, proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=40, mode="eagle")
     assert res.tokens == ref.tokens
     assert abs(res.stats.tau - ref.stats.tau) <= 0.5 * ref.stats.tau
 
@@ -154,10 +154,10 @@ def test_int8_eagle_heads_draft_beside_any_target_and_keep_its_greedy_output(tar
     # oneDNN packs bfloat16 linears only where the CPU has them (not on an AVX2-only one)
     kernels_here = ["default"] + (["onednn"] if onednn_available("cpu", target_dtype) else [])
     for kernels in kernels_here:
-        engine = Engine(model, heads=heads, plan=Plan(kernels=kernels))  # an engine packs the target, not int8 heads
+        engine = Engine(model, heads=heads, plan=Plan(kernels=kernels), proposer_config=DRAFTING)  # an engine packs the target, not int8 heads
         for mode in ("eagle", "hybrid"):
             res = engine.generate(PROMPT, max_new_tokens=n, mode=mode)
             assert res.tokens == ref, (kernels, mode)
         assert max(res.stats.accepted) > 1  # the int8 head drafted tokens the target accepted
-    tau = Engine(model, heads=bf16).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau
-    assert abs(Engine(model, heads=heads).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau - tau) <= 0.5 * tau
+    tau = Engine(model, heads=bf16, proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau
+    assert abs(Engine(model, heads=heads, proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=n, mode="eagle").stats.tau - tau) <= 0.5 * tau

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ARCHS, hf_greedy, tiny_model
+from tiny import ARCHS, DRAFTING, hf_greedy, tiny_model
 
 import medusa
 from medusa.decoding.engine import Engine
@@ -34,7 +34,7 @@ def test_eagle_and_eagle_hybrid_greedy_equal_target_greedy(arch):
     model = tiny_model(arch)
     n = 48
     ref = hf_greedy(model, PROMPT, n)
-    eng = Engine(model, heads=noisy_eagle(model))
+    eng = Engine(model, heads=noisy_eagle(model), proposer_config=DRAFTING)
     for mode in ("eagle", "hybrid"):
         res = eng.generate(PROMPT, max_new_tokens=n, mode=mode)
         assert res.tokens == ref, mode

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 from train_fixtures import tiny_target, write_counting_data
 from transformers import AutoModelForCausalLM
 
@@ -191,7 +191,7 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
         assert evals[-1][f"head{k}/top1"] > evals[0][f"head{k}/top1"] + 0.2, (k, evals)
     assert read_heads_config(out).kind == "eagle3", read_heads_config(out)
     assert read_heads_config(out).draft_vocab_size == 16, read_heads_config(out)
-    engine = medusa.load(model=str(folder), heads=str(out), device="cpu", autotune=False)
+    engine = medusa.load(model=str(folder), heads=str(out), device="cpu", autotune=False, proposers=DRAFTING)
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "count from three please"}],
                                                add_generation_prompt=True)
     base = engine.generate(ids, max_new_tokens=20, mode="baseline")
@@ -199,7 +199,7 @@ def test_eagle3_training_learns_and_the_heads_decode(tmp_path, fresh_accelerate_
     assert res.tokens == base.tokens
     torch.manual_seed(0)
     fresh = init_eagle3_for(engine.model, 7, vocab=engine.heads.draft_vocab)
-    untrained = Engine(engine.model, heads=fresh).generate(ids, max_new_tokens=20, mode="eagle3")
+    untrained = Engine(engine.model, heads=fresh, proposer_config=DRAFTING).generate(ids, max_new_tokens=20, mode="eagle3")
     assert untrained.tokens == base.tokens
     assert res.stats.tau > max(1.25, untrained.stats.tau + 0.2), (res.stats.tau, untrained.stats.tau)
 

@@ -153,3 +153,19 @@ def test_the_decode_rate_leaves_each_prompts_first_token_out():
     assert whole[3] == "| hybrid | 1.0 (1.09x, 2.20) |"  # 22 tokens in 22 s against 22 in 24 s
     assert decode[0] == "| mode | 8k tokens: after the first token: tok/s (x baseline, tau) |"
     assert decode[2:] == ["| baseline | 5.0 (1.00x, 1.00) |", "| hybrid | 10.0 (2.00x, 2.20) |", "| hf | - |"]
+
+
+def test_every_step_drafts_turns_the_lone_check_off(tmp_path):
+    folder = tiny_target(tmp_path / "model")
+    heads = save_heads(init_eagle_for(AutoModelForCausalLM.from_pretrained(folder)), tmp_path / "heads")
+    common = ["--model", str(folder), "--heads", str(heads), "--limit", "2", "--max-new-tokens", "24",
+              "--modes", "baseline,eagle", "--autotune", "off"]
+    runs = {}
+    for name, extra in (("checked", []), ("every", ["--every-step-drafts"])):
+        out = tmp_path / f"{name}.json"
+        assert bench.main(common + extra + ["--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())["modes"]["eagle"]["per_prompt"]
+    # each prompt says its plain steps; with the flag there are none: every step drafted
+    assert all(isinstance(p["plain_steps"], int) for p in runs["checked"])
+    assert all(p["plain_steps"] == 0 for p in runs["every"])
+    assert [p["tokens"] for p in runs["checked"]] == [p["tokens"] for p in runs["every"]]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from tiny import tiny_model
+from tiny import DRAFTING, tiny_model
 from train_fixtures import tiny_target, write_counting_data
 from transformers import AutoModelForCausalLM
 
@@ -57,7 +57,7 @@ def test_eagle_training_loss_falls_accuracy_rises_and_the_heads_decode(setup, tm
     for k in (1, 2, 3):
         assert evals[-1][f"head{k}/top1"] > evals[0][f"head{k}/top1"] + 0.2, (k, evals)
     assert read_heads_config(out).kind == "eagle"
-    engine = medusa.load(model=setup["model"], heads=str(out), device="cpu")
+    engine = medusa.load(model=setup["model"], heads=str(out), device="cpu", proposers=DRAFTING)
     assert isinstance(engine.heads, EagleHeads)
     tok = engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "count from three please"}], add_generation_prompt=True)

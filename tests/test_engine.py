@@ -3,7 +3,7 @@
 import pytest
 import torch
 from test_sampling import chi_square_pvalue, marginal_heads, target_law
-from tiny import ARCHS, WINDOWED, hf_greedy, tiny_model
+from tiny import ARCHS, DRAFTING, WINDOWED, hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers.draft_model import DraftModel
@@ -72,7 +72,7 @@ def test_zero_initialised_heads_get_hits_and_misses():
     # Fresh heads predict the target's own next token at every depth, which is right
     # exactly when the target repeats itself: a mix of accepted and rejected candidates.
     model = tiny_model("llama")
-    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, proposer_config=DRAFTING)
     res = eng.generate(PROMPT, max_new_tokens=60, mode="medusa")
     assert res.tokens == hf_greedy(model, PROMPT, 60)
     assert max(res.stats.accepted) > 1 and min(res.stats.accepted) == 1
@@ -83,7 +83,7 @@ def test_heads_that_are_always_right_accept_the_whole_depth(arch):
     model = tiny_model(arch)
     n, depth = 36, 3
     ref = hf_greedy(model, PROMPT, n)
-    eng = Engine(model)
+    eng = Engine(model, proposer_config=DRAFTING)
     oracle = OracleProposer(ref + [2] * 8, depth, model.config.vocab_size)
     gen = eng.stream(PROMPT, max_new_tokens=n, mode=oracle)
     chunks = list(gen)
@@ -229,7 +229,7 @@ def test_eos_inside_an_accepted_chunk_then_reuse():
     model = tiny_model("llama")
     ref, j = depth2_eos(model)
     model.generation_config.eos_token_id = ref[j]
-    eng = Engine(model)
+    eng = Engine(model, proposer_config=DRAFTING)
     oracle = BudgetRecorder(ref, 3, model.config.vocab_size)
     res = eng.generate(PROMPT, max_new_tokens=40, mode=oracle)
     assert res.finish_reason == "eos" and res.tokens == ref[: j + 1]
@@ -247,7 +247,7 @@ def test_eos_inside_an_accepted_chunk_then_reuse():
 def test_length_limit_inside_an_accepted_chunk_then_reuse():
     model = tiny_model("llama")
     ref = hf_greedy(model, PROMPT, 40)
-    eng = Engine(model)
+    eng = Engine(model, proposer_config=DRAFTING)
     oracle = BudgetRecorder(ref, 3, model.config.vocab_size)
     res = eng.generate(PROMPT, max_new_tokens=7, mode=oracle)
     assert res.finish_reason == "length" and res.tokens == ref[:7]
@@ -296,7 +296,7 @@ def test_chain_modes_with_a_dynamic_cache_past_the_sliding_window(arch):
     # chains run with transformers' own masks over our window-less cache: the window must hold
     model = tiny_model(arch, sliding_window=8)
     ref = hf_greedy(model, PROMPT, 40)
-    eng = Engine(model, draft=shallow_draft(model, 1))
+    eng = Engine(model, draft=shallow_draft(model, 1), proposer_config=DRAFTING)
     for mode in ("baseline", "lookup", "draft"):
         res = eng.generate(PROMPT, max_new_tokens=40, mode=mode)
         assert res.tokens == ref, mode
@@ -323,7 +323,7 @@ def test_stats_say_where_the_steps_time_went():
     import time
 
     model = tiny_model("llama")
-    eng = Engine(model, heads=random_heads(model, 0))
+    eng = Engine(model, heads=random_heads(model, 0), proposer_config=DRAFTING)
     proposer = eng.proposer("medusa")
     steps, update = proposer.steps, proposer.update
 

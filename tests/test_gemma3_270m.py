@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import DRAFTING
 from transformers import GenerationConfig
 
 import medusa
@@ -31,7 +32,7 @@ def gemma():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the undistilled shallow draft says so
         return medusa.load(model=str(assemble()), heads="init", draft="default", device="cpu",
-                           dtype="float32")
+                           dtype="float32", proposers=DRAFTING)
 
 
 def questions() -> list[str]:
@@ -95,7 +96,7 @@ def test_the_trained_eagle3_heads_decode_exactly_and_accept_more_than_untrained_
 
     config = read_heads_config(TRAINED)
     assert (config.kind, tuple(config.feature_layers)) == ("eagle3", (2, 9, 15)), config
-    engine = medusa.load(target=gemma, heads=str(TRAINED), autotune=False)
+    engine = medusa.load(target=gemma, heads=str(TRAINED), autotune=False, proposers=DRAFTING)
     assert engine.heads.ngrams is not None and engine.heads.ngrams.vocab_size == 262144
     # Their calibration (the AMD EPYC Zen 4) found no tree worth its verification cost on a CPU
     # (docs/gemma3.md#calibrated-trees); the default tree drafts here, to exercise the heads.
@@ -108,7 +109,8 @@ def test_the_trained_eagle3_heads_decode_exactly_and_accept_more_than_untrained_
         assert res.tokens == ref, mode
     torch.manual_seed(0)
     fresh = init_eagle3_for(gemma.model, config.num_heads, vocab=engine.heads.draft_vocab)
-    untrained = medusa.load(target=gemma, heads=fresh, autotune=False).generate(ids, max_new_tokens=48, mode="eagle3")
+    untrained = medusa.load(target=gemma, heads=fresh, autotune=False, proposers=DRAFTING)
+    untrained = untrained.generate(ids, max_new_tokens=48, mode="eagle3")
     assert untrained.tokens == ref
     assert trained["eagle3"].stats.tau > untrained.stats.tau + 0.3, (trained["eagle3"].stats.tau, untrained.stats.tau)
 
@@ -126,7 +128,7 @@ def test_the_shipped_medusa_heads_decode_exactly_with_their_calibrated_tree(gemm
     config = read_heads_config(SHIPPED_MEDUSA)
     assert (config.kind, config.num_heads, config.vocab_size) == ("medusa", 4, 262144), config
     calibration = json.loads((SHIPPED_MEDUSA / "calibration.json").read_text())
-    engine = medusa.load(target=gemma, heads=str(SHIPPED_MEDUSA))
+    engine = medusa.load(target=gemma, heads=str(SHIPPED_MEDUSA), proposers=DRAFTING)
     assert engine.heads.ngrams is not None and engine.heads.ngrams.vocab_size == 262144
     vocab = engine.heads.draft_vocab
     assert vocab is not None and vocab.numel() == len(calibration["draft_vocab"]) == 8192

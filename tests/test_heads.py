@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import DRAFTING, tiny_model
 
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
@@ -59,8 +59,8 @@ def test_save_load_round_trip(tmp_path, projection):
     h = torch.randn(4, 64)
     torch.testing.assert_close(loaded(h), heads(h))
     prompt = [4, 8, 15, 16, 23, 42]
-    a = Engine(model, heads=heads, tree=[(0,), (1,), (0, 0)]).generate(prompt, max_new_tokens=12)
-    b = Engine(model, heads=loaded, tree=[(0,), (1,), (0, 0)]).generate(prompt, max_new_tokens=12)
+    a = Engine(model, heads=heads, tree=[(0,), (1,), (0, 0)], proposer_config=DRAFTING).generate(prompt, max_new_tokens=12)
+    b = Engine(model, heads=loaded, tree=[(0,), (1,), (0, 0)], proposer_config=DRAFTING).generate(prompt, max_new_tokens=12)
     assert a.tokens == b.tokens and a.stats.accepted == b.stats.accepted
 
 

@@ -17,6 +17,7 @@ import torch
 import yaml
 from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file
+from tiny import DRAFTING
 from tiny_heads import PROMPT, REPO, random_heads, run_python, target_folder, write_json
 from train_fixtures import tiny_target, write_counting_data
 
@@ -154,9 +155,9 @@ def test_published_folder_loads_back_with_identical_outputs(target, tmp_path, pr
     loaded = load_heads_from(str(out), model)
     assert torch.equal(loaded(hidden), heads(hidden))
 
-    reference = Engine(model, tokenizer, heads=heads).generate(PROMPT, max_new_tokens=24)
+    reference = Engine(model, tokenizer, heads=heads, proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=24)
     assert max(reference.stats.accepted) > 1  # the heads do propose accepted tokens
-    engine = medusa.load(model=str(folder_target), heads=str(out), device="cpu", dtype="float32")
+    engine = medusa.load(model=str(folder_target), heads=str(out), device="cpu", dtype="float32", proposers=DRAFTING)
     result = engine.generate(PROMPT, max_new_tokens=24)
     assert result.tokens == reference.tokens
     assert result.stats.accepted == reference.stats.accepted  # same proposals, same acceptance
@@ -182,8 +183,10 @@ def populate_hf_cache(cache: Path, repo_id: str, files: list[Path]) -> None:
 HUB_CHILD = """
 import json, sys
 import medusa
+from medusa.decoding.proposers.factory import ProposerConfig
 from medusa.errors import MedusaError
-engine = medusa.load(model=sys.argv[1], heads="tester/tiny-heads", device="cpu", dtype="float32")
+engine = medusa.load(model=sys.argv[1], heads="tester/tiny-heads", device="cpu", dtype="float32",
+                     proposers=ProposerConfig(check_drafting=False))
 res = engine.generate(json.loads(sys.argv[2]), max_new_tokens=24)
 out = {"tokens": res.tokens, "accepted": res.stats.accepted}
 try:
@@ -209,7 +212,7 @@ def test_hub_id_resolves_through_the_hf_cache_offline(target, tmp_path):
                       env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    reference = Engine(model, tokenizer, heads=heads).generate(PROMPT, max_new_tokens=24)
+    reference = Engine(model, tokenizer, heads=heads, proposer_config=DRAFTING).generate(PROMPT, max_new_tokens=24)
     assert out["tokens"] == reference.tokens and out["accepted"] == reference.stats.accepted
     assert "HF_HUB_OFFLINE" in out["missing"] and "tester/not-cached" in out["missing"]
     assert "\n" not in out["missing"]

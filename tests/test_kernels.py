@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_draft import noisy_copy
 from test_eagle import noisy_eagle
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.autotune.cache import PlanCache
@@ -114,14 +114,15 @@ def test_greedy_with_packed_kernels_equals_target_greedy(arch, kernels, one_thre
     model = tiny_model(arch)
     n = 40
     ref = hf_greedy(model, PROMPT, n)
-    medusa = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels=kernels))
+    medusa = Engine(model, heads=random_heads(model), tree=TREE, plan=Plan(kernels=kernels), proposer_config=DRAFTING)
     for mode in ("baseline", "medusa", "lookup", "hybrid"):
         assert medusa.generate(PROMPT, max_new_tokens=n, mode=mode).tokens == ref, mode
     # a draft model: the target's own weights nudged, packed beside the target's
     draft = Engine(model, draft=noisy_copy(model, 0.02),
-                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0), plan=Plan(kernels=kernels))
+                   proposer_config=ProposerConfig(draft_tokens=3, draft_confidence=0.0, check_drafting=False),
+                   plan=Plan(kernels=kernels))
     assert draft.generate(PROMPT, max_new_tokens=n, mode="draft").tokens == ref
-    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels=kernels))
+    eagle = Engine(model, heads=noisy_eagle(model), plan=Plan(kernels=kernels), proposer_config=DRAFTING)
     res = eagle.generate(PROMPT, max_new_tokens=n, mode="eagle")
     assert res.tokens == ref
     assert max(res.stats.accepted) > 1  # the packed heads drafted tokens that were accepted

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_eagle import noisy_eagle
 from test_sizing import CURVES
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 
 from medusa.autotune.sizing import LENGTHS, PREFIX, cost_at, sizes_from
 from medusa.decoding.engine import Engine
@@ -62,6 +62,9 @@ def test_trees_and_chains_shrink_as_the_context_grows():
     # timings from before contexts were timed: one size for every length
     old = sizes_from({k: v for k, v in ENTRY.items() if k != "cost_by_context"}, CURVES, None, False)
     assert old.eagle.longer == () and old.hybrid.longer == ()
+    # the pass curve at each sized length goes to the plan (a lone sequence's check of what its rows cost)
+    assert choice.cost_by_length == {n: cost_at(ENTRY, n) for n in LENGTHS} and old.cost_by_length == {}
+    assert choice.cost_by_length[2048][1] == 10.0 and choice.cost_by_length[4096][3] > choice.cost_by_length[1024][3]
     assert LENGTHS[-1] >= 8000  # sized up to the longest context the goals name
 
 
@@ -124,7 +127,7 @@ def test_the_engine_switches_sizes_at_their_lengths_and_stays_exact(arch):
     small = DynamicTree(nodes=0, depth=4, topk=2, chain=0)
     size = DynamicTree(nodes=6, depth=4, topk=2, chain=3, longer=((len(prompt) + 20, small),))
     heads = noisy_eagle(model)
-    engine = Engine(model, heads=heads, plan=Plan(eagle=size, hybrid=size))
+    engine = Engine(model, heads=heads, plan=Plan(eagle=size, hybrid=size), proposer_config=DRAFTING)
     for mode in ("eagle", "hybrid"):
         proposer = engine.proposer(mode)
         assert (proposer.max_rows, proposer.min_rows) == ((7 if mode == "eagle" else 10), 1)

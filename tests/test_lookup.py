@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.decoding.engine import Engine
@@ -28,7 +28,7 @@ def test_lookup_greedy_equals_target_greedy(arch):
     n = 48
     ref = hf_greedy(model, PROMPT, n)
     for k, ngram in ((8, 3), (2, 1)):
-        eng = Engine(model, proposer_config=ProposerConfig(lookup_tokens=k, lookup_ngram=ngram))
+        eng = Engine(model, proposer_config=ProposerConfig(lookup_tokens=k, lookup_ngram=ngram, check_drafting=False))
         res = eng.generate(PROMPT, max_new_tokens=n, mode="lookup")
         assert res.tokens == ref
         # the tiny model's greedy text repeats, so copying from it pays off at times
@@ -98,7 +98,7 @@ def test_hybrid_greedy_equals_target_greedy(arch):
 
 def test_hybrid_takes_the_lookup_chain_where_it_is_longer():
     model = tiny_model("llama")  # its greedy text ends in a long run of one token
-    eng = Engine(model, heads=init_heads_for(model, num_heads=2), tree=HEADS_TREE)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=2), tree=HEADS_TREE, proposer_config=DRAFTING)
     res = eng.generate(PROMPT, max_new_tokens=48, mode="hybrid")
     # The heads reach depth 2, so a step that emits more than 3 tokens took the chain.
     assert max(res.stats.accepted) > 3, res.stats.accepted

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from test_eagle import PROMPT, noisy_eagle
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 
 from medusa.autotune.trees import acceptance_by_size
 from medusa.decoding.engine import Engine
@@ -145,7 +145,7 @@ def test_hybrid_chains_from_a_table_keep_the_target_greedy_output_and_save_steps
     right = NgramTable.build([PROMPT + ref], vocab, min_count=1)  # the target's own answer
     junk = NgramTable.build([[random.Random(s).randrange(vocab) for _ in range(60)] for s in range(20)], vocab,
                             min_count=1)
-    eng = Engine(model, heads=heads)
+    eng = Engine(model, heads=heads, proposer_config=DRAFTING)
     steps = {}
     for name, table in (("none", None), ("right", right), ("junk", junk)):
         size = DynamicTree(nodes=3, depth=2, topk=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.autotune.planner import adopt_draft_dtype
@@ -37,7 +37,7 @@ def engine(kind: str) -> Engine:
     # heads that start as the target's own rows or last layer: their drafts are often right
     heads = init_eagle3_for(model, 3) if kind == "eagle3" else init_eagle_for(model, 3)
     size = DynamicTree(nodes=6, depth=3, topk=2)
-    return Engine(model, heads=heads, plan=Plan(kernels="gemv", eagle=size, hybrid=size))
+    return Engine(model, heads=heads, plan=Plan(kernels="gemv", eagle=size, hybrid=size), proposer_config=DRAFTING)
 
 
 def record_proposals(monkeypatch) -> dict[int, list[list[int]]]:
@@ -171,7 +171,7 @@ def medusa_engine(kernels: str = "gemv") -> Engine:
     heads = random_heads(model, seed=3)
     heads.set_draft_vocab(list(range(0, 96, 2)) + [1, 3, 5, 7, 9, 17])
     adopt_draft_dtype(heads, "bfloat16")  # as the shipped Medusa heads draft beside a float32 target
-    return Engine(model, heads=heads, tree=MEDUSA_TREE, plan=Plan(kernels=kernels))
+    return Engine(model, heads=heads, tree=MEDUSA_TREE, plan=Plan(kernels=kernels), proposer_config=DRAFTING)
 
 
 def block_engine(kernels: str = "gemv") -> Engine:
@@ -179,7 +179,7 @@ def block_engine(kernels: str = "gemv") -> Engine:
     torch.manual_seed(1)
     heads = init_block_for(model, 4, vocab=torch.arange(0, 96, 3))
     size = DynamicTree(nodes=7, depth=4, topk=2)
-    return Engine(model, heads=heads, plan=Plan(kernels=kernels, eagle=size, hybrid=size))
+    return Engine(model, heads=heads, plan=Plan(kernels=kernels, eagle=size, hybrid=size), proposer_config=DRAFTING)
 
 
 # each kind whose heads answer a batch in one call: its engine, and the call (heads class, method)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from test_eagle import PROMPT, noisy_eagle
-from tiny import hf_greedy, tiny_model
+from tiny import DRAFTING, hf_greedy, tiny_model
 
 from medusa.autotune.cache import PlanCache
 from medusa.autotune.planner import Planner
@@ -159,7 +159,7 @@ def test_a_chain_beside_no_tree_decodes_as_lookup(tmp_path):
     proposer = Engine(model, heads=engine.heads).proposer("hybrid")
     assert proposer.lookup.k == LOOKUP_TOKENS  # unsized: the calibrated tree and the default chain
     engine = Engine(model, heads=engine.heads, plan=Plan(eagle=DynamicTree(nodes=0),
-                                                         hybrid=DynamicTree(nodes=0, chain=3)))
+                                                         hybrid=DynamicTree(nodes=0, chain=3)), proposer_config=DRAFTING)
     hybrid = engine.proposer("hybrid")
     assert hybrid.lookup.k == 3 and hybrid.heads.size.nodes == 0
     res = engine.generate(PROMPT, max_new_tokens=24, mode="hybrid")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from tiny import ARCHS, hf_greedy, tiny_model
+from tiny import ARCHS, DRAFTING, hf_greedy, tiny_model
 
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
@@ -31,7 +31,7 @@ def test_every_mode_with_a_static_cache_equals_hf_generate(arch):
     model = tiny_model(arch, sliding_window=8) if arch in ("mistral", "gemma3") else tiny_model(arch)
     n = 40
     ref = hf_greedy(model, PROMPT, n)
-    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, static_cache=True)
+    eng = Engine(model, heads=init_heads_for(model, num_heads=3), tree=TREE, static_cache=True, proposer_config=DRAFTING)
     for mode in ("baseline", "medusa", "lookup", "hybrid"):
         res = eng.generate(PROMPT, max_new_tokens=n, mode=mode)
         assert res.tokens == ref, mode

@@ -16,10 +16,17 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from medusa.decoding.proposers.factory import ProposerConfig
+
 # cohere and granite post-process their logits (logit_scale, logits_scaling), gemma3
 # softcaps them and mixes sliding-window and full layers.
 ARCHS = ("llama", "qwen2", "mistral", "gemma3", "cohere", "granite")
 WINDOWED = ("qwen2", "mistral", "gemma3")  # the ones tiny_config gives a sliding window
+
+# Every step drafts: on a tiny target the heads cost about what its passes do, so a lone sequence's
+# check of whether drafting pays (medusa/decoding/payoff.py) soon decodes plainly there; the tests
+# of the drafts themselves (what they propose, keep and cost) turn it off with this config.
+DRAFTING = ProposerConfig(check_drafting=False)
 
 
 def tiny_config(arch: str, vocab_size: int = 96, sliding_window: int | None = None, **overrides):

@@ -238,7 +238,8 @@ class Planner:
         value = f"eagle {sizes.eagle.nodes} nodes, hybrid {sizes.hybrid.nodes} nodes" + describe_drawn(drawn)
         decision = self.decision("trees", value, {**entry, "reason": sizes.reason}, cached)
         return plan.decided(decision, eagle=sizes.eagle, hybrid=sizes.hybrid, lookahead=sizes.lookahead,
-                            pass_ms=tuple(sorted(sizes.cost_ms.items())), drawn=drawn)
+                            pass_ms=tuple(sorted(sizes.cost_ms.items())), drawn=drawn,
+                            pass_ms_by_length=tuple((n, tuple(sorted(c.items()))) for n, c in sorted(sizes.cost_by_length.items())))
 
 
 @contextlib.contextmanager

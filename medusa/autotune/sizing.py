@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,6 +71,8 @@ class SizeChoice:
     cost_ms: dict[int, float]  # the engine's pass over n new tokens, measured here
     draft_ms: dict[str, float]  # the head's work per step (drafting, update) per shape "DEPTHxTOPK", measured here
     lookahead: LookaheadSize | None = None  # mode lookahead's W, N, G for the same pass costs
+    # the pass over n new tokens after each of LENGTHS cached tokens, as sized ({}: not timed there)
+    cost_by_length: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 def measured_curves(heads, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], Acceptance]:
@@ -248,7 +250,11 @@ def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows:
               + (f"; timed again at a load that found T(1) under the cached {entry['retimed_from']:.1f} ms"
                  if "retimed_from" in entry else ""))
     lookahead = size_lookahead(cost, device_type, max_rows)
-    return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead)
+    longer = {n: cost_at(entry, n) for n in LENGTHS} if entry.get("cost_by_context") else {}
+    if compiled:
+        longer = {n: bucketed(c) for n, c in longer.items()}
+    return SizeChoice(eagle=eagle, hybrid=hybrid, reason=reason, cost_ms=cost, draft_ms=draft, lookahead=lookahead,
+                      cost_by_length=longer)
 
 
 def by_length(entry: dict, curves: dict[tuple[int, int], Acceptance], size: DynamicTree, max_rows: int | None,

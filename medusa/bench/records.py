@@ -22,6 +22,7 @@ class Run:
     accepted: list[int] | None = None  # tokens emitted per decode step, when the mode says
     phases: dict[str, float] | None = None  # engine modes: seconds in prefill, draft, verify, update
     first_seconds: float | None = None  # seconds to the first token (the prompt's pass), where the mode says
+    plain_steps: int | None = None  # engine modes: steps decoded plainly, drafting not paying (medusa/decoding/payoff.py)
 
 
 @dataclass

@@ -39,7 +39,8 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
-                            "accepted": r.accepted, "first_seconds": r.first_seconds} for p, r in zip(prompts, rs)],
+                            "accepted": r.accepted, "first_seconds": r.first_seconds, "plain_steps": r.plain_steps}
+                           for p, r in zip(prompts, rs)],
         }
     return out
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from medusa.decoding import payoff
 from medusa.decoding.batch import Batch
 from medusa.decoding.generation import Event, Generation, GenerationResult, GenerationStats
 from medusa.decoding.passes.build import PassBuild, start_build
@@ -24,6 +25,7 @@ from medusa.decoding.passes.strategies import (
     make_passes,
     pass_bucket,
 )
+from medusa.decoding.payoff import Curves, DraftCheck
 from medusa.decoding.plan import Plan, check_plan, default_mode
 from medusa.decoding.proposers.factory import ProposerConfig, make_proposer
 from medusa.decoding.request import Request, make_request
@@ -185,7 +187,11 @@ class Engine:
             raise MedusaError(f"mode {name!r} is greedy-only: use temperature=0, or a sampling mode such as 'lookup'")
         # compile="auto" picks the passes per generation (PassStrategy.for_generation)
         passes = self.passes.for_generation(lambda: self.pass_sizes(proposer))
-        return Decoding(request, proposer, passes, self.eos, self.max_rows, self.prefill_chunk)
+        run = Decoding(request, proposer, passes, self.eos, self.max_rows, self.prefill_chunk)
+        if self.proposer_config.check_drafting and request.sampling.greedy and (proposer.max_rows or 1) > 1:
+            plan = self.plan
+            run.check = DraftCheck(Curves(plan.pass_ms, plan.pass_ms_by_length) if plan.pass_ms else None)
+        return run
 
     def stream_text(self, input_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True,
                     **kwargs) -> Generator[str, None, GenerationResult]:
@@ -349,5 +355,6 @@ class Engine:
                     _, events = batch.prefill()
                 yield from (event for _, event in events)
             with self.owned():
-                report = batch.step()
+                report = batch.step(payoff.caps)
+                payoff.observe(report)
             yield from (event for _, event in report.events)

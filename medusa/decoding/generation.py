@@ -30,6 +30,9 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     update_seconds: float = 0.0
+    # steps decoded plainly because this sequence's drafts kept fewer tokens than they cost
+    # (medusa/decoding/payoff.py)
+    plain_steps: int = 0
 
     @property
     def tau(self) -> float:
@@ -44,7 +47,7 @@ class GenerationStats:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "tau": self.tau,
                 "tokens_per_second": self.tokens_per_second, "prefill_tokens": self.prefill_tokens,
                 "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds, "update_seconds": self.update_seconds,
+                "verify_seconds": self.verify_seconds, "update_seconds": self.update_seconds, "plain_steps": self.plain_steps,
                 "seconds": self.seconds, "accepted": list(self.accepted)}
 
 

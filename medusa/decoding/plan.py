@@ -61,6 +61,10 @@ class Plan:
     # this machine's verification pass cost, ((rows, ms), ...), as the tree sizing timed it
     # (None: not measured); a batch's row budget comes from it (medusa/serving/budget.py)
     pass_ms: tuple[tuple[int, float], ...] | None = None
+    # the same pass after longer contexts, ((length, ((rows, ms), ...)), ...) (the sizing's
+    # medusa/autotune/sizing.py LENGTHS; ()): a lone sequence's check of what drafting costs reads it
+    # (medusa/decoding/payoff.py)
+    pass_ms_by_length: tuple = ()
     # EAGLE heads' drawn chains for sampled requests per calibrated temperature, sized with
     # pass_ms ((temperature, mode eagle's size, mode hybrid's with its lookup chain), ...;
     # medusa/autotune/drawn.py); (): the sampled size as before

@@ -14,6 +14,7 @@ import torch
 
 from medusa.decoding.generation import GenerationResult, GenerationStats
 from medusa.decoding.passes.strategies import PASS_BUCKETS, PassStrategy
+from medusa.decoding.payoff import DraftCheck
 from medusa.decoding.penalties import Penalties
 from medusa.decoding.proposers import shared
 from medusa.decoding.proposers.autoregressive import Autoregressive
@@ -127,6 +128,8 @@ class Decoding:
         self._at, self._hiddens = 0, []  # where it is, the hidden states of its rows so far
         # draft without a costly drafter's levels (a batch's choice: medusa/serving/drafting.py)
         self.lean = False
+        # a lone greedy sequence's check of whether drafting pays (medusa/decoding/payoff.py; None: none)
+        self.check: DraftCheck | None = None
         self.least = min(proposer.min_rows, max_rows or PASS_BUCKETS[-1])
         # log-probabilities of the emitted tokens under the target (its raw logits, before
         # temperature or filters: what verification computed, so exact under speculation), one

@@ -25,9 +25,10 @@ requests keep their whole proposal (docs/exactness.md#batches).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from medusa.decoding.payoff import Curve
 
 EXPLORE = 8  # every 8th turn one sequence drafts as alone, full and lean in turn: the estimates stay fresh
 DECAY = 0.85  # a sequence's counts fade by this per observation (about 7 turns' worth)
@@ -90,23 +91,11 @@ class DraftPolicy:
     turns: int = 0
 
     def __post_init__(self) -> None:
-        points = sorted(dict(self.pass_ms or ()).items())
-        self._rows = [n for n, _ in points]
-        self._ms = [ms for _, ms in points]
+        self._curve = Curve(self.pass_ms, self.knee)
 
     def cost(self, rows: int) -> float:
         """The pass over ``rows`` rows, ms (interpolated; past the last timed size, linear)."""
-        if not self._rows:
-            return max(1.0, rows / self.knee)
-        i = bisect_left(self._rows, rows)
-        if i < len(self._rows) and self._rows[i] == rows:
-            return self._ms[i]
-        if i == 0:
-            return self._ms[0]
-        j = min(i, len(self._rows) - 1)
-        i = j - 1
-        slope = (self._ms[j] - self._ms[i]) / (self._rows[j] - self._rows[i])
-        return self._ms[i] + slope * (rows - self._rows[i])
+        return self._curve(rows)
 
     def estimate(self, seq: object, option: str) -> Estimate:
         own, pool = self.seqs.get(seq, {}).get(option, Counts()), self.pool[option]

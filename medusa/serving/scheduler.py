@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from medusa.decoding import payoff
 from medusa.decoding.batch import Batch, within
 from medusa.decoding.engine import Decoding, Engine
 from medusa.decoding.generation import Done, Event, Failed, GenerationResult, read
@@ -297,7 +298,8 @@ class Scheduler:
                 return
             self.steps += 1
             self.max_seen = max(self.max_seen, report.live)
-            drafting = report.batch <= 1 or any(c.rows > 1 for c in self._chosen.values())
+            lone = report.runs[0].check if report.batch == 1 and report.runs else None
+            drafting = (report.batch <= 1 and not (lone and lone.capped)) or any(c.rows > 1 for c in self._chosen.values())
             if self.metrics is not None:
                 self.metrics.step_done(report.live, report.seconds, report.drafted, report.kept, report.emitted,
                                        drafting)
@@ -364,7 +366,7 @@ class Scheduler:
         for run in running:
             run.lean = False
         if len(running) <= 1:
-            return [None] * len(running)
+            return payoff.caps(running)  # a lone sequence's own check of whether drafting pays
         budget = max(self.row_budget, len(running))
         wanted = [within(r.proposer.max_rows or budget, r.request.max_draft) for r in running]
         fixed = [not r.sampling.greedy for r in running]
@@ -387,6 +389,7 @@ class Scheduler:
 
     def _observe(self, report, before: dict[Decoding, float]) -> None:
         """What each greedy sequence's choice drafted and kept, and the turn's time, to the policy."""
+        payoff.observe(report)
         drafting_ms = 0.0
         for run, drafted, kept in zip(report.runs, report.drafted, report.kept):
             ms = 1000.0 * (run.stats.draft_seconds - before.get(run, run.stats.draft_seconds))

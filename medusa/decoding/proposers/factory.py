@@ -69,6 +69,9 @@ class ProposerConfig:
     # and heads trained on short chats accept more with it on long prompts
     # (docs/benchmarks/2026-12-05-epyc-zen4-draft-window-fixed.md)
     draft_window: int | None = DRAFT_WINDOW
+    # a greedy sequence decoding alone decodes plainly while its drafts keep fewer tokens than
+    # their drafting and rows cost, as its own steps measure (medusa/decoding/payoff.py)
+    check_drafting: bool = True
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
