@@ -89,34 +89,34 @@ def test_drafting_that_pays_is_never_cut(model):
 
 def test_drafting_that_loses_turns_plain_and_drafts_one_step_in_explore(model):
     run, check = a_run(model), DraftCheck()
-    # nothing kept, 2 of a step's 14 ms drafting: a plain step is faster
-    plain = drive(check, run, 60, kept=0, seconds=0.014, draft=0.002)
+    # nothing kept, 4 of a step's 14 ms drafting: a plain step is faster
+    plain = drive(check, run, 60, kept=0, seconds=0.014, draft=0.004)
     assert plain[:WARMUP] == [False] * WARMUP  # the heads' first steps draft
     assert check.plain and run.stats.plain_steps == sum(plain) == explored(60)
     drafted = [i for i, p in enumerate(plain[WARMUP:]) if not p]
     assert drafted and all(b - a == EXPLORE for a, b in zip(drafted, drafted[1:])), plain
-    assert check.ratio() == pytest.approx(0.012 / 0.014)
+    assert check.ratio() == pytest.approx(0.010 / 0.014)
 
 
 def test_a_looking_step_that_keeps_a_token_drafts_on_and_the_check_applies_after_grace(model):
     run, check = a_run(model), DraftCheck()
-    drive(check, run, 40, kept=0, seconds=0.014, draft=0.002)
+    drive(check, run, 40, kept=0, seconds=0.014, draft=0.004)
     assert check.plain
     # the next drafted step keeps 3: drafting resumes for GRACE steps whatever they keep, then the
     # check weighs them with the rest (faded by the plain steps in between)
-    plain = drive(check, run, EXPLORE, kept=3, seconds=0.014, draft=0.002)
+    plain = drive(check, run, EXPLORE, kept=3, seconds=0.014, draft=0.004)
     assert plain[-1] is False and not check.plain and check.grace == GRACE
-    plain = drive(check, run, GRACE, kept=0, seconds=0.014, draft=0.002)
+    plain = drive(check, run, GRACE, kept=0, seconds=0.014, draft=0.004)
     assert plain == [False] * GRACE and check.grace == 0
-    plain = drive(check, run, 3 * EXPLORE, kept=0, seconds=0.014, draft=0.002)
+    plain = drive(check, run, 3 * EXPLORE, kept=0, seconds=0.014, draft=0.004)
     assert check.plain and sum(plain) > EXPLORE  # they kept nothing: plain again
 
 
 def test_plain_steps_fade_the_estimates_as_drafting_steps_do(model):
     run, check = a_run(model), DraftCheck()
-    drive(check, run, WARMUP + EXPLORE, kept=0, seconds=0.014, draft=0.002)
+    drive(check, run, WARMUP + EXPLORE, kept=0, seconds=0.014, draft=0.004)
     before = check.tokens.weight
-    plain = drive(check, run, EXPLORE, kept=1, seconds=0.014, draft=0.002)  # EXPLORE - 1 plain steps, then one drafting
+    plain = drive(check, run, EXPLORE, kept=1, seconds=0.014, draft=0.004)  # EXPLORE - 1 plain steps, then one drafting
     assert plain == [True] * (EXPLORE - 1) + [False]
     assert check.tokens.weight == pytest.approx(before * DECAY ** EXPLORE + 1.0)
 
@@ -180,3 +180,24 @@ def test_the_checks_entry_points_leave_batches_and_unchecked_sequences_alone(mod
     assert payoff.caps([run, a_run(model)]) == [None, None]
     run.check = None
     assert payoff.caps([run]) == [None]
+
+
+def test_describe_says_whether_the_check_runs(model):
+    assert any(line.startswith("drafting    a greedy sequence alone") for line in Engine(model).describe())
+    assert "drafting    every step drafts (check_drafting=False)" in Engine(model, proposer_config=DRAFTING).describe()
+
+
+def test_static_trees_take_the_kernel_picks_pass_costs_for_the_check(model, tmp_path):
+    from tiny_heads import random_heads
+
+    from medusa.autotune.cache import PlanCache
+    from medusa.autotune.planner import Planner
+    from medusa.decoding.plan import Plan
+
+    planner = Planner(True, PlanCache(tmp_path))
+    assert planner.trees(model, random_heads(model), Plan.default(model), False).pass_ms is None  # nothing timed
+    planner.pass_ms = {4: 13.0, 1: 10.0, 2: 11.0}  # as the kernel pick timed them
+    plan = planner.trees(model, random_heads(model), Plan.default(model), False)
+    assert plan.pass_ms == ((1, 10.0), (2, 11.0), (4, 13.0)) and plan.decision("trees").value == "calibrated"
+    run = Engine(model, heads=random_heads(model), plan=plan).decoding(make_request(PROMPT, mode="medusa"))
+    assert run.check.curves.extra(4, 100) == pytest.approx(1 - 10.0 / 13.0)

@@ -196,7 +196,10 @@ class Planner:
         if not curves:  # static trees: sampled requests' drawn chains from the kernel pick's pass costs
             drawn = calibrated_drawn(heads, lm.device, lm.dtype, self.pass_ms)
             reason = "calibrated for the device type" + describe_drawn(drawn, heads.config.kind)
-            return plan.decided(Decision("trees", "calibrated", reason), drawn=drawn)
+            # the pass costs the kernel pick timed: a batch's row budget and a lone sequence's check of
+            # what its rows cost read them (None where nothing was timed)
+            timed = tuple(sorted(self.pass_ms.items())) or None
+            return plan.decided(Decision("trees", "calibrated", reason), drawn=drawn, pass_ms=timed)
         exact = plan.exact if plan.exact is not None else lm.dtype in (torch.bfloat16, torch.float16)
         max_rows = pass_rows(exact, plan.max_rows)
 

@@ -137,9 +137,13 @@ class Engine:
 
     def describe(self) -> list[str]:
         """What this engine runs with and why: one line per decision of its plan (what was
-        picked, why, and what measuring it cost here), its passes and its default mode."""
+        picked, why, and what measuring it cost here), its passes, its default mode and whether a
+        lone sequence checks that its drafting pays."""
+        drafting = ("a greedy sequence alone decodes plainly while its drafts keep less than they cost "
+                    "(medusa/decoding/payoff.py)" if self.proposer_config.check_drafting
+                    else "every step drafts (check_drafting=False)")
         return [*self.plan.describe(), f"passes      {self.passes.name}: {self.passes.reason}; {self.passes.runs}",
-                f"mode        {self.default_mode} when none is named"]
+                f"mode        {self.default_mode} when none is named", f"drafting    {drafting}"]
 
     def kernel_scope(self):
         """A context in which the target (and draft, heads) run the engine's linear kernels:

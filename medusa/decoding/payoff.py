@@ -34,11 +34,15 @@ from typing import Any
 Decoding = Any
 StepReport = Any
 
+# Chosen by replaying bench runs of every mode that drafted every step (their tokens per step and
+# step costs) through the check, on prompts of their own (MT-Bench's first turns and long prompts
+# from scripts/long_prompts.py with a seed of their own): the settings that lost least where drafting
+# pays, while a drafter that keeps little still turns plain (docs/performance.md#whether-drafting-pays-for-one-sequence)
 DECAY = 0.9  # a drafting step's weight fades by this per later step (about ten steps' worth)
 WARMUP = 8  # drafting steps before any check (an answer's first steps say little of the rest)
-LEAVE = 0.95  # drafting estimated below this share of plain decoding's speed: decode plainly
-EXPLORE = 8  # while decoding plainly, one step in this many drafts
-GRACE = 4  # after such a step kept a drafted token, drafting steps before the check applies again
+LEAVE = 0.85  # drafting estimated below this share of plain decoding's speed: decode plainly
+EXPLORE = 4  # while decoding plainly, one step in this many drafts
+GRACE = 8  # after such a step kept a drafted token, drafting steps before the check applies again
 
 
 class Curve:
