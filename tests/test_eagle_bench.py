@@ -169,3 +169,13 @@ def test_every_step_drafts_turns_the_lone_check_off(tmp_path):
     assert all(isinstance(p["plain_steps"], int) for p in runs["checked"])
     assert all(p["plain_steps"] == 0 for p in runs["every"])
     assert [p["tokens"] for p in runs["checked"]] == [p["tokens"] for p in runs["every"]]
+
+
+def test_the_step_profile_says_how_many_steps_went_plain():
+    from medusa.bench.summary import profile_lines
+
+    ms = {"draft": 1.0, "verify": 8.0, "update": 0.5, "other": 0.5}
+    summary = {"eagle": {"step_ms": ms, "per_prompt": [{"steps": 11, "plain_steps": 3}, {"steps": 11, "plain_steps": 0}]},
+               "hybrid": {"step_ms": ms, "per_prompt": [{"steps": 11, "plain_steps": 0}]}}
+    eagle, hybrid = profile_lines(summary)
+    assert eagle.endswith("; 3 of 20 steps plain (drafting did not pay)") and "plain" not in hybrid

@@ -80,7 +80,10 @@ def profile_lines(summary: dict) -> list[str]:
         if ms:
             total = sum(ms.values())
             parts = " + ".join(f"{k} {v:.1f}" + (f" ({v / total:.0%})" if k == "verify" else "") for k, v in ms.items())
-            lines.append(f"step profile, {name}: {total:.1f} ms per step = {parts}")
+            prompts = s.get("per_prompt") or []
+            plain, steps = sum(p.get("plain_steps") or 0 for p in prompts), sum((p.get("steps") or 1) - 1 for p in prompts)
+            said = f"; {plain} of {steps} steps plain (drafting did not pay)" if plain else ""
+            lines.append(f"step profile, {name}: {total:.1f} ms per step = {parts}{said}")
     return lines
 
 
