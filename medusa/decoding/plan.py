@@ -58,8 +58,9 @@ class Plan:
     eagle: DynamicTree | None = None
     hybrid: DynamicTree | None = None
     lookahead: LookaheadSize | None = None
-    # this machine's verification pass cost, ((rows, ms), ...), as the tree sizing timed it
-    # (None: not measured); a batch's row budget comes from it (medusa/serving/budget.py)
+    # this machine's verification pass cost, ((rows, ms), ...), as the tree sizing timed it (heads
+    # with static trees: as the kernel pick timed it; None: not measured); a batch's row budget
+    # (medusa/serving/budget.py) and a lone sequence's check (medusa/decoding/payoff.py) read it
     pass_ms: tuple[tuple[int, float], ...] | None = None
     # the same pass after longer contexts, ((length, ((rows, ms), ...)), ...) (the sizing's
     # medusa/autotune/sizing.py LENGTHS; ()): a lone sequence's check of what drafting costs reads it
