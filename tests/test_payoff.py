@@ -201,3 +201,16 @@ def test_static_trees_take_the_kernel_picks_pass_costs_for_the_check(model, tmp_
     assert plan.pass_ms == ((1, 10.0), (2, 11.0), (4, 13.0)) and plan.decision("trees").value == "calibrated"
     run = Engine(model, heads=random_heads(model), plan=plan).decoding(make_request(PROMPT, mode="medusa"))
     assert run.check.curves.extra(4, 100) == pytest.approx(1 - 10.0 / 13.0)
+
+
+def test_a_step_beside_a_prompts_rows_counts_but_is_not_timed(model):
+    run, check = a_run(model), DraftCheck()
+    drive(check, run, WARMUP + 1, kept=0, seconds=0.014, draft=0.004)
+    assert check.plain and check.cap(run) == 1
+    check.observe(run, 1, 0, None, 100)  # a plain step beside a prompt's rows: still a plain step
+    assert run.stats.plain_steps == 2 and check.since == 2
+    seen = (check.drafted, check.seconds.weight)
+    check.plain = False
+    assert check.cap(run) is None
+    check.observe(run, 4, 0, None, 100)  # a drafting one: its time says nothing of a step's cost
+    assert (check.drafted, check.seconds.weight) == seen

@@ -130,12 +130,15 @@ class DraftCheck:
         self._before = (stats.draft_seconds, stats.verify_seconds, stats.update_seconds)
         return 1 if capped else None
 
-    def observe(self, run: Decoding, rows: int, kept: int, seconds: float, length: int) -> None:
+    def observe(self, run: Decoding, rows: int, kept: int, seconds: float | None, length: int) -> None:
         """The step :meth:`cap` began: ``rows`` verified after ``length`` cached tokens, ``kept``
-        drafted tokens emitted, in ``seconds``."""
+        drafted tokens emitted, in ``seconds`` (None: a step whose time is not a decoding step's,
+        counted but not timed)."""
         if self.capped:
             run.stats.plain_steps += 1
             self.since += 1
+            return
+        if seconds is None:
             return
         age, self.since = self.since, 0
         stats, (draft, verify, update) = run.stats, self._before
@@ -163,8 +166,9 @@ def caps(running: list[Decoding]) -> list[int | None]:
 
 def observe(report: StepReport) -> None:
     """After a step :func:`caps` began: a lone sequence's step to its check (a step that also ran
-    a prompt's rows is not a decoding step's time)."""
-    if report.batch != 1 or report.chunk or len(report.runs) != 1 or report.runs[0].check is None:
+    a prompt's rows counts, but its time is not a decoding step's)."""
+    if report.batch != 1 or len(report.runs) != 1 or report.runs[0].check is None:
         return
     run = report.runs[0]
-    run.check.observe(run, report.drafted[0] + 1, report.kept[0], report.seconds, run.state.length)
+    seconds = None if report.chunk else report.seconds
+    run.check.observe(run, report.drafted[0] + 1, report.kept[0], seconds, run.state.length)
