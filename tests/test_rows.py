@@ -178,9 +178,10 @@ def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: row
 @pytest.mark.parametrize("dim", [64, 128])
 def test_queries_weighed_together_keep_the_bits_each_gets_alone(dim):
     """Where several queries see the same block of keys, attention.c weighs the values for up to six
-    of them at once (heads of 64 or 128 on AVX-512), each query's sums still taken in its own key
-    order: eight chained rows over 700 cached tokens (two key chunks) give each row the bits of its
-    own call, where it is the only query of its KV head and weighs alone, and float64's values."""
+    of them at once (heads of 64 or 128 on AVX-512; with AVX2 one at a time, both sizes taken), each
+    query's sums still taken in its own key order: eight chained rows over 700 cached tokens (two key
+    chunks) give each row the bits of its own call, where it is the only query of its KV head and
+    weighs alone, and float64's values."""
     past, n, heads = 700, 8, 4
     gen = torch.Generator().manual_seed(dim)
     keys, values = (torch.randn(1, heads, past + n, dim, generator=gen) for _ in range(2))

@@ -40,6 +40,8 @@
 
 #define RB 8       /* rows per task at most */
 #define CHUNK 512  /* keys of a row's list per task at most (a multiple of ALANES) */
+#define MAXD 128   /* the largest head size taken (rows.py's supported_shape says so too) */
+#define MAXC (MAXD / ALANES) /* a head's vectors at most: 8 with AVX-512, 16 with AVX2 */
 
 typedef struct {
   int row0, rows, seg;
@@ -54,7 +56,7 @@ typedef struct {
 
 /* scores of one query against ``n`` <= ALANES keys (pointers ``k``) into s[0..n) */
 AI void scores_c(const float* q, const float* const* k, int n, int c, float scale, float* s) {
-  avec qv[8], a[ALANES];
+  avec qv[MAXC], a[ALANES];
   for (int d = 0; d < c; d++) qv[d] = aload(q + d * ALANES);
   for (int j = 0; j < ALANES; j++) {
     if (j < n) {
@@ -80,6 +82,7 @@ static void scores(const float* q, const float* const* k, int n, int D, float sc
   switch (D / ALANES) { /* the common head sizes with their chunk count known to the compiler */
     case 4: scores_c(q, k, n, 4, scale, s); break;
     case 8: scores_c(q, k, n, 8, scale, s); break;
+    case 16: scores_c(q, k, n, 16, scale, s); break;
     default: scores_c(q, k, n, D / ALANES, scale, s);
   }
 }
@@ -132,12 +135,14 @@ AI void weigh_q(float* const* o, const float* const* p, const float* V, int64_t 
 }
 
 static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
-  avec acc[8];
+  avec acc[MAXC];
   for (int d = 0; d < c; d++) acc[d] = aload(o + d * ALANES);
-  if (c == 4)
-    weigh_c(acc, p, V, pos_stride, a, e, 4);
-  else
-    weigh_c(acc, p, V, pos_stride, a, e, c);
+  switch (c) { /* the common head sizes with their vector count known: the sums stay in registers */
+    case 4: weigh_c(acc, p, V, pos_stride, a, e, 4); break;
+    case 8: weigh_c(acc, p, V, pos_stride, a, e, 8); break;
+    case 16: weigh_c(acc, p, V, pos_stride, a, e, 16); break;
+    default: weigh_c(acc, p, V, pos_stride, a, e, c);
+  }
   for (int d = 0; d < c; d++) astore(o + d * ALANES, acc[d]);
 }
 
@@ -317,7 +322,7 @@ static void merge(const Partial P, int r, int heads, int D, int chunks, float* o
   for (int h = 0; h < heads; h++) {
     const float* first = P.acc + ((size_t)r * heads + h) * (D + 2);
     float* dst = out + ((int64_t)r * heads + h) * D;
-    avec o[8], total;
+    avec o[MAXC], total;
     if (chunks == 1) {
       for (int d = 0; d < c; d++) astore(dst + d * ALANES, aload(first + d * ALANES) / asplat(first[D + 1]));
       continue;
@@ -347,7 +352,7 @@ int medusa_rows_attention(const float* q, int64_t q_head, int64_t q_row, int row
                           const int64_t* pos_stride, const int32_t* row_seg, const int32_t* lo, const int32_t* hi,
                           const int32_t* extra_start, const int32_t* extra_pos, float* out, int threads) {
   int G = heads / kv_heads;
-  if (D % ALANES || D > 8 * ALANES || heads % kv_heads || G > 64) return -1;
+  if (D % ALANES || D > MAXD || heads % kv_heads || G > 64) return -1;
   if (rows < 1) return 0;
   Block* blocks = malloc(sizeof(Block) * rows);
   int32_t* chunks = malloc(sizeof(int32_t) * rows); /* each row's chunk count */

@@ -67,8 +67,10 @@ PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # the engine runs them (one-call attention, whole one-call passes on gemv); 8: the one-call
 # attention splits long key lists into chunks (cheaper rows at long context); 9: bfloat16 heads on
 # gemv and the EAGLE-3 drafter layer in one call (cheaper drafting, so other sizes); 10: greedy
-# passes screen the vocabulary in bfloat16 (medusa/runtime/screen.py), so other costs. Cache keys.
-PACKING_VERSION = 10
+# passes screen the vocabulary in bfloat16 (medusa/runtime/screen.py), so other costs; 11: the C
+# kernels' vector loads are single moves (on AVX2 they stalled: attention 10-20x slower, so every
+# size timed there was off). Cache keys.
+PACKING_VERSION = 11
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
