@@ -155,7 +155,7 @@ def test_rows_over_several_key_chunks_match_and_keep_their_bits():
     assert torch.equal(later[0], alone[4])
 
 
-def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: rows.Layout) -> torch.Tensor:
+def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: rows.Layout, status: int = 0) -> torch.Tensor:
     """attention.c over one sequence's keys and values ``[1, H, S, D]`` for queries ``[1, H, n, D]``
     (one query head per KV head): ``[n, H, D]``."""
     import ctypes
@@ -171,7 +171,7 @@ def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: row
         ctypes.addressof(v_at), ctypes.addressof(strides), ctypes.addressof(strides) + 8, plan.seg.data_ptr(),
         plan.lo.data_ptr(), plan.hi.data_ptr(), plan.start.data_ptr(), plan.extra.data_ptr(), out.data_ptr(),
         torch.get_num_threads())
-    assert done == 0
+    assert done == status  # 0: computed; -1: a shape the kernel refuses
     return out
 
 
@@ -195,3 +195,18 @@ def test_queries_weighed_together_keep_the_bits_each_gets_alone(dim):
         k, v = keys[0, :, :past + i + 1].double(), values[0, :, :past + i + 1].double()
         weights = torch.softmax(q[0, :, i:i + 1].double() @ k.transpose(1, 2) * dim ** -0.5, dim=-1)
         assert torch.allclose(together[i].double(), (weights @ v)[:, 0], atol=1e-5), i
+
+
+def test_the_head_sizes_the_kernel_takes_are_the_ones_the_engine_routes_to_it():
+    """rows.supported_shape asks the built library: heads of 64 and 128 on every lane width (AVX2
+    included), not 256 nor a size off the lanes; and a shape it refuses, the kernel refuses too."""
+    from medusa.runtime import gemv
+
+    lanes = gemv.library().medusa_attention_lanes()
+    assert rows.supported_shape(9, 3, 64) is None and rows.supported_shape(32, 8, 128) is None
+    assert "head size 256" in rows.supported_shape(8, 8, 256)
+    assert rows.supported_shape(8, 8, lanes + 1) is not None
+    q = torch.randn(1, 1, 1, 256)
+    keys = torch.randn(1, 1, 4, 256)
+    plan = rows.layout([(3, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))])
+    _kernel(q, keys, keys, plan, status=-1)  # the kernel's own refusal of what supported_shape refuses

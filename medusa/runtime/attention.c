@@ -40,7 +40,7 @@
 
 #define RB 8       /* rows per task at most */
 #define CHUNK 512  /* keys of a row's list per task at most (a multiple of ALANES) */
-#define MAXD 128   /* the largest head size taken (rows.py's supported_shape says so too) */
+#define MAXD 128   /* the largest head size taken (medusa_attention_max_dim tells rows.py) */
 #define MAXC (MAXD / ALANES) /* a head's vectors at most: 8 with AVX-512, 16 with AVX2 */
 
 typedef struct {
@@ -288,6 +288,7 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
 }
 
 int medusa_attention_lanes(void) { return ALANES; }
+int medusa_attention_max_dim(void) { return MAXD; }
 
 typedef void (*medusa_task)(void* ctx, int task);
 void medusa_parallel(int tasks, int threads, medusa_task fn, void* ctx); /* pool.c */

@@ -126,6 +126,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.medusa_gemv_pack_bf16.restype = None
     lib.medusa_gemv_lanes.restype = ctypes.c_int
     lib.medusa_attention_lanes.restype = ctypes.c_int
+    lib.medusa_attention_max_dim.restype = ctypes.c_int
     lib.medusa_rows_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_int] * 4,
                                           ctypes.c_float, *[ctypes.c_void_p] * 9, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_rows_attention.restype = ctypes.c_int

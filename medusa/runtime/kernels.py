@@ -68,7 +68,7 @@ PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # attention splits long key lists into chunks (cheaper rows at long context); 9: bfloat16 heads on
 # gemv and the EAGLE-3 drafter layer in one call (cheaper drafting, so other sizes); 10: greedy
 # passes screen the vocabulary in bfloat16 (medusa/runtime/screen.py), so other costs; 11: the C
-# kernels' vector loads are single moves (on AVX2 they stalled: attention 10-20x slower, so every
+# kernels' vector loads are single moves (on AVX2 they stalled: attention 10-18x slower, so every
 # size timed there was off). Cache keys.
 PACKING_VERSION = 11
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)

@@ -106,8 +106,8 @@ def supported(model: PreTrainedModel) -> str | None:
 
 def supported_shape(heads: int, kv_heads: int, dim: int) -> str | None:
     """None where the kernel takes ``heads`` query heads over ``kv_heads`` of size ``dim``, else why not."""
-    lanes = gemv.library().medusa_attention_lanes()
-    if dim % lanes or dim > 128 or heads % kv_heads or heads // kv_heads > 64:
+    lib = gemv.library()
+    if dim % lib.medusa_attention_lanes() or dim > lib.medusa_attention_max_dim() or heads % kv_heads or heads // kv_heads > 64:
         return f"head size {dim} with {heads} heads over {kv_heads} KV heads: not a shape the kernel takes"
     return None
 
