@@ -54,37 +54,35 @@ typedef struct {
   int rows;
 } Partial;
 
-/* scores of one query against ``n`` <= ALANES keys (pointers ``k``) into s[0..n) */
+/* scores of one query against ``n`` <= ALANES keys (pointers ``k``) into s[0..n). Per key:
+ * q[0:L] * k[0:L], then a fused multiply-add per further vector of the head, left to right; a full
+ * block runs its keys' sums side by side (independent chains: a key's sum does not wait on the
+ * key before it), a partial one key after key, in the same order per key. */
 AI void scores_c(const float* q, const float* const* k, int n, int c, float scale, float* s) {
-  avec qv[MAXC], a[ALANES];
-  for (int d = 0; d < c; d++) qv[d] = aload(q + d * ALANES);
+  avec a[ALANES];
+  if (n == ALANES) {
+    avec qd = aload(q);
+    for (int j = 0; j < ALANES; j++) a[j] = qd * aload(k[j]);
+    for (int d = 1; d < c; d++) {
+      qd = aload(q + d * ALANES);
+      for (int j = 0; j < ALANES; j++) a[j] = afma(qd, aload(k[j] + d * ALANES), a[j]);
+    }
+    astore(s, alanes_sums(a) * asplat(scale));
+    return;
+  }
   for (int j = 0; j < ALANES; j++) {
     if (j < n) {
       const float* kk = k[j];
-      avec t = qv[0] * aload(kk);
-      for (int d = 1; d < c; d++) t = afma(qv[d], aload(kk + d * ALANES), t);
+      avec t = aload(q) * aload(kk);
+      for (int d = 1; d < c; d++) t = afma(aload(q + d * ALANES), aload(kk + d * ALANES), t);
       a[j] = t;
     } else {
       a[j] = asplat(0.0f);
     }
   }
-  avec sums = alanes_sums(a) * asplat(scale);
-  if (n == ALANES) {
-    astore(s, sums);
-  } else {
-    float tmp[ALANES];
-    astore(tmp, sums);
-    memcpy(s, tmp, sizeof(float) * n);
-  }
-}
-
-static void scores(const float* q, const float* const* k, int n, int D, float scale, float* s) {
-  switch (D / ALANES) { /* the common head sizes with their chunk count known to the compiler */
-    case 4: scores_c(q, k, n, 4, scale, s); break;
-    case 8: scores_c(q, k, n, 8, scale, s); break;
-    case 16: scores_c(q, k, n, 16, scale, s); break;
-    default: scores_c(q, k, n, D / ALANES, scale, s);
-  }
+  float tmp[ALANES];
+  astore(tmp, alanes_sums(a) * asplat(scale));
+  memcpy(s, tmp, sizeof(float) * n);
 }
 
 /* the largest of s[0..n), n a multiple of ALANES (a max is exact: any order gives it) */
@@ -134,21 +132,17 @@ AI void weigh_q(float* const* o, const float* const* p, const float* V, int64_t 
     for (int d = 0; d < c; d++) astore(o[x] + d * ALANES, acc[x][d]);
 }
 
-static void weigh(float* o, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
+/* o[0..c) += p[j] * v_j for j in [a, e) (weigh_c with the sums in registers) */
+AI void weigh(float* o, const float* p, const float* V, int64_t pos_stride, int a, int e, int c) {
   avec acc[MAXC];
   for (int d = 0; d < c; d++) acc[d] = aload(o + d * ALANES);
-  switch (c) { /* the common head sizes with their vector count known: the sums stay in registers */
-    case 4: weigh_c(acc, p, V, pos_stride, a, e, 4); break;
-    case 8: weigh_c(acc, p, V, pos_stride, a, e, 8); break;
-    case 16: weigh_c(acc, p, V, pos_stride, a, e, 16); break;
-    default: weigh_c(acc, p, V, pos_stride, a, e, c);
-  }
+  weigh_c(acc, p, V, pos_stride, a, e, c);
   for (int d = 0; d < c; d++) astore(o + d * ALANES, acc[d]);
 }
 
 /* weigh for the ``n`` queries whose rows see every key of [a, e): in groups sharing each value
  * vector where the registers hold them (AVX-512, heads of 64 or 128), else one by one */
-static void weigh_many(float* const* o, const float* const* p, int n, const float* V, int64_t pos_stride, int a,
+AI void weigh_many(float* const* o, const float* const* p, int n, const float* V, int64_t pos_stride, int a,
                        int e, int c) {
   int x = 0;
 #if ALANES == 16
@@ -165,10 +159,10 @@ static void weigh_many(float* const* o, const float* const* p, int n, const floa
 /* The keys of a row's list with index in [ka, kb) (its chunk), for every query of block ``b`` on
  * KV head ``g``: each query's max score, sum of exps and exp-weighted values over those keys,
  * written to P at the chunk's place (see Partial). */
-static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, float scale, const float* K,
+AI void task_c(const float* q, int64_t q_head, int64_t q_row, int G, int D, float scale, const float* K,
                  const float* V, int64_t pos_stride, const int32_t* lo, const int32_t* hi, const int32_t* extra_start,
-                 const int32_t* extra_pos, Block b, int g, int ka, int kb, int heads, Partial P, int chunk) {
-  int jmin = 1 << 30, jmax = 0, nq = b.rows * G, c = D / ALANES, width = 0;
+                 const int32_t* extra_pos, Block b, int g, int ka, int kb, int heads, Partial P, int chunk, int c) {
+  int jmin = 1 << 30, jmax = 0, nq = b.rows * G, width = 0;
   for (int i = 0; i < b.rows; i++) {
     int r = b.row0 + i, run = hi[r] - lo[r];
     int n = run + extra_start[r + 1] - extra_start[r];
@@ -199,9 +193,9 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
       for (int h = 0; h < G; h++) {
         float* dst = S + (size_t)(i * G + h) * width + (a - ra);
         if (a == j0 && e - a == m) { /* the row sees the whole block: scores straight to their place */
-          scores(QUERY(i, h), kp, m, D, scale, dst);
+          scores_c(QUERY(i, h), kp, m, c, scale, dst);
         } else {
-          scores(QUERY(i, h), kp, m, D, scale, tmp);
+          scores_c(QUERY(i, h), kp, m, c, scale, tmp);
           memcpy(dst, tmp + (a - j0), sizeof(float) * (e - a));
         }
       }
@@ -214,7 +208,7 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
       int m = x1 - e0 < ALANES ? x1 - e0 : ALANES;
       for (int j = 0; j < m; j++) kp[j] = K + (int64_t)extra_pos[extra_start[r] + e0 + j] * pos_stride;
       for (int h = 0; h < G; h++) {
-        scores(QUERY(i, h), kp, m, D, scale, tmp);
+        scores_c(QUERY(i, h), kp, m, c, scale, tmp);
         memcpy(S + (size_t)(i * G + h) * width + (run + e0 - ka), tmp, sizeof(float) * m);
       }
     }
@@ -285,6 +279,22 @@ static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, fl
 #undef QUERY
   free(S);
   free(acc);
+}
+
+/* task_c with the head's vector count known to the compiler for the common head sizes: each
+ * block's scores and weighted sums inline, their sums in registers */
+static void task(const float* q, int64_t q_head, int64_t q_row, int G, int D, float scale, const float* K,
+                 const float* V, int64_t pos_stride, const int32_t* lo, const int32_t* hi, const int32_t* extra_start,
+                 const int32_t* extra_pos, Block b, int g, int ka, int kb, int heads, Partial P, int chunk) {
+#define TASK(c) task_c(q, q_head, q_row, G, D, scale, K, V, pos_stride, lo, hi, extra_start, extra_pos, b, g, ka, kb, \
+                       heads, P, chunk, c)
+  switch (D / ALANES) {
+    case 4: TASK(4); break;
+    case 8: TASK(8); break;
+    case 16: TASK(16); break;
+    default: TASK(D / ALANES);
+  }
+#undef TASK
 }
 
 int medusa_attention_lanes(void) { return ALANES; }

@@ -72,6 +72,18 @@ AI avec alanes_sums(const avec* a) {
            __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(__AVX__)
+  /* the same sums from in-lane shuffles but one cross-lane move per pair of vectors, the pairs
+   * (a[k], a[k + 4]) so the sums land in order: each half-sum added as the generic path adds it
+   * (a + b == b + a exactly) */
+  __m256 t[4], u[2];
+  for (int k = 0; k < 4; k++) {
+    __m256 x = (__m256)a[k], y = (__m256)a[k + 4];
+    t[k] = _mm256_add_ps(_mm256_blend_ps(x, y, 0xF0), _mm256_permute2f128_ps(x, y, 0x21));
+  }
+  for (int m = 0; m < 2; m++)
+    u[m] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0x44), _mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0xEE));
+  return (avec)_mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
 #else
   avec t[4], u[2];
   for (int k = 0; k < 4; k++)
