@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-confidence", type=float, default=pc.draft_confidence,
                     help=f"end a draft chain after a token the draft gave less probability (default {pc.draft_confidence:g}, transformers' own; 0: off; draft, hf-assisted)")
     ap.add_argument("--lookup-tokens", type=count(), default=pc.lookup_tokens,
-                    help="tokens copied per step (lookup, hybrid, prompt-lookup; default 8, and for hybrid on eagle "
-                         "heads the chain sized with the tree for this machine)")
+                    help="tokens copied per step (lookup, hybrid, prompt-lookup; default: sized per match up to 16 "
+                         "where this machine's passes were timed, else 8, or for hybrid the chain sized with its tree)")
+    ap.add_argument("--fixed-chains", dest="match_chains", action="store_false",
+                    help="lookup, hybrid: chains of the default or sized length, not sized per match (MatchChains)")
     ap.add_argument("--lookup-ngram", type=count(), default=pc.lookup_ngram, help="longest n-gram matched (lookup, hybrid, prompt-lookup)")
     ap.add_argument("--no-answer-ngrams", dest="answer_ngrams", action="store_false",
                     help="hybrid modes: draft no chain from the heads folder's n-gram table of the target's "

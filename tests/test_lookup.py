@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny import DRAFTING, hf_greedy, tiny_model
 from tiny_heads import random_heads
 
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers.factory import ProposerConfig
+from medusa.decoding.payoff import Curves
+from medusa.decoding.proposers.factory import LOOKUP_TOKENS, ProposerConfig
 from medusa.decoding.proposers.hybrid import Hybrid
-from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.lookup import MatchChains, PromptLookup, match_bucket, match_length
 from medusa.decoding.proposers.medusa import MedusaProposer
 from medusa.errors import MedusaError
 from medusa.models.loader import init_heads_for
@@ -182,3 +185,82 @@ def test_hybrid_layout_attaches_the_chain_below_the_deepest_shared_node():
     # a chain continuing a one-path tree is a chain: plain causal attention verifies it
     assert _hybrid_layout(((0,), (0, 0)), 2, (0, 0))[3]
     assert not _hybrid_layout(((0,), (0, 0)), 2, (0,))[3]
+
+
+def test_match_length_counts_the_tokens_the_text_repeats_before_the_copy():
+    tokens = [7, 1, 2, 3, 4, 9, 8, 1, 2, 3]
+    assert match_length(tokens, 4) == 3  # 1 2 3 before position 4, as the text ends; 7 then differs from 8
+    assert match_length(tokens, 4, most=2) == 2
+    assert match_length([5, 1, 2, 6, 5, 1, 2], 3) == 3  # back to the text's start
+    assert match_length([1, 2, 3], 1) == 0  # 1 is not the last token
+    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 40)] == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6]
+
+
+# a CPU-like pass: the rows beyond the first cheap at a short context, dearer after 4k tokens
+CHEAP = ((1, 10.0), (2, 10.3), (4, 10.9), (8, 12.1), (16, 14.5), (32, 19.3))
+STEEP = ((1, 20.0), (2, 24.0), (4, 32.0), (8, 48.0), (16, 80.0), (32, 144.0))
+
+
+def test_match_chains_lengthen_where_copies_were_kept_and_not_where_they_were_not():
+    chains = MatchChains(Curves(CHEAP))
+    before = chains.chain(6, 300, 1, 16)
+    assert 1 <= before < 16
+    for _ in range(12):  # after long matches the whole copy was the target's
+        chains.pending = (6, list(range(before)))
+        chains.record(list(range(before)) + [99])
+        chains.pending = (1, [5, 6, 7])  # after one matching token, nothing was
+        chains.record([8, 9])
+    assert chains.chain(6, 300, 1, 16) == 16  # kept copies, cheap rows: as long as allowed
+    assert chains.chain(6, 300, 1, 5) == 5
+    assert chains.chain(1, 300, 1, 16) <= 2  # never kept: (nearly) the shortest chain, rows being cheap
+    assert chains.chain(6, 300, 1, 0) == 0  # no room: none
+    # the same acceptance where each row costs a fifth of a pass: shorter chains
+    steep = MatchChains(Curves(CHEAP, by_length=((4096, STEEP),)))
+    steep.counts = [list(c) for c in chains.counts]
+    assert steep.chain(6, 300, 1, 16) == 16 and steep.chain(6, 5000, 1, 16) < 16
+    assert steep.chain(1, 5000, 1, 16) == 1
+
+
+def test_match_chains_count_only_what_was_tried():
+    chains = MatchChains(Curves(CHEAP))
+    chains.record([1, 2])  # nothing in flight: nothing counted
+    assert chains.counts[4] == [0, 0, 0, 0]
+    chains.pending = (4, [1, 2, 3, 4])
+    chains.record([1, 2, 7])  # two kept: the third was tried and missed, the fourth never tried
+    assert chains.counts[4] == [1, 1, 1, 2] and chains.pending is None
+
+
+def repeating_engine(model, **config):
+    """An engine whose plan times passes (rows nearly free), as a CPU's measured plan does."""
+    eng = Engine(model, proposer_config=ProposerConfig(check_drafting=False, **config))
+    eng.plan = replace(eng.plan, pass_ms=CHEAP)
+    return eng
+
+
+def test_lookup_chains_sized_per_match_keep_the_target_greedy_and_outgrow_the_fixed_chain():
+    model = tiny_model("llama")  # its greedy text ends in a long run of one token
+    n = 64
+    ref = hf_greedy(model, PROMPT, n)
+    fixed = repeating_engine(model, match_chains=False).generate(PROMPT, max_new_tokens=n, mode="lookup")
+    matched_engine = repeating_engine(model)
+    matched = matched_engine.generate(PROMPT, max_new_tokens=n, mode="lookup")
+    assert fixed.tokens == ref and matched.tokens == ref
+    assert max(fixed.stats.accepted) <= LOOKUP_TOKENS + 1
+    assert max(matched.stats.accepted) > LOOKUP_TOKENS + 1, matched.stats.accepted  # a copy past 8 tokens
+    set_length = repeating_engine(model, lookup_tokens=3).generate(PROMPT, max_new_tokens=n, mode="lookup")
+    assert set_length.tokens == ref and max(set_length.stats.accepted) <= 4  # a set length is kept
+    untimed = Engine(model, proposer_config=ProposerConfig(check_drafting=False))  # no pass costs: fixed
+    assert max(untimed.generate(PROMPT, max_new_tokens=n, mode="lookup").stats.accepted) <= LOOKUP_TOKENS + 1
+    assert "sized per match" in matched_engine.proposer("lookup").describe()
+
+
+def test_hybrid_chains_sized_per_match_keep_the_target_greedy():
+    model = tiny_model("llama")
+    n = 64
+    ref = hf_greedy(model, PROMPT, n)
+    eng = Engine(model, heads=random_heads(model, num_heads=2, seed=1, scale=0.3), tree=HEADS_TREE,
+                 proposer_config=ProposerConfig(check_drafting=False))
+    eng.plan = replace(eng.plan, pass_ms=CHEAP)
+    res = eng.generate(PROMPT, max_new_tokens=n, mode="hybrid")
+    assert res.tokens == ref
+    assert max(res.stats.accepted) > LOOKUP_TOKENS + 1, res.stats.accepted

@@ -19,6 +19,7 @@ from medusa.decoding.plan import Plan
 from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 from medusa.decoding.proposers.factory import LOOKUP_TOKENS, ProposerConfig
 from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookup import MATCH_TOKENS
 from medusa.models.loader import init_heads_for
 
 # one draft shape: 0, 1 or 2 nodes, with a lookup chain of 0, 1 or 2 tokens beside them that
@@ -148,7 +149,10 @@ def test_size_here_measures_once_and_follows_this_machines_costs(tmp_path):
         assert eagle.size == plan.eagle
         for mode in ("eagle", "hybrid"):
             assert engine.generate(PROMPT, max_new_tokens=24, mode=mode).tokens == ref, (plan, mode)
-    assert engine.proposer("hybrid").lookup.k == 2  # the sized chain
+    hybrid = engine.proposer("hybrid")  # timed passes: each step's chain as long as its match pays for
+    assert hybrid.lookup.k == MATCH_TOKENS and hybrid.lookup.costs is not None
+    engine.proposer_config = ProposerConfig(match_chains=False)
+    assert engine.proposer("hybrid").lookup.k == 2  # else the sized chain
     engine.proposer_config = ProposerConfig(lookup_tokens=5)  # set by the user: it wins
     assert engine.proposer("hybrid").lookup.k == 5 and engine.proposer("lookup").k == 5
 

@@ -26,7 +26,8 @@ WINDOWED = ("qwen2", "mistral", "gemma3")  # the ones tiny_config gives a slidin
 # Every step drafts: on a tiny target the heads cost about what its passes do, so a lone sequence's
 # check of whether drafting pays (medusa/decoding/payoff.py) soon decodes plainly there; the tests
 # of the drafts themselves (what they propose, keep and cost) turn it off with this config.
-DRAFTING = ProposerConfig(check_drafting=False)
+# draft every step, lookup chains of a fixed length (the same proposals whatever a plan timed)
+DRAFTING = ProposerConfig(check_drafting=False, match_chains=False)
 
 
 def tiny_config(arch: str, vocab_size: int = 96, sliding_window: int | None = None, **overrides):

@@ -85,6 +85,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
                                draft_confidence=args.draft_confidence, lookup_tokens=args.lookup_tokens,
                                lookup_ngram=args.lookup_ngram, answer_ngrams=args.answer_ngrams, draw=args.draw,
                                draft_window=args.draft_window or None, check_drafting=not args.every_step_drafts,
+                               match_chains=getattr(args, "match_chains", True),
                                **dict(zip(("lookahead_window", "lookahead_ngram", "lookahead_guesses"),
                                           args.lookahead or ())))
     engine = medusa.load(model=args.model, heads=args.heads, draft=draft, device=args.device, dtype=args.dtype,

@@ -241,7 +241,8 @@ class Engine:
         return make_proposer(mode, self.device, self.proposer_config, heads=self.heads, paths=paths, draft=self.draft,
                              dtype=self.model.dtype, size=size, max_rows=self.max_rows, lookahead=plan.lookahead,
                              sampled_size=plan.eagle if mode == "hybrid" else None,
-                             by_temperature=self._drawn_sizes(mode))
+                             by_temperature=self._drawn_sizes(mode),
+                             costs=Curves(plan.pass_ms, plan.pass_ms_by_length) if plan.pass_ms else None)
 
     def _drawn_sizes(self, mode: str) -> tuple:
         """The plan's drawn levels per temperature for ``mode`` (hybrid's with its lookup chain),

@@ -75,13 +75,18 @@ class Curves:
         self.base = Curve(pass_ms)
         self.longer = sorted(((int(length), Curve(curve)) for length, curve in by_length), key=lambda item: item[0])
 
-    def extra(self, rows: int, length: int) -> float:
-        """The share of a ``rows``-row pass after ``length`` cached tokens that its rows beyond
-        the first cost (the curve of the longest timed length up to it)."""
+    def at(self, length: int) -> Curve:
+        """The curve after ``length`` cached tokens: that of the longest timed length up to it."""
         curve = self.base
         for start, longer in self.longer:
             if length >= start:
                 curve = longer
+        return curve
+
+    def extra(self, rows: int, length: int) -> float:
+        """The share of a ``rows``-row pass after ``length`` cached tokens that its rows beyond
+        the first cost (:meth:`at`'s curve)."""
+        curve = self.at(length)
         return 0.0 if rows <= 1 else max(0.0, 1.0 - curve(1) / curve(rows))
 
 

@@ -12,7 +12,7 @@ from medusa.decoding.proposers.draft_model import DraftModel
 from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.decoding.proposers.lookahead import LookaheadProposer, LookaheadSize, size_lookahead
-from medusa.decoding.proposers.lookup import PromptLookup
+from medusa.decoding.proposers.lookup import MATCH_TOKENS, PromptLookup
 from medusa.decoding.state import Proposer
 from medusa.errors import MedusaError
 from medusa.models.heads import MedusaHeads
@@ -72,6 +72,10 @@ class ProposerConfig:
     # a greedy sequence decoding alone decodes plainly while its drafts keep fewer tokens than
     # their drafting and rows cost, as its own steps measure (medusa/decoding/payoff.py)
     check_drafting: bool = True
+    # modes "lookup"/"hybrid" where the plan timed this machine's passes and lookup_tokens is not
+    # set: each step's chain as long as its match's length has paid for in the answer so far, up to
+    # MATCH_TOKENS (medusa/decoding/proposers/lookup.py: MatchChains); False: the fixed or sized length
+    match_chains: bool = True
 
     def chain(self, sized: int | None = None) -> int:
         """The lookup chain's length: as set, else ``sized`` (a hybrid tree's), else LOOKUP_TOKENS."""
@@ -91,6 +95,30 @@ def _heads_proposer(heads, device: torch.device, config: ProposerConfig, paths: 
         return guessed, config.chain()
     chain = config.chain(sized.chain)
     return guessed, 0 if hybrid and sized.chain == 0 and not config.lookup_tokens else chain
+
+
+def _lookup(device: torch.device, config: ProposerConfig, chain: int, costs, table=None) -> PromptLookup:
+    """Prompt lookup with ``chain``-token chains, or where ``costs`` (the plan's pass costs) are
+    known and the chain is neither set nor turned off, chains sized per match up to MATCH_TOKENS."""
+    matched = costs if config.match_chains and not config.lookup_tokens and costs is not None else None
+    return PromptLookup(device, num_tokens=MATCH_TOKENS if matched else chain, max_ngram=config.lookup_ngram,
+                        table=table, costs=matched)
+
+
+def _hybrid(guessed: Proposer, chain: int, heads, device: torch.device, config: ProposerConfig,
+            lookahead: LookaheadSize | None, max_rows: int | None, costs) -> Hybrid:
+    """Mode hybrid: the heads' proposer ``guessed`` beside a lookup chain (``chain`` tokens as
+    sized, per context length where the heads' size says), and lookahead's part if asked."""
+    table = heads.ngrams if config.answer_ngrams else None
+    jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
+    lookup = _lookup(device, config, chain, costs, table)
+    sized = getattr(guessed, "size", None)  # eagle and block heads: their chain per context length
+    chain_at = None
+    if not config.lookup_tokens and isinstance(sized, DynamicTree) and sized.longer:
+        def chain_at(length: int, sized: DynamicTree = sized) -> int:
+            here = sized.at(length).chain
+            return chain if here is None else min(here, chain)
+    return Hybrid(guessed, lookup, device, lookahead=jacobi, chain_at=chain_at)
 
 
 def _sampled(mode: str, size: DynamicTree | None, heads, device: torch.device,
@@ -115,6 +143,7 @@ def make_proposer(
     lookahead: LookaheadSize | None = None,
     sampled_size: DynamicTree | None = None,
     by_temperature: tuple = (),
+    costs=None,
 ) -> Proposer:
     """The proposer for a mode name; ``paths`` is the heads' tree (modes medusa and hybrid);
     ``dtype`` the target's (eagle heads take the dynamic tree calibrated for it, or ``size``,
@@ -126,7 +155,9 @@ def make_proposer(
     ``sampled_size``: mode hybrid's EAGLE heads draft sampled requests at this size, mode eagle's
     (None: the size calibrated for mode eagle), :meth:`~medusa.decoding.proposers.eagle.EagleProposer.sample_with`); ``by_temperature``:
     the heads' drawn chains sized per calibrated temperature (medusa/autotune/drawn.py), which
-    come first for sampled requests in the heads' own mode and in hybrid."""
+    come first for sampled requests in the heads' own mode and in hybrid; ``costs``: the plan's pass
+    costs (a :class:`~medusa.decoding.payoff.Curves`), which lookup chains are sized with per match
+    (``config.match_chains``; None: not timed, chains of a fixed length)."""
     if mode == "baseline":
         return Autoregressive(device)
     if mode == "lookahead":
@@ -143,22 +174,13 @@ def make_proposer(
             guessed.sample_with(_sampled(mode, sampled_size, heads, device, dtype), by_temperature)
         if mode != "hybrid" or chain == 0:
             return guessed  # chain 0: sized without a lookup chain, its rows cost more than it adds here
-        table = heads.ngrams if config.answer_ngrams else None
-        jacobi = _lookahead(device, config, lookahead, max_rows) if config.hybrid_lookahead else None
-        lookup = PromptLookup(device, num_tokens=chain, max_ngram=config.lookup_ngram, table=table)
-        sized = getattr(guessed, "size", None)  # eagle and block heads: their chain per context length
-        chain_at = None
-        if not config.lookup_tokens and isinstance(sized, DynamicTree) and sized.longer:
-            def chain_at(length: int, sized: DynamicTree = sized) -> int:
-                here = sized.at(length).chain
-                return chain if here is None else min(here, chain)
-        return Hybrid(guessed, lookup, device, lookahead=jacobi, chain_at=chain_at)
+        return _hybrid(guessed, chain, heads, device, config, lookahead, max_rows, costs)
     if mode == "draft":
         if draft is None:
             raise MedusaError("mode 'draft' needs a draft model: load with draft=FOLDER_OR_HUB_ID (or draft='default')")
         return DraftModel(draft, device, num_tokens=config.draft_tokens, adaptive=config.adaptive_draft,
                           max_tokens=max(16, config.draft_tokens), confidence=config.draft_confidence)
     if mode == "lookup":
-        return PromptLookup(device, num_tokens=config.chain(), max_ngram=config.lookup_ngram)
+        return _lookup(device, config, config.chain(), costs)
     known = dict.fromkeys((*MODES, *REGISTRY))
     raise MedusaError(f"unknown mode {mode!r}: use one of {', '.join(known)}")

@@ -77,6 +77,8 @@ class Hybrid(Proposer):
     def steps(self, state: DecodeState) -> Steps:
         """:meth:`propose` asking for the heads' calls as the heads proposer's own :meth:`steps` do."""
         limit = None if self.chain_at is None else self.chain_at(state.length)
+        if limit and getattr(self.lookup, "costs", None) is not None:
+            limit = None  # the chain's length is the lookup's, by its match (0 stays: no chain here)
         sized = getattr(self.heads, "chain_for", None)  # a drawn request's chain, sized with its temperature
         here = None if sized is None else sized(state)
         if here is not None:
@@ -84,7 +86,7 @@ class Hybrid(Proposer):
         guessed = yield from self.heads.steps(state)
         if limit == 0 and not self.jacobi:  # sized without a chain at this context length
             return guessed
-        copied = self.lookup.propose(state, limit)
+        copied = self.lookup.propose(state, limit, rows=max(1, guessed.tokens.numel()))
         k = copied.tokens.numel() - 1
         if self.jacobi:
             return self._with_lookahead(state, guessed, copied.tokens[1:].tolist())
