@@ -13,7 +13,7 @@ from tiny import DRAFTING, hf_greedy, tiny_model
 from medusa.autotune.sizing import LENGTHS, PREFIX, cost_at, sizes_from
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
-from medusa.decoding.proposers.eagle import DynamicTree
+from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
 from medusa.decoding.proposers.hybrid import Hybrid
 from medusa.decoding.state import DecodeState
 from medusa.models.block_heads import init_block_for
@@ -154,6 +154,25 @@ def test_the_engine_switches_sizes_at_their_lengths_and_stays_exact(arch):
                    for length, rows in steps)
     assert isinstance(engine.proposer("hybrid"), Hybrid) and "from 60 tokens 0 nodes" in engine.proposer("eagle").describe()
 
+
+
+def test_a_prompt_past_the_last_drafting_size_never_runs_the_head():
+    """A prompt longer than where the sizes stop drafting: the head is not fed the prompt's pairs
+    (that would cost a head pass over them for nothing), and the answer is the target's greedy."""
+    model = tiny_model("llama")
+    prompt = [(5 * i + 1) % 90 + 3 for i in range(48)]
+    ref = hf_greedy(model, prompt, 12)
+    size = DynamicTree(nodes=4, depth=3, topk=2, chain=2, longer=((32, DynamicTree(nodes=0, depth=3, topk=2, chain=2)),))
+    engine = Engine(model, heads=noisy_eagle(model), plan=Plan(eagle=size, hybrid=size), proposer_config=DRAFTING)
+    for mode in ("eagle", "hybrid"):
+        proposer = engine.proposer(mode)
+        head = proposer.heads if isinstance(proposer, Hybrid) else proposer
+        assert isinstance(head, EagleProposer), type(head)
+        assert engine.generate(prompt, max_new_tokens=12, mode=proposer).tokens == ref, mode
+        assert not head.active and head.length == 0 and head.last is None, (mode, head.length)
+        # a prompt short of the switch still feeds the head and drafts
+        assert engine.generate(prompt[:20], max_new_tokens=4, mode=proposer).tokens == hf_greedy(model, prompt[:20], 4)
+        assert head.length >= 20, (mode, head.length)
 
 def test_block_heads_switch_sizes_too():
     model = tiny_model("llama")

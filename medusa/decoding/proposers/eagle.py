@@ -253,8 +253,10 @@ class EagleProposer(HeadsProposer):
 
     @torch.inference_mode()  # the head's cache buffers are inference tensors (propose may regrow them)
     def begin(self, state: DecodeState) -> None:
-        self.active = any(size.nodes for size in self._size_for(state).sizes)
-        if not self.active:  # sized to draft nothing for this request: the head never runs
+        # sized to draft nothing for this request from its prompt's length on (a long prompt past
+        # the last size that drafts): the head never runs, not even over the prompt's pairs
+        self.active = self._drafts_from(state)
+        if not self.active:
             return
         # The prefill's features f_p with the tokens x_{p+1} that followed (the last one is
         # the root). A reused state prefilled only its new tokens: the head sees those.
