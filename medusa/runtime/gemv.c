@@ -17,7 +17,8 @@
  * count: the K products are summed left to right in chunks of KC, and the chunk sums are added
  * left to right. So row r of an n-row product is bitwise the one-row product of x[r].
  *
- * Written with GCC vector extensions (one x86 intrinsic: the fused multiply-add), compiled on the machine that runs it (-march=native):
+ * Written with GCC vector extensions (x86 intrinsics for the fused multiply-add and, on AVX2, the bfloat16
+ * widening), compiled on the machine that runs it (-march=native):
  * 16 lanes where the CPU has AVX-512, else 8. Threads: the kernels' own pool (pool.c), as many as the caller asks for.
  */
 #include <stdint.h>
@@ -45,6 +46,12 @@ typedef uint32_t uvec __attribute__((vector_size(LANES * 4), aligned(4)));
 /* LANES weights at element ``i`` of a packed weight: float32 (H 0), or bfloat16 widened to
  * float32 exactly (H 1: a bfloat16 is a float32's upper half) */
 AI vec loadw(const int H, const void* p, int64_t i) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+  if (H) { /* one widening load and a shift: GCC splits the generic form into 128-bit halves here */
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+  }
+#endif
   if (H) {
     hvec h;
     memcpy(&h, (const uint16_t*)p + i, sizeof h);

@@ -70,9 +70,10 @@ PACKED = ("onednn", "gemv")  # the kernels PackedLinears runs
 # passes screen the vocabulary in bfloat16 (medusa/runtime/screen.py), so other costs; 11: the C
 # kernels' vector loads are single moves (on AVX2 they stalled: attention 10-18x slower, so every
 # size timed there was off); 12: the attention's blocks inline per head size, its scores' key
-# sums side by side (same bits, a pass at long context 1.3-1.6x faster there, so other sizes).
-# Cache keys.
-PACKING_VERSION = 12
+# sums side by side (same bits, a pass at long context 1.3-1.6x faster there, so other sizes);
+# 13: on AVX2 a bfloat16 weight is widened by one load and a shift (the heads' products, their
+# draft vocabulary and the vocabulary screen 1.3-1.5x faster there, same bits). Cache keys.
+PACKING_VERSION = 13
 # layers one module calls on the same input, in transformers' decoder layers (attention, MLP)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_ROWS = 32  # half precision: stacked products for inputs of at most this many rows (_Siblings)
