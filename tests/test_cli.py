@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = ["infer.chat", "infer.bench", "infer.precompile", "train.train_heads", "train.train_draft",
            "train.generate_selfdistill"]
 SCRIPTS = ["bench_linears", "build_ngrams", "calibrate_tree", "export_heads", "head_acceptance", "heldout_prompts", "probe_compiled",
-           "probe_exactness", "profile_pass", "profile_step", "publish_heads", "time_attention", "time_prefill", "vllm_check"]
+           "probe_exactness", "profile_pass", "profile_step", "publish_heads", "time_attention", "time_gemv", "time_prefill", "vllm_check"]
 # One spelling per concept, in every tool that has the flag.
 SPELLING = {"output": "--output", "repo_id": "--repo-id", "model": "--model", "heads": "--heads", "dtype": "--dtype",
             "device": "--device", "max_new_tokens": "--max-new-tokens", "seed": "--seed", "json": "--json",

@@ -84,6 +84,26 @@ def test_bfloat16_weights_multiply_in_float32_at_half_the_bytes():
                                        atol=0.05 * in_features ** 0.5, rtol=0.02)
 
 
+
+def test_time_gemv_times_this_build_beside_another_revisions_and_compares_bits(tmp_path):
+    """scripts/time_gemv.py builds a git revision's gemv.c beside this tree's, times both and
+    reports whether their outputs are the same bits (a rewrite of the kernel's loop must keep them)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("time_gemv", Path(__file__).resolve().parents[1] / "scripts" / "time_gemv.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "gemv.json"
+    script.main(["--weights", "o", "--rows", "1,3", "--rounds", "1", "--reps", "1", "--against", "HEAD", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert {(r["dtype"], r["rows"]) for r in results} == {(d, n) for d in ("bfloat16", "float32") for n in (1, 3)}
+    for r in results:
+        assert set(r["ms"]) == {"this tree", "HEAD"} and all(ms > 0 for ms in r["ms"].values()), r
+        assert r["bitwise_equal"] == {"this tree": True, "HEAD": True}, r
+    with pytest.raises(SystemExit, match="unknown weight"):
+        script.main(["--weights", "nope"])
+
 def test_bfloat16_heads_run_on_the_gemv_kernels_beside_a_float32_target():
     """Under kernels='gemv' a bfloat16 layer (q/k/v stacked, and alone) is packed for the gemv
     kernels, and its outputs are the float32 product of its own weights, rounded to bfloat16."""
