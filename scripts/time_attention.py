@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,22 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_revision(rev: str, folder: Path) -> ctypes.CDLL:
     """``rev``'s attention kernel built into ``folder`` with the runtime's flags."""
-    src = folder / rev.replace("/", "_")
-    src.mkdir(parents=True)
-    for path in KERNEL:
-        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
-        if shown.returncode != 0 and not path.endswith(".h"):
-            raise SystemExit(f"error: cannot read {path} at {rev}: {shown.stderr.strip()[:200]}")
-        (src / Path(path).name).write_text(shown.stdout)
-    out = src / "attention.so"
-    cc = gemv.compiler()
-    if cc is None:
-        raise SystemExit("error: no C compiler (cc or gcc) on the PATH: install gcc")
-    made = subprocess.run([cc, *gemv.FLAGS, str(src / "attention.c"), str(src / "pool.c"), "-o", str(out), "-lm"],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        raise SystemExit(f"error: cannot build attention.c at {rev}: {made.stderr.strip()[:200]}")
-    lib = ctypes.CDLL(str(out))
+    lib = gemv.build_at(rev, KERNEL, folder, ROOT)
     lib.medusa_rows_attention.argtypes = gemv.library().medusa_rows_attention.argtypes
     lib.medusa_rows_attention.restype = ctypes.c_int
     return lib

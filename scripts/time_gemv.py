@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -51,22 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_revision(rev: str, folder: Path) -> ctypes.CDLL:
     """``rev``'s gemv kernel built into ``folder`` with the runtime's flags."""
-    src = folder / rev.replace("/", "_")
-    src.mkdir(parents=True)
-    for path in KERNEL:
-        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
-        if shown.returncode != 0:
-            raise SystemExit(f"error: cannot read {path} at {rev}: {shown.stderr.strip()[:200]}")
-        (src / Path(path).name).write_text(shown.stdout)
-    out = src / "gemv.so"
-    cc = gemv.compiler()
-    if cc is None:
-        raise SystemExit("error: no C compiler (cc or gcc) on the PATH: install gcc")
-    made = subprocess.run([cc, *gemv.FLAGS, str(src / "gemv.c"), str(src / "pool.c"), "-o", str(out), "-lm"],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        raise SystemExit(f"error: cannot build gemv.c at {rev}: {made.stderr.strip()[:200]}")
-    lib = ctypes.CDLL(str(out))
+    lib = gemv.build_at(rev, KERNEL, folder, ROOT)
     for name in ("medusa_gemv", "medusa_gemv_bf16"):
         getattr(lib, name).argtypes = getattr(gemv.library(), name).argtypes
         getattr(lib, name).restype = None

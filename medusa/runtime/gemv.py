@@ -101,6 +101,29 @@ def _build(cc: str, path: Path) -> None:
             raise GemvUnavailable(f"cannot build the gemv kernels with {cc}: {first.strip()}")
 
 
+
+def build_at(rev: str, files: tuple[str, ...], folder: Path, root: Path) -> ctypes.CDLL:
+    """The C sources ``files`` (paths in the repository at ``root``) as git revision ``rev`` has
+    them, built into ``folder`` with this build's flags: the kernel of an earlier commit, for the
+    timing scripts' ``--against`` (scripts/time_attention.py, scripts/time_gemv.py). A header the
+    revision lacks is skipped; a missing source or a failed build raises ``SystemExit`` in one line."""
+    src = folder / rev.replace("/", "_")
+    src.mkdir(parents=True)
+    for path in files:
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+        if shown.returncode != 0 and not path.endswith(".h"):
+            raise SystemExit(f"error: cannot read {path} at {rev}: {shown.stderr.strip()[:200]}")
+        (src / Path(path).name).write_text(shown.stdout)
+    out = src / "kernel.so"
+    cc = compiler()
+    if cc is None:
+        raise SystemExit("error: no C compiler (cc or gcc) on the PATH: install gcc")
+    sources = [str(src / Path(path).name) for path in files if path.endswith(".c")]
+    made = subprocess.run([cc, *FLAGS, *sources, "-o", str(out), "-lm"], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"error: cannot build {', '.join(files)} at {rev}: {made.stderr.strip()[:200]}")
+    return ctypes.CDLL(str(out))
+
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.medusa_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
