@@ -84,7 +84,6 @@ def test_bfloat16_weights_multiply_in_float32_at_half_the_bytes():
                                        atol=0.05 * in_features ** 0.5, rtol=0.02)
 
 
-
 def test_time_gemv_times_this_build_beside_another_revisions_and_compares_bits(tmp_path):
     """scripts/time_gemv.py builds a git revision's gemv.c beside this tree's, times both and
     reports whether their outputs are the same bits (a rewrite of the kernel's loop must keep them)."""
@@ -103,6 +102,7 @@ def test_time_gemv_times_this_build_beside_another_revisions_and_compares_bits(t
         assert r["bitwise_equal"] == {"this tree": True, "HEAD": True}, r
     with pytest.raises(SystemExit, match="unknown weight"):
         script.main(["--weights", "nope"])
+
 
 def test_bfloat16_heads_run_on_the_gemv_kernels_beside_a_float32_target():
     """Under kernels='gemv' a bfloat16 layer (q/k/v stacked, and alone) is packed for the gemv

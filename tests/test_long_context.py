@@ -155,7 +155,6 @@ def test_the_engine_switches_sizes_at_their_lengths_and_stays_exact(arch):
     assert isinstance(engine.proposer("hybrid"), Hybrid) and "from 60 tokens 0 nodes" in engine.proposer("eagle").describe()
 
 
-
 def test_a_prompt_past_the_last_drafting_size_never_runs_the_head():
     """A prompt longer than where the sizes stop drafting: the head is not fed the prompt's pairs
     (that would cost a head pass over them for nothing), and the answer is the target's greedy."""
@@ -173,6 +172,7 @@ def test_a_prompt_past_the_last_drafting_size_never_runs_the_head():
         # a prompt short of the switch still feeds the head and drafts
         assert engine.generate(prompt[:20], max_new_tokens=4, mode=proposer).tokens == hf_greedy(model, prompt[:20], 4)
         assert head.length >= 20, (mode, head.length)
+
 
 def test_block_heads_switch_sizes_too():
     model = tiny_model("llama")

@@ -101,7 +101,6 @@ def _build(cc: str, path: Path) -> None:
             raise GemvUnavailable(f"cannot build the gemv kernels with {cc}: {first.strip()}")
 
 
-
 def build_at(rev: str, files: tuple[str, ...], folder: Path, root: Path) -> ctypes.CDLL:
     """The C sources ``files`` (paths in the repository at ``root``) as git revision ``rev`` has
     them, built into ``folder`` with this build's flags: the kernel of an earlier commit, for the
@@ -123,6 +122,7 @@ def build_at(rev: str, files: tuple[str, ...], folder: Path, root: Path) -> ctyp
     if made.returncode != 0:
         raise SystemExit(f"error: cannot build {', '.join(files)} at {rev}: {made.stderr.strip()[:200]}")
     return ctypes.CDLL(str(out))
+
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
