@@ -179,3 +179,15 @@ def test_the_step_profile_says_how_many_steps_went_plain():
                "hybrid": {"step_ms": ms, "per_prompt": [{"steps": 11, "plain_steps": 0}]}}
     eagle, hybrid = profile_lines(summary)
     assert eagle.endswith("; 3 of 20 steps plain (drafting did not pay)") and "plain" not in hybrid
+
+
+def test_the_step_profile_says_how_many_steps_went_lean():
+    from medusa.bench.summary import profile_lines
+
+    ms = {"draft": 1.0, "verify": 8.0, "update": 0.5, "other": 0.5}
+    summary = {"hybrid": {"step_ms": ms, "per_prompt": [{"steps": 11, "plain_steps": 2, "lean_steps": 5},
+                                                        {"steps": 11, "lean_steps": 1}]},
+               "lookup": {"step_ms": ms, "per_prompt": [{"steps": 11, "plain_steps": 0, "lean_steps": 0}]}}
+    hybrid, lookup = profile_lines(summary)
+    assert hybrid.endswith("; 2 of 20 steps plain (drafting did not pay); 6 of 20 steps lean (the heads did not pay)")
+    assert "lean" not in lookup

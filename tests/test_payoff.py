@@ -13,6 +13,8 @@ from tiny import DRAFTING, hf_greedy, tiny_model
 from medusa.decoding import payoff
 from medusa.decoding.engine import Engine
 from medusa.decoding.payoff import DECAY, EXPLORE, GRACE, LEAVE, WARMUP, Curves, DraftCheck
+from medusa.decoding.proposers.hybrid import Hybrid
+from medusa.decoding.proposers.lookup import PromptLookup
 from medusa.decoding.request import make_request
 from medusa.decoding.state import DecodeState, Proposal, Proposer
 from medusa.decoding.tree import compile_tree
@@ -214,3 +216,102 @@ def test_a_step_beside_a_prompts_rows_counts_but_is_not_timed(model):
     assert check.cap(run) is None
     check.observe(run, 4, 0, None, 100)  # a drafting one: its time says nothing of a step's cost
     assert (check.drafted, check.seconds.weight) == seen
+
+
+def drive_options(check: DraftCheck, run, steps: int, full: tuple[int, float, float], lean: tuple[int, float]) -> list[str]:
+    """``steps`` steps: a full one keeps ``full[0]`` tokens in ``full[1]`` seconds, ``full[2]`` of
+    them drafting; a lean one keeps ``lean[0]`` in ``lean[1]``; which option each step took."""
+    kinds = []
+    for _ in range(steps):
+        capped = check.cap(run) == 1
+        kind = "plain" if capped else "lean" if run.lean else "full"
+        kept, seconds, draft = {"plain": (0, 0.010, 0.0), "full": full, "lean": (*lean, 0.0)}[kind]
+        run.stats.draft_seconds += draft
+        check.observe(run, 1 if capped else 4, kept, seconds, 100)
+        kinds.append(kind)
+    return kinds
+
+
+def test_a_lean_option_that_keeps_as_much_for_less_drafts_lean_and_one_step_in_explore_in_full(model):
+    run, check = a_run(model), DraftCheck()
+    run.proposer.alone = (3, 3)  # each full step's chain alone would have emitted its 3 tokens
+    # full: 3 tokens in 15 ms, 5 of them the heads' drafting; lean: the same 3 in 10 ms
+    kinds = drive_options(check, run, 40, full=(2, 0.015, 0.005), lean=(2, 0.010))
+    assert kinds[:WARMUP] == ["full"] * WARMUP and check.lean and not check.plain
+    full = [i for i, k in enumerate(kinds[WARMUP:]) if k == "full"]
+    assert full and all(b - a == EXPLORE for a, b in zip(full, full[1:])), kinds
+    assert run.stats.lean_steps == kinds.count("lean") > 0 and run.stats.plain_steps == 0
+    assert check.ratio() == pytest.approx(3 / 0.010 * 0.010)
+
+
+def test_a_lean_option_that_keeps_less_leaves_the_full_proposal(model):
+    run, check = a_run(model), DraftCheck()
+    run.proposer.alone = (1, 4)  # the chain alone would have kept none of the heads' 2
+    kinds = drive_options(check, run, 40, full=(2, 0.015, 0.005), lean=(0, 0.010))
+    assert kinds == ["full"] * 40 and not check.lean and run.stats.lean_steps == 0
+
+
+class Heads(Proposer):
+    """A heads proposer drafting a 3-token chain: the reference's next tokens (``ref``: always
+    kept) or a token the target never emits (always rejected), ``sleep`` seconds a draft; on a
+    lean step it drafts nothing, as EAGLE heads skip their levels."""
+
+    def __init__(self, ref: list[int] | None, token: int = 0, sleep: float = 0.0) -> None:
+        self.ref, self.token, self.sleep = ref, token, sleep
+        self.max_rows, self.proposed = 4, 0
+
+    def propose(self, state: DecodeState) -> Proposal:
+        k = 0 if state.lean else max(0, min(3, state.budget - 1))
+        self.proposed += not state.lean
+        time.sleep(0.0 if state.lean else self.sleep)
+        done = len(state.tokens) - len(PROMPT)  # emitted so far, the root included
+        drafted = self.ref[done:done + k] if self.ref is not None else [self.token] * k
+        tokens = torch.tensor([int(state.root)] + drafted, device=state.root.device)
+        return Proposal(tree=compile_tree([(0,) * d for d in range(1, len(drafted) + 1)]), tokens=tokens,
+                        is_chain=True)
+
+
+class Seen(Hybrid):
+    """Mode hybrid noting each full step's emitted tokens and its lean option's counterfactual."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.seen: list[tuple[int, tuple[int, int] | None]] = []
+
+    def update(self, state: DecodeState, outcome) -> None:
+        super().update(state, outcome)
+        if not state.lean:
+            self.seen.append((len(outcome.tokens), self.alone))
+
+
+def hybrid(heads: Proposer) -> Seen:
+    device = torch.device("cpu")
+    return Seen(heads, PromptLookup(device, num_tokens=4, max_ngram=2), device)
+
+
+def test_hybrid_whose_heads_keep_nothing_drafts_its_chain_alone_and_stays_exact(model, ref):
+    heads = Heads(None, token=never(ref), sleep=0.003)
+    mode = hybrid(heads)
+    res = Engine(model).generate(PROMPT, max_new_tokens=N, mode=mode)
+    assert res.tokens == ref
+    steps = res.stats.steps
+    assert res.stats.lean_steps >= (steps - WARMUP) * (EXPLORE - 1) // EXPLORE - 1 > 0
+    assert heads.proposed == steps - res.stats.lean_steps - res.stats.plain_steps  # a lean step drafts no heads
+    # the heads kept nothing, so the chain alone would have emitted what each full step did
+    assert mode.seen and all(alone == (emitted, alone[1]) for emitted, alone in mode.seen)
+
+
+def test_hybrid_whose_heads_keep_more_than_its_chain_drafts_in_full(model, ref):
+    mode = hybrid(Heads(ref))
+    res = Engine(model).generate(PROMPT, max_new_tokens=N, mode=mode)
+    assert res.tokens == ref and res.stats.lean_steps == 0 and res.stats.plain_steps == 0
+    assert all(alone[0] <= emitted for emitted, alone in mode.seen)
+
+
+def test_a_served_lone_hybrid_drafts_lean_as_the_library_does(model, ref):
+    sched = Scheduler(Engine(model), max_batch=2).start()
+    try:
+        alone = sched.submit(PROMPT, max_new_tokens=N, mode=hybrid(Heads(None, never(ref), 0.003))).wait()
+    finally:
+        sched.close()
+    assert alone.tokens == ref and alone.stats.lean_steps > 0

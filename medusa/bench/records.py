@@ -23,6 +23,7 @@ class Run:
     phases: dict[str, float] | None = None  # engine modes: seconds in prefill, draft, verify, update
     first_seconds: float | None = None  # seconds to the first token (the prompt's pass), where the mode says
     plain_steps: int | None = None  # engine modes: steps decoded plainly, drafting not paying (medusa/decoding/payoff.py)
+    lean_steps: int | None = None  # engine modes: steps drafted lean, the heads not paying (medusa/decoding/payoff.py)
 
 
 @dataclass

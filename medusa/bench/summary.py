@@ -39,7 +39,8 @@ def summarise(prompts: list[Prompt], runs: dict[str, list[Run]], reference: str 
             "categories": {k: {**v, "tokens_per_second": v["tokens"] / v["seconds"] if v["seconds"] else 0.0}
                            for k, v in categories.items()},
             "per_prompt": [{"id": p.id, "category": p.category, "tokens": r.tokens, "seconds": r.seconds, "steps": r.steps,
-                            "accepted": r.accepted, "first_seconds": r.first_seconds, "plain_steps": r.plain_steps}
+                            "accepted": r.accepted, "first_seconds": r.first_seconds, "plain_steps": r.plain_steps,
+                            "lean_steps": r.lean_steps}
                            for p, r in zip(prompts, rs)],
         }
     return out
@@ -82,7 +83,9 @@ def profile_lines(summary: dict) -> list[str]:
             parts = " + ".join(f"{k} {v:.1f}" + (f" ({v / total:.0%})" if k == "verify" else "") for k, v in ms.items())
             prompts = s.get("per_prompt") or []
             plain, steps = sum(p.get("plain_steps") or 0 for p in prompts), sum((p.get("steps") or 1) - 1 for p in prompts)
+            lean = sum(p.get("lean_steps") or 0 for p in prompts)
             said = f"; {plain} of {steps} steps plain (drafting did not pay)" if plain else ""
+            said += f"; {lean} of {steps} steps lean (the heads did not pay)" if lean else ""
             lines.append(f"step profile, {name}: {total:.1f} ms per step = {parts}{said}")
     return lines
 

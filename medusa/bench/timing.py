@@ -24,7 +24,7 @@ def _engine_run(engine: Engine, ids: list[int], bench: Bench, *, name: str) -> R
     phases = {"prefill": st.prefill_seconds, "draft": st.draft_seconds, "verify": st.verify_seconds,
               "update": st.update_seconds}
     return Run(tokens=res.tokens, seconds=st.seconds, steps=st.steps + 1, accepted=list(st.accepted), phases=phases,
-               first_seconds=st.prefill_seconds, plain_steps=st.plain_steps)
+               first_seconds=st.prefill_seconds, plain_steps=st.plain_steps, lean_steps=st.lean_steps)
 
 
 def run_mode(name: str, engine: Engine, ids: list[int], bench: Bench) -> Run:

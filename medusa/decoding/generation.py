@@ -33,6 +33,8 @@ class GenerationStats:
     # steps decoded plainly because this sequence's drafts kept fewer tokens than they cost
     # (medusa/decoding/payoff.py)
     plain_steps: int = 0
+    # steps drafted lean (mode hybrid's lookup chain without the heads) because that paid more here
+    lean_steps: int = 0
 
     @property
     def tau(self) -> float:
@@ -48,6 +50,7 @@ class GenerationStats:
                 "tokens_per_second": self.tokens_per_second, "prefill_tokens": self.prefill_tokens,
                 "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
                 "verify_seconds": self.verify_seconds, "update_seconds": self.update_seconds, "plain_steps": self.plain_steps,
+                "lean_steps": self.lean_steps,
                 "seconds": self.seconds, "accepted": list(self.accepted)}
 
 

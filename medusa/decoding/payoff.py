@@ -18,9 +18,17 @@ decoding's speed, the sequence decodes plainly, drafting one step in :data:`EXPL
 answer that starts repeating what the heads or the prompt predict: such a step that keeps a drafted
 token resumes drafting, for :data:`GRACE` steps before the check applies again. The plain steps
 fade the estimates as drafting steps do, so a step drafted after them counts for the time it
-stands for. Greedy output never depends on this choice (verification keeps
-exactly the target's tokens), so sampled requests, whose random draws follow the proposal, keep
-theirs. A batch of several shares its rows by :mod:`medusa.serving.drafting`'s policy instead.
+stands for.
+
+Where the proposal has a lean form (mode hybrid: its lookup chain without the heads, whose drafting
+and tree can cost more than they add, as after a long document), the check weighs it too: from each
+full step, what its chain alone would have emitted (the run of the target's tokens it spelled) and
+what its rows would have cost (the plain time grown by the plan's curve); from each lean step, what
+it did. Where the lean option's estimate beats the full one's, the sequence drafts lean, in full one
+step in :data:`EXPLORE` to keep the full estimate current.
+
+Greedy output never depends on these choices (verification keeps exactly the target's tokens),
+so sampled requests, whose random draws follow the proposal, keep theirs. A batch of several shares its rows by :mod:`medusa.serving.drafting`'s policy instead.
 """
 
 from __future__ import annotations
@@ -114,23 +122,39 @@ class DraftCheck:
     def __init__(self, curves: Curves | None = None) -> None:
         self.curves = curves
         self.tokens, self.seconds, self.plain_seconds = Mean(), Mean(), Mean()  # per drafting step
+        # the lean option's (a costly drafter left out: mode hybrid's lookup chain alone), from its
+        # own steps and from what each full step's chain would have kept alone
+        self.lean_tokens, self.lean_seconds = Mean(), Mean()
         self.drafted = 0  # drafting steps observed
         self.plain = False  # decoding plainly (drafting did not pay)
+        self.lean = False  # drafting lean (the lean option beat the full one)
         self.since = 0  # plain steps since the last drafting one (they fade its estimates too)
+        self.lean_run = 0  # lean steps since the last full one (they fade the full estimates)
         self.grace = 0  # drafting steps left before the check applies again
         self.capped = False  # this step decodes plainly
+        self.leaned = False  # this step drafts lean
         self._before: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def ratio(self) -> float | None:
-        """Drafting's tokens per second over plain decoding's (None: too few drafting steps)."""
+        """The better drafting option's tokens per second over plain decoding's (None: too few
+        drafting steps)."""
         if self.drafted < WARMUP or self.seconds.value <= 0:
             return None
-        return self.tokens.value / self.seconds.value * self.plain_seconds.value
+        return max(self._rate(self.tokens, self.seconds), self._rate(self.lean_tokens, self.lean_seconds)) \
+            * self.plain_seconds.value
+
+    @staticmethod
+    def _rate(tokens: Mean, seconds: Mean) -> float:
+        return tokens.value / seconds.value if seconds.value > 0 else 0.0
 
     def cap(self, run: Decoding) -> int | None:
-        """This step's rows for ``run`` (1: plain; None: its whole proposal), its stats noted."""
+        """This step's rows for ``run`` (1: plain; None: its whole proposal, lean where the lean
+        option pays more), its stats noted."""
         capped = self.plain and self.since % EXPLORE != EXPLORE - 1  # one step in EXPLORE drafts
-        self.capped = run.lean = capped  # a plain step defers the heads' update to the next draft
+        # one lean step in EXPLORE drafts in full, so the full option's estimate follows the answer
+        self.leaned = not capped and not self.plain and self.lean and self.lean_run % EXPLORE != EXPLORE - 1
+        self.capped = capped
+        run.lean = capped or self.leaned  # a plain or lean step defers the heads' update to the next draft
         stats = run.stats
         self._before = (stats.draft_seconds, stats.verify_seconds, stats.update_seconds)
         return 1 if capped else None
@@ -143,15 +167,30 @@ class DraftCheck:
             run.stats.plain_steps += 1
             self.since += 1
             return
+        if self.leaned:
+            run.stats.lean_steps += 1
         if seconds is None:
             return
         age, self.since = self.since, 0
         stats, (draft, verify, update) = run.stats, self._before
+        curve = None if self.curves is None else self.curves.at(length)
         extra = 0.0 if self.curves is None else self.curves.extra(rows, length)
         added = (stats.draft_seconds - draft) + (stats.update_seconds - update) + (stats.verify_seconds - verify) * extra
-        self.plain_seconds.add(max(seconds - added, 0.0), age)
-        self.tokens.add(kept + 1, age)
-        self.seconds.add(seconds, age)
+        plain = max(seconds - added, 0.0)
+        self.plain_seconds.add(plain, age)
+        if self.leaned:
+            self.lean_tokens.add(kept + 1, age)
+            self.lean_seconds.add(seconds, age)
+            self.lean_run += 1
+        else:
+            alone = getattr(run.proposer, "alone", None)  # (tokens, rows) of its lean option this step
+            if alone is not None:
+                grown = 1.0 if curve is None else curve(alone[1]) / curve(1)
+                self.lean_tokens.add(alone[0], age)
+                self.lean_seconds.add(plain * grown, age)
+            self.tokens.add(kept + 1, age + self.lean_run)
+            self.seconds.add(seconds, age + self.lean_run)
+            self.lean_run = 0
         self.drafted += 1
         if self.plain:  # a step drafted to look: one that kept a token drafts on for a while
             self.plain, self.grace = kept == 0, GRACE if kept else 0
@@ -160,6 +199,8 @@ class DraftCheck:
         else:
             ratio = self.ratio()
             self.plain = ratio is not None and ratio < LEAVE
+        self.lean = self.drafted >= WARMUP and self._rate(self.lean_tokens, self.lean_seconds) > \
+            self._rate(self.tokens, self.seconds)
 
 
 def caps(running: list[Decoding]) -> list[int | None]:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from medusa.decoding.proposers import shared
+from medusa.decoding.proposers.autoregressive import Autoregressive
 from medusa.decoding.proposers.lookahead import LookaheadProposer, cached_tree
 from medusa.decoding.proposers.shared import Steps
 from medusa.decoding.state import DecodeState, Proposal, Proposer, StepOutcome
@@ -59,6 +60,12 @@ class Hybrid(Proposer):
         self.max_rows = None if rows is None else rows + lookup.k + (0 if lookahead is None else lookahead.max_rows - 1)
         self.min_rows = heads.min_rows
         self.jacobi = False  # this generation runs the lookahead part (greedy ones only)
+        # the last step's lean option beside its heads' tree (medusa/decoding/payoff.py): the tokens
+        # its lookup chain alone would have emitted and that chain's rows, root included (None: the
+        # step had no heads' tree beside a chain to weigh)
+        self.alone: tuple[int, int] | None = None
+        self._chain: list[int] | None = None  # this step's chain beside the heads' tree
+        self.root = Autoregressive(device)  # a lean step where no chain is sized
 
     def describe(self) -> str:
         text = f"{self.heads.describe()} + {self.lookup.describe()}"
@@ -83,8 +90,12 @@ class Hybrid(Proposer):
         here = None if sized is None else sized(state)
         if here is not None:
             limit = here if limit is None else min(limit, here)
-        guessed = yield from self.heads.steps(state)
+        self._chain = None
+        guessed = yield from self.heads.steps(state)  # (EAGLE heads skip their levels on a lean step)
+        if state.lean and not self.jacobi:  # the lean option: the lookup chain without the heads' tree
+            return self.root.propose(state) if limit == 0 else self.lookup.propose(state, limit)
         if limit == 0 and not self.jacobi:  # sized without a chain at this context length
+            self._chain = [] if guessed.tree.paths else None
             return guessed
         copied = self.lookup.propose(state, limit, rows=max(1, guessed.tokens.numel()))
         k = copied.tokens.numel() - 1
@@ -92,6 +103,7 @@ class Hybrid(Proposer):
             return self._with_lookahead(state, guessed, copied.tokens[1:].tolist())
         if not guessed.tree.paths:  # a calibrated tree may be empty: then this is plain lookup
             return copied
+        self._chain = copied.tokens[1:].tolist()
         if k == 0:
             return guessed
         # the chain's start that the heads drafted too shares their nodes: only the rest gets rows
@@ -122,6 +134,11 @@ class Hybrid(Proposer):
         return Proposal(tree=tree, tokens=tokens, side=side, is_chain=side is None and len(tree.leaves) == 1)
 
     def update(self, state: DecodeState, outcome: StepOutcome) -> None:
+        self.alone = None
+        if self._chain is not None:  # what the chain alone would have emitted: its run of the target's tokens
+            kept = next((i for i, (a, b) in enumerate(zip(self._chain, outcome.tokens)) if a != b),
+                        min(len(self._chain), len(outcome.tokens)))
+            self.alone = (kept + 1, 1 + len(self._chain))
         self.heads.update(state, outcome)
         self.lookup.update(state, outcome)
         if self.jacobi:
