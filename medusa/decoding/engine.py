@@ -139,7 +139,8 @@ class Engine:
         """What this engine runs with and why: one line per decision of its plan (what was
         picked, why, and what measuring it cost here), its passes, its default mode and whether a
         lone sequence checks that its drafting pays."""
-        drafting = ("a greedy sequence alone decodes plainly while its drafts keep less than they cost "
+        drafting = ("a greedy sequence alone decodes plainly while its drafts keep less than they cost, "
+                    "and in mode hybrid drafts its lookup chain alone while the heads do "
                     "(medusa/decoding/payoff.py)" if self.proposer_config.check_drafting
                     else "every step drafts (check_drafting=False)")
         return [*self.plan.describe(), f"passes      {self.passes.name}: {self.passes.reason}; {self.passes.runs}",
