@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"eagle heads: the accepted pairs their own cache keeps and attends to, a sliding window "
                          f"(default {pc.draft_window}; 0: the whole context)")
     ap.add_argument("--every-step-drafts", action="store_true",
-                    help="draft every step: no check of whether drafting pays for the sequence (by default a lone "
-                         "greedy sequence decodes plainly while its drafts keep less than they cost)")
+                    help="draft every step in full: no check of whether drafting pays (by default a lone greedy "
+                         "sequence decodes plainly, or in mode hybrid lean, while drafts keep less than they cost)")
     ap.add_argument("--lookahead", type=lookahead_size, default=None, metavar="W,N,G",
                     help="lookahead: window columns, n-gram size, n-grams verified per pass (default: sized here)")
     ap.add_argument("--chat-template", default=None,
