@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tiny import DRAFTING, hf_greedy, tiny_model
 from medusa.autotune.cache import PlanCache
 from medusa.autotune.planner import Planner
 from medusa.autotune.sizing import SIZES, bucketed, drafting_ms, monotone
-from medusa.autotune.trees import Acceptance, acceptance_by_size, choose_dynamic
+from medusa.autotune.trees import Acceptance, acceptance_by_size, choose_dynamic, shallower
 from medusa.decoding.engine import Engine
 from medusa.decoding.plan import Plan
 from medusa.decoding.proposers.eagle import DynamicTree, EagleProposer
@@ -130,7 +131,8 @@ def test_size_here_measures_once_and_follows_this_machines_costs(tmp_path):
     engine, cache = _sized_engine(tmp_path, model, heads)
     choice = size_here(engine, cache)
     (entry,) = cache.entries().values()
-    assert sorted(map(int, entry["cost_ms"])) == list(SIZES) and set(entry["draft_ms"]) == {"3x1"}
+    # the calibrated shape's drafting and its shallower shapes' (sized up to their depth)
+    assert sorted(map(int, entry["cost_ms"])) == list(SIZES) and set(entry["draft_ms"]) == {"1x1", "2x1", "3x1"}
     trees = choice.decision("trees")
     assert entry["seconds"] > 0 and "sized here" in trees.reason and trees.seconds == entry["seconds"]
     # a later engine reads the cache: with these (written) costs the choice follows them
@@ -272,3 +274,41 @@ def test_a_load_times_the_curve_again_only_where_the_machine_is_faster_now(tmp_p
     size_here(engine, cache)
     Planner("cached", cache).trees(engine.model, engine.heads, engine.plan, False)
     assert next(iter(cache.entries().values()))["cost_ms"] == slow
+
+
+def test_a_shallower_shape_sizes_up_to_its_depth_from_the_deeper_shapes_numbers():
+    deep = Acceptance(accepted=[0.5, 0.6, 0.65, 0.7], draft_ms=8.0,
+                      hybrid=[[0.0, 0.5, 0.6, 0.65, 0.7], [0.4, 0.7, 0.8, 0.85, 0.9]],
+                      chain_share=[[0.0] * 5, [0.5] * 5], chain_rows=[[0.0] * 5, [1.0] * 5])
+    own = Acceptance([0.55, 0.62], 3.0)
+    curves = shallower({(3, 2): deep, (2, 4): own, (1, 4): Acceptance([0.5], 1.0)})
+    assert set(curves) == {(3, 2), (2, 2), (1, 2), (2, 4), (1, 4)}
+    one, two = curves[(1, 2)], curves[(2, 2)]
+    assert one.accepted == [0.5] and two.accepted == [0.5, 0.6]  # n <= depth nodes: the deep shape's n best
+    assert one.hybrid == [[0.0, 0.5], [0.4, 0.7]] and two.chain_rows == [[0.0] * 3, [1.0] * 3]
+    assert curves[(3, 2)] is deep and curves[(2, 4)] is own and curves[(1, 4)].accepted == [0.5]  # calibrated ones stay
+    # drafting fewer levels costs less: by hand, tokens/s with each shape's drafting timed here
+    # depth 1, 1 node: 1.5 / (T(2) + 2) = 65.2; depth 2, 2 nodes: 1.6 / (T(3) + 5) = 59.3; depth 3, 2 nodes:
+    # 1.6 / (T(3) + 8) = 53.3 (1 node 51.7, 3 nodes 53.2, 4 nodes 53.1)
+    cost = {1: 20.0, 2: 21.0, 3: 22.0, 4: 23.0, 5: 24.0}
+    timed = {shape: replace(acc, draft_ms={1: 2.0, 2: 5.0, 3: 8.0}[shape[0]]) for shape, acc in curves.items()
+             if shape[1] == 2}
+    size, expected, tps = choose_dynamic(timed, cost)
+    assert (size.nodes, size.depth, size.topk) == (1, 1, 2) and tps == pytest.approx(1.5 / 23 * 1e3)
+    size, _, tps = choose_dynamic({(3, 2): timed[(3, 2)]}, cost)  # the deep shape alone: three levels drafted
+    assert (size.nodes, size.depth) == (2, 3) and tps == pytest.approx(1.6 / 30 * 1e3)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_shallower_draft_verifies_the_very_nodes_the_deeper_one_does(nodes):
+    model = tiny_model("llama")
+    heads = noisy_eagle(model)
+    ref = hf_greedy(model, PROMPT, 32)
+    runs = []
+    for depth in (nodes, 4):
+        engine = Engine(model, heads=heads, plan=Plan(eagle=DynamicTree(nodes=nodes, depth=depth, topk=2)),
+                        proposer_config=DRAFTING)
+        res = engine.generate(PROMPT, max_new_tokens=32, mode="eagle")
+        assert res.tokens == ref
+        runs.append(res.stats.accepted)
+    assert runs[0] == runs[1] and max(runs[0]) > 1  # the same trees: the same tokens kept at every step

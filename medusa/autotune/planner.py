@@ -208,7 +208,8 @@ class Planner:
                 return measure_sizes(lm, heads, kernel_scope(lm, plan.kernels, None, heads), max_rows, sorted(curves))
 
         name = key("sizes", lm.device, lm, _name(lm.dtype), kernels_key(plan.kernels), f"rows {max_rows}",
-                   heads_fingerprint(heads), f"contexts {','.join(map(str, CONTEXTS))}", _drafting(heads))
+                   heads_fingerprint(heads), f"contexts {','.join(map(str, CONTEXTS))}", _drafting(heads),
+                   f"shapes {','.join(f'{d}x{k}' for d, k in sorted(curves))}")  # each shape's drafting is timed
         entry, cached = self.entry(name, ("cost_ms", "draft_ms"), measure)
         if entry is None:
             return plan.decided(Decision("trees", "calibrated", DEFAULT_REASON))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from medusa.autotune.timing import measure_cost
-from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate
+from medusa.autotune.trees import Acceptance, choose_dynamic, interpolate, shallower
 from medusa.decoding.passes.strategies import pass_bucket
 from medusa.decoding.proposers.eagle import DynamicTree
 from medusa.decoding.proposers.lookahead import LookaheadSize, size_lookahead
@@ -86,7 +86,14 @@ def curves_by_context(heads, device: torch.device, dtype: torch.dtype) -> dict[i
     """The same acceptance measured on long prompts, per context length (one of ``LENGTHS``:
     prompts from 3/4 of it on; ``scripts/calibrate_tree.py --long-prompts``); empty where none."""
     entry = _curves_entry(heads, device, dtype)
-    return {int(length): _curves(curves) for length, curves in ((entry or {}).get("curves_by_context") or {}).items()}
+    return {int(length): _shallower(heads, _curves(curves))
+            for length, curves in ((entry or {}).get("curves_by_context") or {}).items()}
+
+
+def _shallower(heads, curves: dict[tuple[int, int], Acceptance]) -> dict[tuple[int, int], Acceptance]:
+    """EAGLE heads' curves with their shallower shapes (:func:`~medusa.autotune.trees.shallower`);
+    block heads draft a whole block in one pass, whatever its depth: theirs as calibrated."""
+    return curves if kind(heads.config.kind).block_trained else shallower(curves)
 
 
 def _curves_entry(heads, device: torch.device, dtype: torch.dtype) -> dict | None:
@@ -220,7 +227,7 @@ def sizable(heads, device: torch.device, dtype: torch.dtype, compile) -> dict[tu
     every size (docs/compile.md#compiled-exact-passes), a curve of the same shape."""
     if heads is None or not kind(heads.config.kind).sized or (compile and compile != "auto" and device.type != "cpu"):
         return {}
-    return measured_curves(heads, device, dtype)
+    return _shallower(heads, measured_curves(heads, device, dtype))
 
 
 def sizes_from(entry: dict, curves: dict[tuple[int, int], Acceptance], max_rows: int | None,

@@ -264,6 +264,27 @@ def acceptance_by_size(heads: EagleHeads, model, sequences: list[tuple[list[int]
     return result
 
 
+def shallower(curves: dict[tuple[int, int], Acceptance]) -> dict[tuple[int, int], Acceptance]:
+    """``curves`` with, for each draft shape ``(depth, topk)``, the shallower shapes ``(d, topk)``,
+    ``d < depth``, sized up to ``d`` nodes: the best ``n`` nodes of a draft, prefix-closed, lie
+    within its first ``n`` levels, and those levels are the same in both shapes, so ``n <= d``
+    nodes keep exactly what the deeper shape's ``n`` best keep, while drafting ``d`` levels costs
+    less than drafting ``depth`` (a shape's drafting is timed by the planner). A shape calibrated
+    itself keeps its own curve."""
+    out = dict(curves)
+    for (depth, topk), acc in sorted(curves.items()):
+        for d in range(1, depth):
+            if (d, topk) in out:
+                continue
+
+            def cut(table, d=d):  # per chain length, N = 0..d nodes
+                return None if table is None else [row[: d + 1] for row in table]
+
+            out[(d, topk)] = Acceptance(acc.accepted[:d], acc.draft_ms, cut(acc.hybrid), cut(acc.chain_share),
+                                        cut(acc.chain_rows))
+    return out
+
+
 def choose_dynamic(curves: dict[tuple[int, int], Acceptance], cost_ms: dict[int, float], hybrid: bool = False,
                    max_rows: int | None = None, within: DynamicTree | None = None) -> tuple[DynamicTree, float, float]:
     """The tree size with the most expected tokens per second, from the acceptance of each
