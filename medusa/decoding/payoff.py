@@ -28,7 +28,8 @@ it did. Where the lean option's estimate beats the full one's, the sequence draf
 step in :data:`EXPLORE` to keep the full estimate current.
 
 Greedy output never depends on these choices (verification keeps exactly the target's tokens),
-so sampled requests, whose random draws follow the proposal, keep theirs. A batch of several shares its rows by :mod:`medusa.serving.drafting`'s policy instead.
+so sampled requests, whose random draws follow the proposal, keep theirs. A batch of several
+shares its rows by :mod:`medusa.serving.drafting`'s policy instead.
 """
 
 from __future__ import annotations
